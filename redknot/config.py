@@ -1,0 +1,235 @@
+"""Head plan: the class, window and sink of every (layer, KV head), with upstream-JSON I/O.
+
+This is the one plan object the visibility rule derives from (DESIGN.md §2): storage, kernels,
+capacity accounting and the torch reference all call :meth:`HeadConfig.visibility`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+HEAD_CLASSES = ("global", "local", "retrieval", "dense")
+# Names older upstream files use for what we call local (sink + recent window).
+LEGACY_LOCAL = ("local_full", "limited", "streaming", "sink_dominant")
+# A window wider than any position: "sees everything before it".
+GLOBAL_WINDOW = 2**30
+DEFAULT_SINK = 4
+
+_KNOWN_KEYS = {"schema_version", "kv_head_classification", "kv_head_max_distance", "kv_head_sink_size",
+               "retrieval_top_p", "dense_prefix_layers", "num_layers", "num_kv_heads"}
+
+
+class HeadConfigError(ValueError):
+    """A head config that is malformed or does not fit the model."""
+
+
+@dataclass
+class HeadConfig:
+    classes: list[list[str]]  # [layers][kv_heads], one of HEAD_CLASSES
+    windows: list[list[int]]  # recent window W per head; -1 = unlimited
+    sinks: list[list[int]]  # sink size S per head
+    retrieval_top_p: float = 0.9
+    dense_prefix_layers: int = 0
+    metadata: dict = field(default_factory=dict)  # model name, rationale, profiling stats …
+
+    def __post_init__(self):
+        self._check_shapes()
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def all_global(cls, num_layers: int, num_kv_heads: int) -> "HeadConfig":
+        return cls([["global"] * num_kv_heads for _ in range(num_layers)],
+                   [[-1] * num_kv_heads for _ in range(num_layers)],
+                   [[0] * num_kv_heads for _ in range(num_layers)])
+
+    @classmethod
+    def synthetic(cls, num_layers: int, num_kv_heads: int, global_ratio: float, window: int,
+                  sink: int = DEFAULT_SINK, seed: int = 0) -> "HeadConfig":
+        """Round(global_ratio * heads) global heads per layer at seeded positions, the rest local."""
+        rng = random.Random(seed)
+        n_global = round(global_ratio * num_kv_heads)
+        classes, windows, sinks = [], [], []
+        for _ in range(num_layers):
+            glob = set(rng.sample(range(num_kv_heads), n_global))
+            classes.append(["global" if h in glob else "local" for h in range(num_kv_heads)])
+            windows.append([-1 if h in glob else window for h in range(num_kv_heads)])
+            sinks.append([sink] * num_kv_heads)
+        return cls(classes, windows, sinks, metadata={"method": f"synthetic g={global_ratio} W={window} seed={seed}"})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "HeadConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise HeadConfigError(f"{path}: no such head config file") from None
+        except json.JSONDecodeError as e:
+            raise HeadConfigError(f"{path}: malformed JSON ({e})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict, source: str = "head config") -> "HeadConfig":
+        if not isinstance(raw, dict):
+            raise HeadConfigError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+        if "kv_head_classification" not in raw:
+            raise HeadConfigError(f"{source}: missing field kv_head_classification")
+        cls_rows = _matrix(raw["kv_head_classification"], "kv_head_classification", source, str)
+        n_layers, n_heads = len(cls_rows), len(cls_rows[0])
+        classes = [[_class_name(c, f"{source}: kv_head_classification[{l}][{h}]") for h, c in enumerate(row)]
+                   for l, row in enumerate(cls_rows)]
+        default_window = raw.get("window", -1)
+        windows = _matrix_or_fill(raw.get("kv_head_max_distance"), "kv_head_max_distance", source,
+                                  n_layers, n_heads, default_window)
+        sink_field = raw.get("kv_head_sink_size")
+        if isinstance(sink_field, int):  # a single size for every head
+            sink_field = None
+            default_sink = raw["kv_head_sink_size"]
+        else:
+            default_sink = raw.get("sink_size", DEFAULT_SINK)
+        sinks = _matrix_or_fill(sink_field, "kv_head_sink_size", source, n_layers, n_heads, default_sink)
+        for key, expect in (("num_layers", n_layers), ("num_kv_heads", n_heads)):
+            if key in raw and raw[key] != expect:
+                raise HeadConfigError(f"{source}: {key}={raw[key]} but kv_head_classification is {n_layers}x{n_heads}")
+        top_p = raw.get("retrieval_top_p", 0.9)
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise HeadConfigError(f"{source}: retrieval_top_p={top_p!r} must be in (0, 1]")
+        dense_prefix = raw.get("dense_prefix_layers", 0)
+        if not isinstance(dense_prefix, int) or not 0 <= dense_prefix <= n_layers:
+            raise HeadConfigError(f"{source}: dense_prefix_layers={dense_prefix!r} must be an integer in [0, {n_layers}]")
+        metadata = {k: v for k, v in raw.items() if k not in _KNOWN_KEYS}
+        try:
+            return cls(classes, windows, sinks, float(top_p), dense_prefix, metadata)
+        except HeadConfigError as e:
+            raise HeadConfigError(f"{source}: {e}") from None
+
+    # ---- output -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in self.metadata.items() if k not in ("summary",)}
+        out.update(
+            schema_version=SCHEMA_VERSION,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            kv_head_classification=self.classes,
+            kv_head_max_distance=self.windows,
+            kv_head_sink_size=self.sinks,
+            retrieval_top_p=self.retrieval_top_p,
+            dense_prefix_layers=self.dense_prefix_layers,
+            summary=self.class_counts(),
+        )
+        return out
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return len(self.classes)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.classes[0])
+
+    def effective_classes(self) -> list[list[str]]:
+        """Classes after dense_prefix_layers forces the first layers to dense."""
+        return [["dense"] * self.num_kv_heads if l < self.dense_prefix_layers else list(row)
+                for l, row in enumerate(self.classes)]
+
+    def class_counts(self) -> dict:
+        flat = [c for row in self.effective_classes() for c in row]
+        counts = {c: flat.count(c) for c in HEAD_CLASSES}
+        counts["total"] = len(flat)
+        return counts
+
+    def validate_model(self, num_layers: int, num_kv_heads: int) -> "HeadConfig":
+        """Raise a one-line error if this plan does not fit a model of that shape."""
+        if self.num_layers != num_layers:
+            raise HeadConfigError(
+                f"head config has {self.num_layers} layers but the model has {num_layers} (num_hidden_layers)")
+        if self.num_kv_heads != num_kv_heads:
+            raise HeadConfigError(
+                f"head config has {self.num_kv_heads} KV heads per layer but the model has {num_kv_heads} "
+                f"(num_key_value_heads)")
+        return self
+
+    def visibility(self, model_windows: list[int | None] | None = None,
+                   selection: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Per (layer, KV head) window W and sink S for the kernels: int64 arrays [L, Hkv].
+
+        Global and dense heads get GLOBAL_WINDOW and sink 0. Retrieval heads see everything unless
+        the caller supplies selected sets (``selection=True``), then sink + window + selection.
+        ``model_windows`` is the architecture's own per-layer sliding window, which caps every head.
+        """
+        classes = np.array(self.effective_classes())
+        window = np.array(self.windows, dtype=np.int64)
+        sink = np.array(self.sinks, dtype=np.int64)
+        limited = (classes == "local") | ((classes == "retrieval") & selection)
+        window = np.where(limited & (window > 0), window, GLOBAL_WINDOW)
+        sink = np.where(limited, sink, 0)
+        if model_windows is not None:
+            cap = np.array([w if w else GLOBAL_WINDOW for w in model_windows], dtype=np.int64)[:, None]
+            sink = np.where(window > cap, 0, sink)  # a native sliding window has no sink
+            window = np.minimum(window, cap)
+        return window, sink
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _check_shapes(self) -> None:
+        if not self.classes or not self.classes[0]:
+            raise HeadConfigError("kv_head_classification is empty")
+        n_layers, n_heads = len(self.classes), len(self.classes[0])
+        for name, m in (("kv_head_classification", self.classes), ("kv_head_max_distance", self.windows),
+                        ("kv_head_sink_size", self.sinks)):
+            if len(m) != n_layers or any(len(row) != n_heads for row in m):
+                raise HeadConfigError(f"{name} must be {n_layers}x{n_heads} like kv_head_classification")
+        for l, row in enumerate(self.classes):
+            for h, c in enumerate(row):
+                if c not in HEAD_CLASSES:
+                    raise HeadConfigError(f"kv_head_classification[{l}][{h}] = {c!r} is not one of {HEAD_CLASSES}")
+                if c == "local" and self.windows[l][h] <= 0:
+                    raise HeadConfigError(
+                        f"kv_head_max_distance[{l}][{h}] = {self.windows[l][h]} but a local head needs a window > 0")
+                if self.sinks[l][h] < 0:
+                    raise HeadConfigError(f"kv_head_sink_size[{l}][{h}] = {self.sinks[l][h]} must be >= 0")
+
+
+def _class_name(c, where: str) -> str:
+    if not isinstance(c, str):
+        raise HeadConfigError(f"{where} = {c!r} is not a class name")
+    c = c.strip().lower()
+    if c in LEGACY_LOCAL:
+        return "local"
+    if c not in HEAD_CLASSES:
+        raise HeadConfigError(
+            f"{where} = {c!r} is not a head class (use {', '.join(HEAD_CLASSES)}; legacy {', '.join(LEGACY_LOCAL)} = local)")
+    return c
+
+
+def _matrix(value, name: str, source: str, kind) -> list[list]:
+    if (not isinstance(value, list) or not value or not all(isinstance(r, list) and r for r in value)):
+        raise HeadConfigError(f"{source}: {name} must be a non-empty list of non-empty lists (layers x KV heads)")
+    width = len(value[0])
+    for l, row in enumerate(value):
+        if len(row) != width:
+            raise HeadConfigError(f"{source}: {name}[{l}] has {len(row)} heads, layer 0 has {width}")
+        for h, v in enumerate(row):
+            if kind is int and (isinstance(v, bool) or not isinstance(v, int)):
+                raise HeadConfigError(f"{source}: {name}[{l}][{h}] = {v!r} is not an integer")
+    return value
+
+
+def _matrix_or_fill(value, name: str, source: str, n_layers: int, n_heads: int, fill) -> list[list[int]]:
+    if value is None:
+        if isinstance(fill, bool) or not isinstance(fill, int):
+            raise HeadConfigError(f"{source}: default for {name} is {fill!r}, not an integer")
+        return [[fill] * n_heads for _ in range(n_layers)]
+    m = _matrix(value, name, source, int)
+    if len(m) != n_layers or len(m[0]) != n_heads:
+        raise HeadConfigError(
+            f"{source}: {name} is {len(m)}x{len(m[0])} but kv_head_classification is {n_layers}x{n_heads}")
+    return [list(r) for r in m]
