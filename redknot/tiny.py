@@ -70,7 +70,7 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
         pad_token_id=tokenizer.pad_token_id, rope_parameters=rope_params,
     )
     if family == "mistral":
-        kwargs["sliding_window"] = None
+        kwargs["sliding_window"] = None  # full attention unless a test asks for a window
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)

@@ -169,6 +169,9 @@ class PagePool:
             raise ValueError(f"sequence id {seq_id!r} already exists")
         self._seqs[seq_id] = _Seq(np.full((self.num_layers, self.num_kv_heads, 0), -1, np.int32))
 
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
     def length(self, seq_id: int) -> int:
         return self._seq(seq_id).length
 

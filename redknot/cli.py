@@ -1,0 +1,113 @@
+"""The ``redknot`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _generate(args) -> int:
+    from .engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model, head_config=args.head_config, method=args.method, device=args.device,
+              dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    out = llm.generate([args.prompt], params)[0].outputs[0]
+    print(out.text)
+    return 0
+
+
+def _config_show(args) -> int:
+    from .config import HeadConfig
+
+    cfg = HeadConfig.from_json(args.file)
+    print(format_head_config(cfg))
+    return 0
+
+
+def format_head_config(cfg) -> str:
+    """Per-layer class counts, windows and sinks as a table."""
+    lines = []
+    meta = {k: cfg.metadata[k] for k in ("model", "method") if k in cfg.metadata}
+    if meta:
+        lines.append("  ".join(f"{k}: {v}" for k, v in meta.items()))
+    lines.append(f"{cfg.num_layers} layers x {cfg.num_kv_heads} KV heads, retrieval_top_p={cfg.retrieval_top_p}, "
+                 f"dense_prefix_layers={cfg.dense_prefix_layers}")
+    lines.append(f"{'layer':>5}  {'global':>6}  {'local':>5}  {'retr':>4}  {'dense':>5}  {'windows':<16}  sinks")
+    for l, row in enumerate(cfg.effective_classes()):
+        limited = [h for h, c in enumerate(row) if c in ("local", "retrieval")]
+        windows = sorted({cfg.windows[l][h] for h in limited})
+        sinks = sorted({cfg.sinks[l][h] for h in limited})
+        lines.append(f"{l:>5}  {row.count('global'):>6}  {row.count('local'):>5}  {row.count('retrieval'):>4}  "
+                     f"{row.count('dense'):>5}  {','.join(map(str, windows)) or '-':<16}  "
+                     f"{','.join(map(str, sinks)) or '-'}")
+    c = cfg.class_counts()
+    lines.append("total  " + "  ".join(f"{k}={c[k]}" for k in ("global", "local", "retrieval", "dense")) +
+                 f"  ({100 * (c['global'] + c['dense']) / c['total']:.1f}% full-context)")
+    return "\n".join(lines)
+
+
+def _bench_kernel(args) -> int:
+    from .bench import kernel
+
+    kernel.run(args)
+    return 0
+
+
+def _demo(args) -> int:
+    from .demo import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="redknot", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("--model", default=None, help="HF checkpoint directory")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--method", default="dense")
+    g.add_argument("--head-config", default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None)
+    g.set_defaults(func=_generate)
+
+    c = sub.add_parser("config", help="inspect head configs")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="per-layer class counts and windows of a head config JSON")
+    show.add_argument("file")
+    show.set_defaults(func=_config_show)
+
+    b = sub.add_parser("bench", help="benchmarks (GPU)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    k = bsub.add_parser("kernel", help="SegPagedAttention vs FA-2, FlexAttention and SDPA")
+    from .bench import kernel as bench_kernel
+
+    bench_kernel.add_arguments(k)
+    k.set_defaults(func=_bench_kernel)
+
+    d = sub.add_parser("demo", help="generate on a tiny checkpoint with dense and per-head (SegPaged) attention")
+    d.add_argument("--model", default=None, help="HF checkpoint directory (default: a tiny random one)")
+    d.add_argument("--device", default=None)
+    d.set_defaults(func=_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"redknot: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
