@@ -1,0 +1,601 @@
+"""SegPagedAttention Triton kernels (contract: docs/segpaged.md).
+
+Three kernels share a few jitted helpers:
+
+* ``_store_kernel``: writes the step's new K/V into each KV head's own pages (one launch).
+* ``_prefill_kernel``: varlen attention for any q_len. One program per (query head, query block,
+  sequence). It walks only the tiles a head can see from its query block: the sink tiles, then
+  the window tiles, split into [window edge | interior | causal edge]; only edges compute a mask.
+* ``_decode_kernel`` + ``_merge_kernel``: small q_len. One program per (split, KV head, sequence)
+  packs every query head of the GQA group (and every query of the step) into one tile, so each KV
+  page is read once per group; the head's visible tiles are cut into fixed-size splits so small
+  batches still fill the GPU. Partial O/LSE are fp32 and merged in fp32.
+
+Positions are never stored: slot s of logical page lp holds position lp * page_size + s.
+All softmax math is fp32, base-2 (scores are pre-multiplied by log2(e)); LSE is returned in
+natural log.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import GLOBAL_WINDOW  # noqa: F401  (re-exported for convenience)
+
+_LOG2E = 1.4426950408889634
+_LN2 = tl.constexpr(0.6931471805599453)  # base-2 LSE -> natural log
+
+# Tuning knobs for tests and benchmarks: keys "prefill" -> (BLOCK_M, BLOCK_N, warps, stages),
+# "decode" -> (BLOCK_N, warps, stages), "decode_tiles_per_split" -> int, "decode_max_q" -> int.
+_CONFIG_OVERRIDE: dict = {}
+
+# Largest q_len (per sequence) that takes the split-KV decode path.
+DECODE_MAX_Q = 8
+
+
+# --------------------------------------------------------------------------------------------
+# Shared helpers
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _kv_rows(bt_row, j0, max_pages, stride_kp, stride_ks,
+             PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pool row offsets of key positions j0 + [0, BLOCK_N) and whether their page is stored."""
+    offs = tl.arange(0, BLOCK_N)
+    if PAGE % BLOCK_N == 0:
+        # The tile sits inside one page: one table lookup, contiguous rows.
+        lp = j0 // PAGE
+        phys = tl.load(bt_row + lp, mask=lp < max_pages, other=-1)
+        rows = phys.to(tl.int64) * stride_kp + ((j0 % PAGE) + offs) * stride_ks
+        ok = (phys + offs * 0) >= 0
+    else:
+        # The tile spans several pages: one lookup per row.
+        j = j0 + offs
+        lp = j // PAGE
+        phys = tl.load(bt_row + lp, mask=lp < max_pages, other=-1)
+        rows = phys.to(tl.int64) * stride_kp + (j % PAGE) * stride_ks
+        ok = phys >= 0
+    return rows, ok
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
+    """One online-softmax update with base-2 scores s [M, N] (masked entries are -inf)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen nothing yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks,
+                  t_lo, t_hi, pos, seq_len, W, S, qk_scale,
+                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Attend to key tiles [t_lo, t_hi) (tile t = positions t*BLOCK_N + [0, BLOCK_N)).
+
+    MASKED=False is only used on tiles every query of the block fully sees (interior), where
+    the one remaining check is whether the page is stored at all."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(t_lo, t_hi):
+        j0 = t * BLOCK_N
+        rows, ok = _kv_rows(bt_row, j0, max_pages, stride_kp, stride_ks, PAGE, BLOCK_N)
+        j = j0 + offs_n
+        if MASKED:
+            # Slots past seq_len may hold anything (even NaN): never load them.
+            ok = ok & (j < seq_len)
+        k = tl.load(K + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(V + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if MASKED:
+            pj = pos[:, None] - j[None, :]
+            keep = ok[None, :] & (pj >= 0) & ((j[None, :] < S) | (pj < W))
+            s = tl.where(keep, s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale + tl.where(ok, 0.0, float("-inf"))[None, :]
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_sel(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks,
+                sel_row, n_sel, i_lo, i_hi, pos, seq_len, W, S, qk_scale,
+                HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SEL_N: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """Retrieval: attend to selected positions (blocks [i_lo, i_hi) of SEL_N entries) that the
+    sink/window rule does not already cover, gathering each through the block table."""
+    offs_n = tl.arange(0, SEL_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for i in range(i_lo, i_hi):
+        idx = i * SEL_N + offs_n
+        js = tl.load(sel_row + idx, mask=idx < n_sel, other=-1)
+        inside = (idx < n_sel) & (js >= 0) & (js < seq_len)
+        lp = tl.where(inside, js, 0) // PAGE
+        phys = tl.load(bt_row + lp, mask=inside & (lp < max_pages), other=-1)
+        ok = inside & (phys >= 0)
+        rows = phys.to(tl.int64) * stride_kp + (tl.where(inside, js, 0) % PAGE) * stride_ks
+        k = tl.load(K + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(V + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        pj = pos[:, None] - js[None, :]
+        already = (js[None, :] < S) | (pj < W)
+        keep = ok[None, :] & (pj >= 0) & (already == 0)
+        s = tl.where(keep, s * qk_scale, float("-inf"))
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _tile_ranges(p_lo, p_hi, W, S, BLOCK_N: tl.constexpr):
+    """Tiles a head can see from queries at positions [p_lo, p_hi]:
+    sink tiles [0, n_sink), then window tiles [w0, t_end) split as
+    [w0, f0) window edge | [f0, f1) fully visible | [f1, t_end) causal edge."""
+    t_end = p_hi // BLOCK_N + 1
+    n_sink = tl.minimum((S + BLOCK_N - 1) // BLOCK_N, t_end)
+    w0 = tl.minimum(tl.maximum(tl.maximum(p_lo - W + 1, 0) // BLOCK_N, n_sink), t_end)
+    f0 = tl.minimum(tl.maximum((tl.maximum(p_hi - W + 1, 0) + BLOCK_N - 1) // BLOCK_N, w0), t_end)
+    f1 = tl.minimum(tl.maximum((p_lo + 1) // BLOCK_N, f0), t_end)
+    return n_sink, w0, f0, f1, t_end
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, total_q, num_seqs,
+                  stride_knt, stride_knh, stride_vnt, stride_vnh,
+                  stride_kp, stride_ks, stride_vp, stride_vs,
+                  stride_bb, stride_bh, max_pages,
+                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
+                  SEARCH_STEPS: tl.constexpr):
+    hk = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < total_q
+    # Sequence of each token: the largest b with cu[b] <= t (binary search, empty seqs ok).
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int32) + num_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        go = (hi - lo) > 1
+        c = tl.load(CU + mid, mask=go, other=0)
+        lo = tl.where(go & (c <= t), mid, lo)
+        hi = tl.where(go & (c > t), mid, hi)
+    b = lo
+    q_start = tl.load(CU + b, mask=t_ok, other=0)
+    q_len = tl.load(CU + b + 1, mask=t_ok, other=0) - q_start
+    pos = tl.load(SEQ + b, mask=t_ok, other=0) - q_len + (t - q_start)
+    lp = pos // PAGE
+    phys = tl.load(BT + b * stride_bb + hk * stride_bh + lp,
+                   mask=t_ok & (lp < max_pages) & (pos >= 0), other=-1)
+    ok = (phys >= 0)[:, None]
+    offs_d = tl.arange(0, HEAD_DIM)
+    t64 = t.to(tl.int64)
+    k = tl.load(Kn + t64[:, None] * stride_knt + hk * stride_knh + offs_d[None, :], mask=ok)
+    v = tl.load(Vn + t64[:, None] * stride_vnt + hk * stride_vnh + offs_d[None, :], mask=ok)
+    phys64 = phys.to(tl.int64)
+    slot = pos % PAGE
+    tl.store(KP + (phys64 * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+             k.to(KP.dtype.element_ty), mask=ok)
+    tl.store(VP + (phys64 * stride_vp + slot * stride_vs)[:, None] + offs_d[None, :],
+             v.to(VP.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
+                    stride_kp, stride_ks, stride_bb, stride_bh, max_pages,
+                    stride_sb, stride_sh, stride_nb,
+                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_N: tl.constexpr,
+                    HAS_SEL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    hq = tl.program_id(0)
+    # Late query blocks see the most keys: launch them first to shorten the tail.
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(CU + b)
+    q_len = tl.load(CU + b + 1) - q_start
+    m_start = mb * BLOCK_M
+    if m_start >= q_len:
+        return
+    seq_len = tl.load(SEQ + b)
+    ctx = seq_len - q_len
+    hk = hq // GQA
+    W = tl.load(WIN + hk)
+    S = tl.load(SINK + hk)
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    pos = ctx + offs_m
+    tok = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + tok[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    p_lo = ctx + m_start
+    p_hi = ctx + tl.minimum(m_start + BLOCK_M, q_len) - 1
+    n_sink, w0, f0, f1, t_end = _tile_ranges(p_lo, p_hi, W, S, BLOCK_N)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    bt_row = BT + b * stride_bb + hk * stride_bh
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                  stride_ks, 0, n_sink, pos, seq_len, W, S, qk_scale,
+                                  HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                  stride_ks, w0, f0, pos, seq_len, W, S, qk_scale,
+                                  HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                  stride_ks, f0, f1, pos, seq_len, W, S, qk_scale,
+                                  HEAD_DIM, PAGE, BLOCK_N, False, DOT_PREC)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                  stride_ks, f1, t_end, pos, seq_len, W, S, qk_scale,
+                                  HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+    if HAS_SEL:
+        n_sel = tl.load(SEL_LEN + b * stride_nb + hk)
+        acc, l_i, m_i = _attend_sel(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                    stride_ks, SEL + b * stride_sb + hk * stride_sh, n_sel,
+                                    0, (n_sel + SEL_N - 1) // SEL_N, pos, seq_len, W, S,
+                                    qk_scale, HEAD_DIM, PAGE, SEL_N, DOT_PREC)
+
+    l_use = tl.where(l_i == 0.0, 1.0, l_i)  # a row that sees nothing outputs 0
+    o = acc / l_use[:, None]
+    tl.store(O + tok[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
+             o.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_use)) * _LN2)
+        tl.store(LSE + tok * stride_lt + hq, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_kernel(Q, K, V, OP, LP, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_scale,
+                   stride_qt, stride_qh, stride_opt, stride_oph, stride_ops,
+                   stride_lpt, stride_lph,
+                   stride_kp, stride_ks, stride_bb, stride_bh, max_pages,
+                   stride_sb, stride_sh, stride_nb, tiles_per_split,
+                   GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_SEL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    split = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start = tl.load(CU + b)
+    q_len = tl.load(CU + b + 1) - q_start
+    if q_len == 0:
+        return
+    seq_len = tl.load(SEQ + b)
+    ctx = seq_len - q_len
+    W = tl.load(WIN + hk)
+    S = tl.load(SINK + hk)
+
+    # Row r of the tile is query qi = r // GQA of query head hk * GQA + r % GQA.
+    r = tl.arange(0, BLOCK_M)
+    qi = r // GQA
+    hq = hk * GQA + r % GQA
+    row_ok = qi < q_len
+    pos = ctx + qi
+    tok = (q_start + qi).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + tok[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Visible tiles of the group, as one list: sink tiles, window tiles, selected blocks.
+    n_sink, w0, f0, f1, t_end = _tile_ranges(ctx, seq_len - 1, W, S, BLOCK_N)
+    n_page = n_sink + (t_end - w0)
+    n_tiles = n_page
+    n_sel = 0
+    if HAS_SEL:
+        n_sel = tl.load(SEL_LEN + b * stride_nb + hk)
+        n_tiles += (n_sel + BLOCK_N - 1) // BLOCK_N
+    t_lo = split * tiles_per_split
+    t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    bt_row = BT + b * stride_bb + hk * stride_bh
+    # Memory bound: every tile is masked, the ALU cost is hidden behind the loads.
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                  stride_ks, t_lo, tl.minimum(t_hi, n_sink), pos, seq_len,
+                                  W, S, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+    shift = w0 - n_sink
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                  stride_ks, tl.maximum(t_lo, n_sink) + shift,
+                                  tl.minimum(t_hi, n_page) + shift, pos, seq_len,
+                                  W, S, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+    if HAS_SEL:
+        acc, l_i, m_i = _attend_sel(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                    stride_ks, SEL + b * stride_sb + hk * stride_sh, n_sel,
+                                    tl.maximum(t_lo, n_page) - n_page, t_hi - n_page,
+                                    pos, seq_len, W, S, qk_scale,
+                                    HEAD_DIM, PAGE, BLOCK_N, DOT_PREC)
+
+    # Every split writes its partial, empty ones as (0, -inf), so the merge needs no mask.
+    l_use = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_use[:, None]
+    lse2 = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_use))
+    tl.store(OP + tok[:, None] * stride_opt + hq[:, None] * stride_oph + split * stride_ops
+             + offs_d[None, :], o, mask=row_ok[:, None])
+    tl.store(LP + tok * stride_lpt + hq * stride_lph + split, lse2, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(OP, LP, O, LSE, num_splits,
+                  stride_opt, stride_oph, stride_ops, stride_lpt, stride_lph,
+                  stride_ot, stride_oh, stride_lt,
+                  HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, CHUNK)
+    lp_row = LP + t * stride_lpt + h * stride_lph
+    op_row = OP + t * stride_opt + h * stride_oph
+    # Pass 1: the max base-2 LSE over splits.
+    m_vec = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        lse = tl.load(lp_row + c + offs_s, mask=c + offs_s < num_splits, other=float("-inf"))
+        m_vec = tl.maximum(m_vec, lse)
+    m = tl.max(m_vec, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    # Pass 2: LSE-weighted sum of the partial outputs, in fp32.
+    den = tl.zeros([CHUNK], dtype=tl.float32)
+    acc = tl.zeros([CHUNK, HEAD_DIM], dtype=tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        s_ok = c + offs_s < num_splits
+        lse = tl.load(lp_row + c + offs_s, mask=s_ok, other=float("-inf"))
+        w = tl.exp2(lse - m_use)
+        o = tl.load(op_row + (c + offs_s)[:, None] * stride_ops + offs_d[None, :],
+                    mask=s_ok[:, None], other=0.0)
+        den += w
+        acc += w[:, None] * o
+    total = tl.sum(den, 0)
+    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    if WRITE_LSE:
+        lse_out = tl.where(total == 0.0, float("-inf"), (m_use + tl.log2(total)) * _LN2)
+        tl.store(LSE + t * stride_lt + h, lse_out)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    # The interpreter's tl.dot mishandles 16-bit floats: run the dots in fp32 there.
+    # On the GPU the dots stay in the input dtype (fp32 accumulation).
+    return _interpreting() and dtype != torch.float32
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a small machine, so tests still exercise several splits
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
+    if "prefill" in _CONFIG_OVERRIDE:
+        return _CONFIG_OVERRIDE["prefill"]
+    if head_dim > 128:  # keep Q + K/V stages within shared memory
+        return 64, 32, 8, 2
+    if dtype == torch.float32:  # 2x the bytes per tile: keep shared memory in budget
+        return (64, 32, 4, 2) if head_dim >= 128 else (64, 64, 4, 2)
+    if head_dim >= 128:
+        return 128, 64, 8, 3
+    if head_dim >= 64:
+        return 128, 64, 4, 3
+    return 64, 64, 4, 3
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype):
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+    if "decode" in _CONFIG_OVERRIDE:
+        return _CONFIG_OVERRIDE["decode"]
+    block_n = 64 if head_dim >= 128 else 128
+    stages = 2 if dtype == torch.float32 else 3
+    return block_n, 4, stages
+
+
+def _per_head(x, n: int, device: torch.device, name: str) -> torch.Tensor:
+    """window/sink as int32 [Hkv] on the device (no copy if already so)."""
+    if not isinstance(x, torch.Tensor):
+        x = torch.tensor([int(x)] * n if isinstance(x, int) else list(x), dtype=torch.int32)
+    if x.dim() != 1 or x.shape[0] != n:
+        raise ValueError(f"{name} must have one value per KV head ({n}), got shape "
+                         f"{tuple(x.shape)}")
+    return x.to(device=device, dtype=torch.int32)
+
+
+def _int32(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return x.to(device=device, dtype=torch.int32)
+
+
+def _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, head_dim):
+    if k_pages.dim() != 3 or k_pages.shape != v_pages.shape:
+        raise ValueError("k_pages and v_pages must both be [num_pages, page_size, head_dim], "
+                         f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of 2 >= 16 (16, 64, 128, ...), got {head_dim}")
+    if k_pages.shape[2] != head_dim:
+        raise ValueError(f"head_dim mismatch: tokens have {head_dim}, pages {k_pages.shape[2]}")
+    if k_pages.stride(2) != 1 or v_pages.stride(2) != 1:
+        raise ValueError("k_pages/v_pages need a contiguous last (head_dim) dimension")
+    if block_tables.dim() != 3:
+        raise ValueError("block_tables must be one layer's [B, Hkv, max_pages], got shape "
+                         f"{tuple(block_tables.shape)}")
+    B = block_tables.shape[0]
+    if seq_lens.shape != (B,) or cu_seqlens_q.shape != (B + 1,):
+        raise ValueError(f"seq_lens must be [B] and cu_seqlens_q [B+1] with B={B}, got "
+                         f"{tuple(seq_lens.shape)} and {tuple(cu_seqlens_q.shape)}")
+
+
+def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens):
+    """Write new K/V ([total_q, Hkv, D]) into their pages in place; -1 pages are skipped."""
+    total_q, hkv, d = k.shape
+    _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, d)
+    if v.shape != k.shape or block_tables.shape[1] != hkv:
+        raise ValueError(f"k/v must be [total_q, Hkv={block_tables.shape[1]}, D], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("k/v need a contiguous last (head_dim) dimension")
+    if total_q == 0:
+        return
+    dev = k_pages.device
+    bt = _int32(block_tables, dev)
+    cu = _int32(cu_seqlens_q, dev)
+    sl = _int32(seq_lens, dev)
+    B = bt.shape[0]
+    block_t = 32
+    grid = (triton.cdiv(total_q, block_t), hkv)
+    _store_kernel[grid](
+        k, v, k_pages, v_pages, bt, cu, sl, total_q, B,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
+        bt.stride(0), bt.stride(1), bt.shape[2],
+        HEAD_DIM=d, PAGE=k_pages.shape[1], BLOCK_T=block_t,
+        SEARCH_STEPS=max(1, math.ceil(math.log2(max(B, 1)))) + 1,
+        num_warps=4,
+    )
+
+
+def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, window, sink,
+                       sm_scale=None, max_q_len=None, sel_pos=None, sel_lens=None,
+                       return_lse=False):
+    """Per-head sink/window(/selected) attention over each KV head's own pages.
+
+    q [total_q, Hq, D] (varlen, packed by cu_seqlens_q); k_pages/v_pages
+    [num_pages, page_size, D]; block_tables int32 [B, Hkv, max_pages] (-1 = not stored);
+    seq_lens int32 [B] (after this step's tokens were stored); window/sink [Hkv];
+    max_q_len: host int bound on q_len (None: total_q); sel_pos int32 [B, Hkv, max_sel] sorted,
+    -1 padded, with sel_lens [B, Hkv]. Returns o (dtype of q) and, if return_lse, float32 lse
+    [total_q, Hq] (natural log). No host syncs: every launch parameter comes from shapes."""
+    total_q, hq, d = q.shape
+    _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, d)
+    B, hkv, max_pages = block_tables.shape
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if q.stride(2) != 1:
+        raise ValueError("q needs a contiguous last (head_dim) dimension")
+    if k_pages.stride() != v_pages.stride():
+        raise ValueError("k_pages and v_pages must have the same strides")
+    gqa = hq // hkv
+    dev = q.device
+    page = k_pages.shape[1]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    qk_scale = float(sm_scale) * _LOG2E
+    bt = _int32(block_tables, dev)
+    cu = _int32(cu_seqlens_q, dev)
+    sl = _int32(seq_lens, dev)
+    win = _per_head(window, hkv, dev, "window")
+    snk = _per_head(sink, hkv, dev, "sink")
+    has_sel = sel_pos is not None
+    if has_sel:
+        sel = _int32(sel_pos, dev)
+        if sel.dim() != 3 or sel.shape[:2] != (B, hkv) or sel.stride(2) != 1:
+            raise ValueError(f"sel_pos must be contiguous [B={B}, Hkv={hkv}, max_sel], got "
+                             f"{tuple(sel.shape)}")
+        nsel = (sel >= 0).sum(-1, dtype=torch.int32) if sel_lens is None else _int32(sel_lens, dev)
+        nsel = nsel.contiguous()
+        sel_strides = (sel.stride(0), sel.stride(1), nsel.stride(0))
+    else:
+        sel, nsel, sel_strides = sl, sl, (0, 0, 0)  # unused placeholders
+    # fp32 inputs: exact fp32 dots (no silent tf32); 16-bit inputs: the default tensor-core path.
+    dot_prec = "ieee" if q.dtype == torch.float32 else None
+    upcast = _upcast(q.dtype)
+
+    o = torch.empty_like(q)
+    lse = torch.empty((total_q, hq), dtype=torch.float32, device=dev) if return_lse else o
+    lse_stride = lse.stride(0) if return_lse else 0
+    if total_q == 0:
+        return (o, lse) if return_lse else o
+
+    mq = total_q if max_q_len is None else min(int(max_q_len), total_q)
+    decode_max_q = _CONFIG_OVERRIDE.get("decode_max_q", DECODE_MAX_Q)
+    if mq <= decode_max_q:
+        _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, has_sel,
+                qk_scale, o, lse, return_lse, gqa, mq, dot_prec)
+    else:
+        block_m, block_n, warps, stages = _prefill_config(d, q.dtype)
+        grid = (hq, triton.cdiv(mq, block_m), B)
+        _prefill_kernel[grid](
+            q, k_pages, v_pages, o, lse, bt, cu, sl, win, snk, sel, nsel, qk_scale,
+            q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse_stride,
+            k_pages.stride(0), k_pages.stride(1), bt.stride(0), bt.stride(1), max_pages,
+            *sel_strides,
+            GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+            SEL_N=block_n, HAS_SEL=has_sel, WRITE_LSE=return_lse, DOT_PREC=dot_prec,
+            UPCAST=upcast,
+            num_warps=warps, num_stages=stages,
+        )
+    return (o, lse) if return_lse else o
+
+
+def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, has_sel,
+            qk_scale, o, lse, return_lse, gqa, mq, dot_prec):
+    total_q, hq, d = q.shape
+    B, hkv, max_pages = bt.shape
+    page = k_pages.shape[1]
+    block_n, warps, stages = _decode_config(d, q.dtype)
+    block_m = max(16, triton.next_power_of_2(gqa * mq))
+    # Split sizing from shapes only (no syncs; CUDA-graph friendly): a fixed number of tiles
+    # per split, sized so that if every group were full there would be ~16 programs per SM.
+    # Short (local) heads then use few splits and long (global) heads many, and all busy
+    # programs do about the same work, so the tail stays short.
+    n_tiles_max = triton.cdiv(max_pages * page, block_n)
+    if has_sel:
+        n_tiles_max += triton.cdiv(sel.shape[2], block_n)
+    if "decode_tiles_per_split" in _CONFIG_OVERRIDE:
+        per_split = _CONFIG_OVERRIDE["decode_tiles_per_split"]
+    else:
+        want_splits = triton.cdiv(16 * _sm_count(q.device), B * hkv)
+        per_split = max(8, triton.cdiv(n_tiles_max, want_splits))
+        per_split = max(per_split, triton.cdiv(n_tiles_max, 64))  # cap the merge fan-in
+    num_splits = max(1, triton.cdiv(n_tiles_max, per_split))
+
+    o_part = torch.empty((total_q, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((total_q, hq, num_splits), dtype=torch.float32, device=q.device)
+    _decode_kernel[(num_splits, hkv, B)](
+        q, k_pages, v_pages, o_part, lse_part, bt, cu, sl, win, snk, sel, nsel, qk_scale,
+        q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        k_pages.stride(0), k_pages.stride(1), bt.stride(0), bt.stride(1), max_pages,
+        *sel_strides, per_split,
+        GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_SEL=has_sel, DOT_PREC=dot_prec, UPCAST=_upcast(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    _merge_kernel[(total_q, hq)](
+        o_part, lse_part, o, lse, num_splits,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        o.stride(0), o.stride(1), lse.stride(0) if return_lse else 0,
+        HEAD_DIM=d, CHUNK=min(16, triton.next_power_of_2(num_splits)), WRITE_LSE=return_lse,
+        num_warps=2 if d <= 64 else 4,
+    )

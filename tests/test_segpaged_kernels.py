@@ -1,0 +1,354 @@
+"""SegPagedAttention: torch reference vs dense oracle, Triton kernels vs reference.
+
+Triton runs in the interpreter on CPU (TRITON_INTERPRET=1), so shapes are small. With
+REDKNOT_TEST_DEVICE=cuda the same cases run compiled on a GPU.
+"""
+
+import math
+import os
+
+DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import pytest
+import torch
+
+from redknot.kernels import (
+    GLOBAL_WINDOW,
+    dense_masked_attention,
+    segpaged_attention_ref,
+    segpaged_store_ref,
+)
+
+triton = pytest.importorskip("triton")
+from redknot.kernels import segpaged  # noqa: E402
+
+G = GLOBAL_WINDOW
+
+
+# --------------------------------------------------------------------------------------------
+# Random pools
+# --------------------------------------------------------------------------------------------
+
+def make_case(seqs, hq, hkv, d, page, windows, sinks, dtype=torch.float32, sel=None, seed=0,
+              nan_tail=False, extra_pages=3):
+    """A pool as redknot's page pool would leave it.
+
+    seqs: [(q_len, seq_len)]; sel: optional [B][Hkv] lists of selected positions.
+    Pages are shuffled (logical != physical); a local head keeps only its sink pages and the
+    pages intersecting the window of the step's first query (-1 elsewhere); unused pages and
+    slots hold garbage (random values; NaN past seq_len when nan_tail)."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(seqs)
+    max_pages = max(math.ceil(sl / page) for _, sl in seqs) + 1  # spare column stays -1
+    full_k = [torch.randn(sl, hkv, d, generator=gen) for _, sl in seqs]
+    full_v = [torch.randn(sl, hkv, d, generator=gen) for _, sl in seqs]
+    kept = []
+    for b, (ql, sl) in enumerate(seqs):
+        first = sl - ql
+        n = math.ceil(sl / page)
+        for h in range(hkv):
+            lps = set(range(min(math.ceil(sinks[h] / page), n)))
+            lps |= set(range(max(0, first - windows[h] + 1) // page, n))
+            if sel is not None:
+                lps |= {j // page for j in sel[b][h]}
+            kept += [(b, h, lp) for lp in sorted(lps)]
+    num_pages = len(kept) + extra_pages
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    k_pages = torch.randn(num_pages, page, d, generator=gen) * 3
+    v_pages = torch.randn(num_pages, page, d, generator=gen) * 3
+    bt = torch.full((B, hkv, max_pages), -1, dtype=torch.int32)
+    for i, (b, h, lp) in enumerate(kept):
+        phys = perm[i]
+        bt[b, h, lp] = phys
+        lo, hi = lp * page, min((lp + 1) * page, seqs[b][1])
+        k_pages[phys, : hi - lo] = full_k[b][lo:hi, h]
+        v_pages[phys, : hi - lo] = full_v[b][lo:hi, h]
+        if nan_tail and hi - lo < page:
+            k_pages[phys, hi - lo:] = float("nan")
+            v_pages[phys, hi - lo:] = float("nan")
+    q_lens = [ql for ql, _ in seqs]
+    cu = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=gen)
+    sel_pos = sel_lens = None
+    if sel is not None:
+        max_sel = max(1, max(len(s) for row in sel for s in row))
+        sel_pos = torch.full((B, hkv, max_sel), -1, dtype=torch.int32)
+        sel_lens = torch.zeros(B, hkv, dtype=torch.int32)
+        for b in range(B):
+            for h in range(hkv):
+                s = sorted(sel[b][h])
+                sel_pos[b, h, : len(s)] = torch.tensor(s, dtype=torch.int32)
+                sel_lens[b, h] = len(s)
+    return dict(
+        q=q.to(dtype), k_pages=k_pages.to(dtype), v_pages=v_pages.to(dtype), block_tables=bt,
+        cu_seqlens_q=cu, seq_lens=torch.tensor([sl for _, sl in seqs], dtype=torch.int32),
+        window=torch.tensor(windows, dtype=torch.int32),
+        sink=torch.tensor(sinks, dtype=torch.int32),
+        max_q_len=max(q_lens), sel_pos=sel_pos, sel_lens=sel_lens,
+        full_k=[x.to(dtype) for x in full_k], full_v=[x.to(dtype) for x in full_v], sel=sel,
+    )
+
+
+ATTN_KEYS = ("q", "k_pages", "v_pages", "block_tables", "cu_seqlens_q", "seq_lens", "window",
+             "sink")
+
+
+def _dev(x):
+    return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
+
+
+def run(fn, c, return_lse=True, sm_scale=None):
+    out = fn(*[_dev(c[k]) for k in ATTN_KEYS], sm_scale=sm_scale, max_q_len=c["max_q_len"],
+             sel_pos=_dev(c["sel_pos"]), sel_lens=_dev(c["sel_lens"]), return_lse=return_lse)
+    return tuple(o.cpu() for o in out) if return_lse else out.cpu()
+
+
+def dense(c):
+    """Dense oracle, sequence by sequence, on contiguous K/V."""
+    os_, ls_ = [], []
+    cu = c["cu_seqlens_q"].tolist()
+    for b in range(len(c["full_k"])):
+        sel = None
+        if c["sel"] is not None:
+            sel = [torch.tensor(s, dtype=torch.long) for s in c["sel"][b]]
+        o, lse = dense_masked_attention(c["q"][cu[b]:cu[b + 1]], c["full_k"][b], c["full_v"][b],
+                                        c["window"], c["sink"], sel=sel, return_lse=True)
+        os_.append(o)
+        ls_.append(lse)
+    return torch.cat(os_), torch.cat(ls_)
+
+
+@pytest.fixture
+def config(monkeypatch):
+    """Set kernel block-size overrides for one test."""
+    def set_(**kw):
+        for k, v in kw.items():
+            monkeypatch.setitem(segpaged._CONFIG_OVERRIDE, k, v)
+    return set_
+
+
+def close(a, b, tol):
+    a, b = a.float().cpu(), b.float().cpu()
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+# Cases: (seqs, hq, hkv, d, page, windows, sinks)
+CASES = {
+    # varlen: full prefill, chunked prefill (seq_len > q_len) and a q_len-1 row; GQA 2
+    "varlen_gqa2": ([(37, 37), (50, 133), (1, 70)], 4, 2, 16, 16, [G, 20], [4, 0]),
+    # GQA 1, head_dim 64, page 64, window 1 (sees only itself) + sink
+    "gqa1_win1": ([(70, 200)], 2, 2, 64, 64, [1, G], [0, 3]),
+    # GQA 4, window larger than the context, odd sinks
+    "gqa4_bigwin": ([(29, 29), (45, 90)], 8, 2, 16, 16, [500, 7], [2, 5]),
+    # GQA 8, head_dim 128 (small)
+    "gqa8_d128": ([(20, 40)], 8, 1, 128, 16, [9], [1]),
+    # mixed classes in one layer: global, local, window 1 without sink, local with big sink
+    "mixed": ([(65, 190), (3, 3), (17, 61)], 8, 4, 16, 16, [G, 33, 1, 200], [4, 4, 0, 17]),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Reference vs dense oracle
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ref_matches_dense(name):
+    c = make_case(*CASES[name], seed=1, nan_tail=True)
+    o, lse = run(segpaged_attention_ref, c)
+    o_d, lse_d = dense(c)
+    close(o, o_d, 1e-5)
+    close(lse, lse_d, 1e-5)
+
+
+def test_ref_retrieval_matches_dense():
+    sel = [[[3, 40, 41, 100], []], [[5], [0, 1, 2, 60, 61]]]
+    c = make_case([(30, 150), (2, 70)], 4, 2, 16, 16, [10, 24], [2, 0], sel=sel, seed=2)
+    o, lse = run(segpaged_attention_ref, c)
+    o_d, lse_d = dense(c)
+    close(o, o_d, 1e-5)
+    close(lse, lse_d, 1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton vs reference
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,blocks", [
+    ("varlen_gqa2", (16, 16, 4, 1)),   # BLOCK_N == page: one lookup per tile
+    ("varlen_gqa2", (32, 32, 4, 1)),   # BLOCK_N spans two pages: per-row lookup
+    ("gqa1_win1", (32, 32, 4, 1)),     # BLOCK_N < page
+    ("gqa4_bigwin", (16, 16, 4, 1)),
+    ("gqa8_d128", (16, 16, 4, 1)),
+    ("mixed", (32, 16, 4, 1)),
+    ("mixed", None),                   # default (GPU) block sizes
+])
+def test_prefill_matches_ref(name, blocks, config):
+    if blocks is not None:
+        config(prefill=blocks)
+    c = make_case(*CASES[name], seed=3, nan_tail=True)
+    o, lse = run(segpaged.segpaged_attention, c)
+    o_r, lse_r = run(segpaged_attention_ref, c)
+    close(o, o_r, 1e-4)
+    close(lse, lse_r, 1e-4)
+
+
+def test_prefill_no_lse_and_scale(config):
+    config(prefill=(16, 16, 4, 1))
+    c = make_case(*CASES["gqa4_bigwin"], seed=4)
+    o = run(segpaged.segpaged_attention, c, return_lse=False, sm_scale=0.3)
+    o_r = run(segpaged_attention_ref, c, return_lse=False, sm_scale=0.3)
+    close(o, o_r, 1e-4)
+
+
+@pytest.mark.parametrize("seqs,hq,hkv,d,page,windows,sinks,per_split", [
+    # q_len 1, GQA 4, several splits per head (2 tiles each)
+    ([(1, 1), (1, 77), (1, 300)], 8, 2, 64, 16, [G, 40], [4, 0], 2),
+    # q_len up to 4 (speculative decode), GQA 2, page 64, one tile per split
+    ([(4, 130), (1, 9), (3, 200)], 4, 2, 16, 64, [17, G], [0, 2], 1),
+    # GQA 8, head_dim 128, window 1, default split sizing
+    ([(1, 150), (1, 33)], 8, 1, 128, 64, [1], [5], None),
+    # GQA 1, mixed classes
+    ([(2, 90), (1, 64)], 4, 4, 16, 16, [G, 1, 30, 100], [0, 0, 4, 64], 3),
+])
+def test_decode_matches_ref(seqs, hq, hkv, d, page, windows, sinks, per_split, config):
+    config(decode=(16, 4, 1))
+    if per_split is not None:
+        config(decode_tiles_per_split=per_split)
+    c = make_case(seqs, hq, hkv, d, page, windows, sinks, seed=5, nan_tail=True)
+    assert c["max_q_len"] <= segpaged.DECODE_MAX_Q
+    o, lse = run(segpaged.segpaged_attention, c)
+    o_r, lse_r = run(segpaged_attention_ref, c)
+    close(o, o_r, 1e-4)
+    close(lse, lse_r, 1e-4)
+
+
+@pytest.mark.parametrize("max_q_len", [30, 1])
+def test_retrieval_matches_ref(max_q_len, config):
+    config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
+    q_len = max_q_len
+    sel = [[[3, 40, 41, 100, 140], []], [[5, 66], [0, 1, 2, 30, 60, 61]]]
+    c = make_case([(q_len, 150), (1, 70)], 4, 2, 16, 16, [10, 24], [2, 0], sel=sel, seed=6)
+    o, lse = run(segpaged.segpaged_attention, c)
+    o_r, lse_r = run(segpaged_attention_ref, c)
+    close(o, o_r, 1e-4)
+    close(lse, lse_r, 1e-4)
+
+
+@pytest.mark.parametrize("max_q_len", [40, 1])
+def test_bf16(max_q_len, config):
+    config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
+    c = make_case([(max_q_len, 100), (1, 45)], 8, 2, 64, 16, [G, 20], [4, 0],
+                  dtype=torch.bfloat16, seed=7)
+    o, lse = run(segpaged.segpaged_attention, c)
+    o_r, lse_r = run(segpaged_attention_ref, c)
+    assert o.dtype == torch.bfloat16
+    close(o, o_r, 2e-2)
+    close(lse, lse_r, 2e-2)
+
+
+@pytest.mark.parametrize("max_q_len", [40, 1])
+def test_missing_pages_are_absent(max_q_len, config):
+    """A -1 page inside the walked range (the pool never leaves one, but the kernels must not
+    read it) contributes nothing, as in the reference, on interior tiles too."""
+    config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=3)
+    c = make_case([(max_q_len, 160)], 4, 2, 16, 16, [G, 100], [4, 0], seed=10)
+    c["block_tables"][0, 0, 2] = -1
+    c["block_tables"][0, 1, 5] = -1
+    o, lse = run(segpaged.segpaged_attention, c)
+    o_r, lse_r = run(segpaged_attention_ref, c)
+    close(o, o_r, 1e-4)
+    close(lse, lse_r, 1e-4)
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("SEGPAGED_FUZZ", 4))))
+def test_random_configs(seed, config):
+    """Seeded random shapes, windows, sinks and block sizes, both paths."""
+    rng = torch.Generator().manual_seed(100 + seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=rng))
+
+    decode = seed % 2 == 1
+    gqa, hkv, page = pick([1, 2, 4, 8]), pick([1, 2, 3]), pick([16, 64])
+    seqs = []
+    for _ in range(rand(1, 3)):
+        seq_len = rand(1, 200)
+        q_len = rand(1, min(seq_len, 4 if decode else 70))
+        seqs.append((q_len, seq_len))
+    windows = [pick([G, 1, rand(1, 40), rand(1, 300)]) for _ in range(hkv)]
+    sinks = [pick([0, rand(0, 20)]) for _ in range(hkv)]
+    config(prefill=(pick([16, 32]), pick([16, 32]), 4, 1), decode=(pick([16, 32]), 4, 1),
+           decode_tiles_per_split=rand(1, 4), decode_max_q=4)
+    c = make_case(seqs, gqa * hkv, hkv, 16, page, windows, sinks, seed=seed, nan_tail=True)
+    o, lse = run(segpaged.segpaged_attention, c)
+    o_r, lse_r = run(segpaged_attention_ref, c)
+    o_d, lse_d = dense(c)
+    close(o_r, o_d, 1e-5)
+    close(o, o_r, 1e-4)
+    close(lse, lse_r, 1e-4)
+
+
+def test_bad_head_dim():
+    c = make_case([(3, 3)], 2, 1, 48, 16, [G], [0])
+    with pytest.raises(ValueError, match="power of 2"):
+        run(segpaged.segpaged_attention, c)
+
+
+# --------------------------------------------------------------------------------------------
+# Store
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("page,dtype", [(16, torch.float32), (64, torch.bfloat16)])
+def test_store_matches_ref(page, dtype):
+    gen = torch.Generator().manual_seed(8)
+    seqs = [(5, 40), (0, 10), (33, 33), (1, 140)]          # includes an empty sequence
+    B, hkv, d = len(seqs), 2, 16
+    max_pages = 4
+    num_pages = B * hkv * max_pages + 2
+    perm = torch.randperm(num_pages, generator=gen)[: B * hkv * max_pages]
+    bt = perm.view(B, hkv, max_pages).to(torch.int32).clone()
+    bt[torch.rand(bt.shape, generator=gen) < 0.3] = -1     # skipped pages
+    if page == 16:
+        bt = torch.cat([bt, torch.full((B, hkv, 6), -1, dtype=torch.int32)], -1)
+    cu = torch.tensor([0] + [ql for ql, _ in seqs]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([sl for _, sl in seqs], dtype=torch.int32)
+    k = torch.randn(int(cu[-1]), hkv, d, generator=gen).to(dtype)
+    v = torch.randn(int(cu[-1]), hkv, d, generator=gen).to(dtype)
+    kp = torch.randn(num_pages, page, d, generator=gen).to(dtype)
+    vp = torch.randn(num_pages, page, d, generator=gen).to(dtype)
+    kp_r, vp_r, kp_t, vp_t = kp.clone(), vp.clone(), _dev(kp.clone()), _dev(vp.clone())
+    segpaged_store_ref(k, v, kp_r, vp_r, bt, cu, seq_lens)
+    segpaged.segpaged_store(*map(_dev, (k, v)), kp_t, vp_t, *map(_dev, (bt, cu, seq_lens)))
+    kp_t, vp_t = kp_t.cpu(), vp_t.cpu()
+    assert not torch.equal(kp_r, kp)  # something was written
+    assert torch.equal(kp_t, kp_r) and torch.equal(vp_t, vp_r)
+
+
+def test_store_then_attend():
+    """New tokens stored by the kernel are then attended to (chunked prefill step)."""
+    seqs = [(24, 80), (1, 50)]
+    c = make_case(seqs, 4, 2, 16, 16, [G, 12], [3, 0], seed=9)
+    c = {key: _dev(val) for key, val in c.items()}
+    cu = c["cu_seqlens_q"].tolist()
+    # Wipe the new tokens from the pool, then store them back with the kernel.
+    k_new = _dev(torch.cat([c["full_k"][b][sl - ql:] for b, (ql, sl) in enumerate(seqs)]))
+    v_new = _dev(torch.cat([c["full_v"][b][sl - ql:] for b, (ql, sl) in enumerate(seqs)]))
+    assert k_new.shape[0] == cu[-1]
+    page = c["k_pages"].shape[1]
+    for b, (ql, sl) in enumerate(seqs):
+        for pos in range(sl - ql, sl):
+            for h in range(2):
+                phys = int(c["block_tables"][b, h, pos // page])
+                if phys >= 0:
+                    c["k_pages"][phys, pos % page] = 1e4
+    segpaged.segpaged_store(k_new, v_new, c["k_pages"], c["v_pages"], c["block_tables"],
+                            c["cu_seqlens_q"], c["seq_lens"])
+    o = run(segpaged.segpaged_attention, c, return_lse=False)
+    o_d, _ = dense(c)
+    close(o, o_d, 1e-4)
