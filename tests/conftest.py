@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 # Triton kernels run on CPU through its interpreter.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("REDKNOT_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ANCHORS = Path(os.environ.get("REDKNOT_ANCHORS", Path(__file__).resolve().parents[2] / "shared" / "anchors"))

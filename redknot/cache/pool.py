@@ -20,10 +20,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 import torch
 
-try:
-    from redknot.kernels.reference import GLOBAL_WINDOW
-except ImportError:  # kernels/reference.py is written in parallel; same value as the contract.
-    GLOBAL_WINDOW = 2**30
+from ..config import GLOBAL_WINDOW
 
 
 class PoolExhausted(RuntimeError):

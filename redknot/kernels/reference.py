@@ -10,8 +10,7 @@ import math
 
 import torch
 
-# Window of global/dense heads: larger than any position, so `p - j < W` always holds.
-GLOBAL_WINDOW = 2**30
+from ..config import GLOBAL_WINDOW  # noqa: F401  (global/dense heads: `p - j < W` always holds)
 
 
 def _as_list(x, n: int) -> list[int]:

@@ -26,13 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import GLOBAL_WINDOW  # noqa: F401  (re-exported for convenience)
+from ..config import GLOBAL_WINDOW  # noqa: F401  (re-exported for convenience)
 
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # base-2 LSE -> natural log
 
 # Tuning knobs for tests and benchmarks: keys "prefill" -> (BLOCK_M, BLOCK_N, warps, stages),
-# "decode" -> (BLOCK_N, warps, stages), "decode_tiles_per_split" -> int, "decode_max_q" -> int.
+# "decode" -> (BLOCK_N, warps, stages), "decode_tiles_per_split" -> int, "decode_max_q" -> int,
+# "fast_interior" -> bool (mask-free interior tiles; the masked path is kept for comparison),
+# "merge_edges" -> bool (all masked tiles of a block in one loop instead of three).
 _CONFIG_OVERRIDE: dict = {}
 
 # Largest q_len (per sequence) that takes the split-KV decode path.
@@ -86,25 +88,81 @@ def _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_k
 
     MASKED=False is only used on tiles every query of the block fully sees (interior), where
     the one remaining check is whether the page is stored at all."""
+    for t in range(t_lo, t_hi):
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks, t,
+                              pos, seq_len, W, S, qk_scale, HEAD_DIM, PAGE, BLOCK_N, MASKED,
+                              DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attend_edges(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks,
+                  n_sink, w0, f0, f1, t_end, pos, seq_len, W, S, qk_scale,
+                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PREC: tl.constexpr):
+    """The masked tiles [0, n_sink) + [w0, f0) + [f1, t_end) as one loop (one pipeline fill)."""
+    n_win = f0 - w0
+    for i in range(0, n_sink + n_win + (t_end - f1)):
+        t = tl.where(i < n_sink, i, tl.where(i < n_sink + n_win, w0 + i - n_sink, f1 + i - n_sink - n_win))
+        acc, l_i, m_i = _tile(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks, t,
+                              pos, seq_len, W, S, qk_scale, HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _tile(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks, t,
+          pos, seq_len, W, S, qk_scale,
+          HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+          MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key tile (positions t*BLOCK_N + [0, BLOCK_N)) into the online softmax."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    j0 = t * BLOCK_N
+    rows, ok = _kv_rows(bt_row, j0, max_pages, stride_kp, stride_ks, PAGE, BLOCK_N)
+    j = j0 + offs_n
+    if MASKED:
+        # Slots past seq_len may hold anything (even NaN): never load them.
+        ok = ok & (j < seq_len)
+    k = tl.load(K + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+    v = tl.load(V + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if MASKED:
+        pj = pos[:, None] - j[None, :]
+        keep = ok[None, :] & (pj >= 0) & ((j[None, :] < S) | (pj < W))
+        s = tl.where(keep, s * qk_scale, float("-inf"))
+    else:
+        s = s * qk_scale + tl.where(ok, 0.0, float("-inf"))[None, :]
+    return _softmax_step(acc, l_i, m_i, s, v, DOT_PREC)
+
+
+@triton.jit
+def _attend_interior(acc, l_i, m_i, q, K, V, bt_row, stride_kp, stride_ks, t_lo, t_hi, qk_scale,
+                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     DOT_PREC: tl.constexpr):
+    """Tiles [t_lo, t_hi) that every query of the block fully sees: no masks at all.
+
+    Every position the rule makes visible is stored (pool invariant), so pages here exist;
+    the scale folds into the exp2 argument and each row's max is finite from the first tile."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for t in range(t_lo, t_hi):
         j0 = t * BLOCK_N
-        rows, ok = _kv_rows(bt_row, j0, max_pages, stride_kp, stride_ks, PAGE, BLOCK_N)
-        j = j0 + offs_n
-        if MASKED:
-            # Slots past seq_len may hold anything (even NaN): never load them.
-            ok = ok & (j < seq_len)
-        k = tl.load(K + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        v = tl.load(V + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        if MASKED:
-            pj = pos[:, None] - j[None, :]
-            keep = ok[None, :] & (pj >= 0) & ((j[None, :] < S) | (pj < W))
-            s = tl.where(keep, s * qk_scale, float("-inf"))
+        if PAGE % BLOCK_N == 0:
+            phys = tl.maximum(tl.load(bt_row + j0 // PAGE), 0)
+            rows = phys.to(tl.int64) * stride_kp + ((j0 % PAGE) + offs_n) * stride_ks
         else:
-            s = s * qk_scale + tl.where(ok, 0.0, float("-inf"))[None, :]
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, s, v, DOT_PREC)
+            j = j0 + offs_n
+            phys = tl.maximum(tl.load(bt_row + j // PAGE), 0)
+            rows = phys.to(tl.int64) * stride_kp + (j % PAGE) * stride_ks
+        k = tl.load(K + rows[:, None] + offs_d[None, :]).to(q.dtype)
+        v = tl.load(V + rows[:, None] + offs_d[None, :]).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -200,7 +258,8 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sc
                     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_N: tl.constexpr,
                     HAS_SEL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, FAST_INTERIOR: tl.constexpr,
+                    MERGE_EDGES: tl.constexpr):
     hq = tl.program_id(0)
     # Late query blocks see the most keys: launch them first to shorten the tail.
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -234,18 +293,28 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sc
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     bt_row = BT + b * stride_bb + hk * stride_bh
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
-                                  stride_ks, 0, n_sink, pos, seq_len, W, S, qk_scale,
-                                  HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
-                                  stride_ks, w0, f0, pos, seq_len, W, S, qk_scale,
-                                  HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
-                                  stride_ks, f0, f1, pos, seq_len, W, S, qk_scale,
-                                  HEAD_DIM, PAGE, BLOCK_N, False, DOT_PREC)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
-                                  stride_ks, f1, t_end, pos, seq_len, W, S, qk_scale,
-                                  HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+    if MERGE_EDGES:
+        acc, l_i, m_i = _attend_edges(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                      stride_ks, n_sink, w0, f0, f1, t_end, pos, seq_len, W, S,
+                                      qk_scale, HEAD_DIM, PAGE, BLOCK_N, DOT_PREC)
+    else:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                      stride_ks, 0, n_sink, pos, seq_len, W, S, qk_scale,
+                                      HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                      stride_ks, w0, f0, pos, seq_len, W, S, qk_scale,
+                                      HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
+    if FAST_INTERIOR:
+        acc, l_i, m_i = _attend_interior(acc, l_i, m_i, q, K, V, bt_row, stride_kp, stride_ks,
+                                         f0, f1, qk_scale, HEAD_DIM, PAGE, BLOCK_N, DOT_PREC)
+    else:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                      stride_ks, f0, f1, pos, seq_len, W, S, qk_scale,
+                                      HEAD_DIM, PAGE, BLOCK_N, False, DOT_PREC)
+    if not MERGE_EDGES:
+        acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
+                                      stride_ks, f1, t_end, pos, seq_len, W, S, qk_scale,
+                                      HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
     if HAS_SEL:
         n_sel = tl.load(SEL_LEN + b * stride_nb + hk)
         acc, l_i, m_i = _attend_sel(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
@@ -398,7 +467,13 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype):
+def _prefill_merge_edges(block_n: int) -> bool:
+    """One loop for all masked tiles pays off with narrow tiles (measured: -3% at 8K with
+    BLOCK_N=32) and costs with wide ones (+6% at 32K with BLOCK_N=128)."""
+    return _CONFIG_OVERRIDE.get("merge_edges", block_n <= 32)
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype, max_q_len: int):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
     if "prefill" in _CONFIG_OVERRIDE:
         return _CONFIG_OVERRIDE["prefill"]
@@ -407,7 +482,10 @@ def _prefill_config(head_dim: int, dtype: torch.dtype):
     if dtype == torch.float32:  # 2x the bytes per tile: keep shared memory in budget
         return (64, 32, 4, 2) if head_dim >= 128 else (64, 64, 4, 2)
     if head_dim >= 128:
-        return 128, 64, 8, 3
+        # Measured on an H200 (docs/results/kernel.md): long prefills are fastest with 128-key
+        # tiles (two 64-token pages) in 2 stages; up to 16K queries, smaller 4-warp programs
+        # balance the short local-head rows better.
+        return (128, 32, 4, 4) if max_q_len <= 16384 else (128, 128, 8, 2)
     if head_dim >= 64:
         return 128, 64, 4, 3
     return 64, 64, 4, 3
@@ -542,7 +620,7 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
         _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, has_sel,
                 qk_scale, o, lse, return_lse, gqa, mq, dot_prec)
     else:
-        block_m, block_n, warps, stages = _prefill_config(d, q.dtype)
+        block_m, block_n, warps, stages = _prefill_config(d, q.dtype, mq)
         grid = (hq, triton.cdiv(mq, block_m), B)
         _prefill_kernel[grid](
             q, k_pages, v_pages, o, lse, bt, cu, sl, win, snk, sel, nsel, qk_scale,
@@ -551,7 +629,8 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
             *sel_strides,
             GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
             SEL_N=block_n, HAS_SEL=has_sel, WRITE_LSE=return_lse, DOT_PREC=dot_prec,
-            UPCAST=upcast,
+            UPCAST=upcast, FAST_INTERIOR=_CONFIG_OVERRIDE.get("fast_interior", True),
+            MERGE_EDGES=_prefill_merge_edges(block_n),
             num_warps=warps, num_stages=stages,
         )
     return (o, lse) if return_lse else o
