@@ -54,6 +54,11 @@ def run(args) -> int:
         for name, ttft, logits, peak, tokens in rows:
             print(f"{name:<11} {1e3 * ttft:>8.1f} {peak:>14,} {peak / ref[3]:>9.2f} "
                   f"{str(logits.argmax().item() == ref[2].argmax().item()):>13} {str(tokens == ref[4]):>14}")
+        kernel = sparse.backend("headsparse").kernel
+        print(f"\nheadsparse ran the {'Triton' if kernel == 'triton' else 'torch reference'} SegPaged kernel; "
+              "KV bytes are what the pool holds after the last step.\n"
+              "A random model spreads attention over the whole context, so per-head windows change its "
+              "answers;\nhead configs are meant for trained models, whose local heads do not look far back.")
     return 0
 
 

@@ -1,7 +1,8 @@
 """Readable torch references for SegPagedAttention (see docs/segpaged.md).
 
-These are the oracles the Triton kernels are tested against. They favour clarity over speed:
-plain loops over sequences and KV heads, float32 math, an explicit visibility mask.
+These are the oracles the Triton kernels are tested against, and the CPU path of the SegPaged
+backend: a loop over sequences only, every head at once, float32 math, an explicit visibility
+mask.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ..config import GLOBAL_WINDOW  # noqa: F401  (global/dense heads: `p - j < W` always holds)
 
@@ -38,39 +40,28 @@ def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink:
     return (j <= p) & extra
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-            sm_scale: float):
-    """q [Q, G, D], k/v [K, D], mask [Q, K] -> o [Q, G, D] fp32, lse [Q, G] fp32 (natural log).
-    Rows that see nothing get o = 0 and lse = -inf."""
-    s = torch.einsum("qgd,kd->qgk", q.float(), k.float()) * sm_scale
-    s = s.masked_fill(~mask[:, None, :], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
-    p = torch.nan_to_num(p, nan=0.0)
-    o = torch.einsum("qgk,kd->qgd", p, v.float())
-    return o, lse
-
-
 def segpaged_store_ref(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens):
     """Write the new tokens' K/V ([total_q, Hkv, D]) into their pages, in place.
 
     block_tables: int32 [B, Hkv, max_pages] of one layer; -1 entries are skipped (the head
     keeps nothing there)."""
-    page_size = k_pages.shape[1]
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    bt = block_tables.tolist()
-    for b in range(len(lens)):
-        q_len = cu[b + 1] - cu[b]
-        for i in range(q_len):
-            t = cu[b] + i
-            pos = lens[b] - q_len + i
-            lp, slot = divmod(pos, page_size)
-            for h in range(k.shape[1]):
-                phys = bt[b][h][lp] if lp < len(bt[b][h]) else -1
-                if phys >= 0:
-                    k_pages[phys, slot] = k[t, h]
-                    v_pages[phys, slot] = v[t, h]
+    page_size, max_pages = k_pages.shape[1], block_tables.shape[2]
+    seq, pos = _token_positions(cu_seqlens_q, seq_lens)
+    lp, slot = pos // page_size, pos % page_size
+    phys = block_tables[seq, :, lp.clamp_max(max_pages - 1)].long()  # [T, Hkv]
+    phys = torch.where((lp < max_pages)[:, None], phys, -1)
+    t, h = (phys >= 0).nonzero(as_tuple=True)
+    k_pages[phys[t, h], slot[t]] = k[t, h].to(k_pages.dtype)
+    v_pages[phys[t, h], slot[t]] = v[t, h].to(v_pages.dtype)
+
+
+def _token_positions(cu_seqlens_q, seq_lens):
+    """Sequence index and absolute position of every packed query token."""
+    cu = cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(q_lens.numel(), device=cu.device), q_lens)
+    pos = seq_lens.long()[seq] - q_lens[seq] + torch.arange(int(cu[-1]), device=cu.device) - cu[seq]
+    return seq, pos
 
 
 def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, window,
@@ -80,47 +71,55 @@ def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_
 
     q [total_q, Hq, D]; k_pages/v_pages [num_pages, page_size, D]; block_tables int32
     [B, Hkv, max_pages] (-1: nothing stored; such keys are absent); window/sink [Hkv];
-    sel_pos int32 [B, Hkv, max_sel] padded with -1, sel_lens [B, Hkv] (None: count entries >= 0).
+    sel_pos int32 [B, Hkv, max_sel] padded with -1, sel_lens [B, Hkv].
     Returns o [total_q, Hq, D] (dtype of q) and, if return_lse, lse float32 [total_q, Hq]."""
     total_q, hq, d = q.shape
-    num_pages, page_size, _ = k_pages.shape
+    page_size, max_pages = k_pages.shape[1], block_tables.shape[2]
     hkv = block_tables.shape[1]
     g = hq // hkv
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
-    windows, sinks = _as_list(window, hkv), _as_list(sink, hkv)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
+    windows = torch.tensor(_as_list(window, hkv), device=q.device)[:, None, None]  # [Hkv, 1, 1]
+    sinks = torch.tensor(_as_list(sink, hkv), device=q.device)[:, None, None]
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     o = torch.zeros(total_q, hq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((total_q, hq), float("-inf"), dtype=torch.float32, device=q.device)
     for b in range(len(lens)):
         q_len, seq_len = cu[b + 1] - cu[b], lens[b]
         if q_len == 0:
             continue
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        # Gather every stored key of every head through its block table: [Hkv, L, D].
         k_pos = torch.arange(seq_len, device=q.device)
-        for h in range(hkv):
-            # Gather every stored key of this head through its block table.
-            phys = block_tables[b, h].long()
-            lp = k_pos // page_size
-            in_table = lp < phys.numel()
-            page = torch.where(in_table, phys[lp.clamp_max(phys.numel() - 1)], -1)
-            present = page >= 0
-            slot = k_pos % page_size
-            kk = k_pages[page.clamp_min(0), slot]
-            vv = v_pages[page.clamp_min(0), slot]
-            sel = None
-            if sel_pos is not None:
-                n_sel = int((sel_pos[b, h] >= 0).sum()) if sel_lens is None else int(sel_lens[b, h])
-                sel = sel_pos[b, h, :n_sel]
-            mask = visibility_mask(q_pos, k_pos, windows[h], sinks[h], sel) & present[None, :]
-            # Absent keys may hold anything (even NaN): zero them so they cannot leak.
-            kk = torch.where(present[:, None], kk.float(), 0.0)
-            vv = torch.where(present[:, None], vv.float(), 0.0)
-            qs = q[cu[b]:cu[b + 1], h * g:(h + 1) * g]
-            ob, lb = _attend(qs, kk, vv, mask, sm_scale)
-            o[cu[b]:cu[b + 1], h * g:(h + 1) * g] = ob
-            lse[cu[b]:cu[b + 1], h * g:(h + 1) * g] = lb
+        lp = k_pos // page_size
+        phys = block_tables[b][:, lp.clamp_max(max_pages - 1)].long()
+        present = (phys >= 0) & (lp < max_pages)[None, :]  # [Hkv, L]
+        slot = (k_pos % page_size)[None, :]
+        # Absent keys may hold anything (even NaN): zero them so they cannot leak.
+        kk = torch.where(present[..., None], k_pages[phys.clamp_min(0), slot].float(), 0.0)
+        vv = torch.where(present[..., None], v_pages[phys.clamp_min(0), slot].float(), 0.0)
+        # The visibility rule for all heads at once: [Hkv, Q, L].
+        p = torch.arange(seq_len - q_len, seq_len, device=q.device)[None, :, None]
+        j = k_pos[None, None, :]
+        seen = (j < sinks) | (p - j < windows)
+        if sel_pos is not None:
+            for h in range(hkv):  # retrieval heads' explicit selections
+                chosen = sel_pos[b, h, : int(sel_lens[b, h])].long()
+                seen[h] |= torch.isin(k_pos, chosen)[None, :]
+        mask = (j <= p) & seen & present[:, None, :]
+        if not return_lse:  # fused masked SDPA: same math, much faster on CPU
+            ob = F.scaled_dot_product_attention(
+                q[cu[b]:cu[b + 1]].float().transpose(0, 1)[None], kk[None], vv[None],
+                attn_mask=mask.repeat_interleave(g, dim=0)[None], scale=sm_scale, enable_gqa=True)
+            o[cu[b]:cu[b + 1]] = torch.nan_to_num(ob[0].transpose(0, 1), nan=0.0)  # rows seeing nothing
+            continue
+        qs = q[cu[b]:cu[b + 1]].float().view(q_len, hkv, g, d)
+        s = torch.einsum("qhgd,hkd->hgqk", qs, kk) * sm_scale
+        s = s.masked_fill(~mask[:, None], float("-inf"))
+        lb = torch.logsumexp(s, dim=-1)  # [Hkv, G, Q]; -inf for a row that sees nothing
+        pr = torch.nan_to_num(torch.exp(s - lb[..., None]), nan=0.0)
+        ob = torch.einsum("hgqk,hkd->qhgd", pr, vv)
+        o[cu[b]:cu[b + 1]] = ob.reshape(q_len, hq, d)
+        lse[cu[b]:cu[b + 1]] = lb.permute(2, 0, 1).reshape(q_len, hq)
     o = o.to(q.dtype)
     return (o, lse) if return_lse else o
 
