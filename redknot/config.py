@@ -233,3 +233,57 @@ def _matrix_or_fill(value, name: str, source: str, n_layers: int, n_heads: int, 
         raise HeadConfigError(
             f"{source}: {name} is {len(m)}x{len(m[0])} but kv_head_classification is {n_layers}x{n_heads}")
     return [list(r) for r in m]
+
+
+@dataclass
+class SparseFFNConfig:
+    """Tiered sparse-FFN thresholds of the redknot recovery (upstream ``sparse_ffn_params`` JSON).
+
+    Layers < dense_until run the FFN on every token; layers in [dense_until, deep_layer_start)
+    keep the tokens covering 1 - mass_thresh of the observation window's attention mass, deeper
+    layers 1 - mass_thresh_deep. The last recent_n tokens and at least min_keep tokens always
+    go through the FFN.
+    """
+
+    dense_until: int = 4
+    mass_thresh: float = 0.2
+    deep_layer_start: int = 20
+    mass_thresh_deep: float = 0.05
+    recent_n: int = 128
+    min_keep: int = 16
+    importance: str = "attention"  # or "norm": the prototype's proxy, |attention output|
+
+    def __post_init__(self):
+        for name in ("dense_until", "deep_layer_start", "recent_n", "min_keep"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise HeadConfigError(f"sparse FFN: {name}={v!r} must be an integer >= 0")
+        for name in ("mass_thresh", "mass_thresh_deep"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise HeadConfigError(f"sparse FFN: {name}={v!r} must be in [0, 1)")
+        if self.importance not in ("attention", "norm"):
+            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention' or 'norm'")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "SparseFFNConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise HeadConfigError(f"{path}: no such sparse FFN config file") from None
+        except json.JSONDecodeError as e:
+            raise HeadConfigError(f"{path}: malformed JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise HeadConfigError(f"{path}: expected a JSON object")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise HeadConfigError(f"{path}: unknown sparse FFN field(s) {unknown} (known: {sorted(known)})")
+        return cls(**raw)
+
+    def threshold(self, layer: int) -> float | None:
+        """Mass share a layer's FFN may drop; None for a dense-FFN layer."""
+        if layer < self.dense_until:
+            return None
+        return self.mass_thresh if layer < self.deep_layer_start else self.mass_thresh_deep

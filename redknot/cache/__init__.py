@@ -1,5 +1,6 @@
-"""KV cache: the per-(layer, KV head) page pool (docs/segpaged.md)."""
+"""KV caches: the per-(layer, KV head) page pool (docs/segpaged.md) and the chunk KV store."""
 
-from redknot.cache.pool import PagePool, PagesNeeded, PoolExhausted
+from .chunk_store import ChunkKV, ChunkStore, chunk_key
+from .pool import PagePool, PagesNeeded, PoolExhausted
 
-__all__ = ["PagePool", "PagesNeeded", "PoolExhausted"]
+__all__ = ["ChunkKV", "ChunkStore", "PagePool", "PagesNeeded", "PoolExhausted", "chunk_key"]

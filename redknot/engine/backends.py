@@ -33,6 +33,10 @@ class AttentionBackend:
         """Bytes of KV held right now."""
         return 0
 
+    def import_kv(self, seq_id: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Take a prefill computed elsewhere (the reuse engine): per layer [N, Hkv, D] K/V."""
+        raise NotImplementedError
+
 
 class DenseBackend(AttentionBackend):
     """Contiguous per-sequence KV and torch SDPA: the plain dense baseline."""
@@ -97,3 +101,9 @@ class DenseBackend(AttentionBackend):
 
     def end(self, ctx: Context) -> None:
         self.lengths.update(zip(ctx.seq_ids, ctx.seq_lens))
+
+    def import_kv(self, seq_id, k, v):
+        n = k[0].shape[0]
+        cache = self._empty(n)
+        cache[:, 0], cache[:, 1] = torch.stack(k), torch.stack(v)
+        self.cache[seq_id], self.lengths[seq_id] = cache, n

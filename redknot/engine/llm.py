@@ -7,16 +7,22 @@ from pathlib import Path
 
 import torch
 
-from ..config import HeadConfig
+from ..cache import ChunkStore
+from ..config import HeadConfig, SparseFFNConfig
 from ..models import load_model
+from ..models.fingerprint import model_fingerprint
+from ..reuse.methods import REUSE_METHODS, PrefillResult, ReuseEngine, ReuseOptions
+from ..reuse.prompt import build_prompt
 from .backends import AttentionBackend, DenseBackend
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample
 from .sequence import Sequence
 
-# Attention-only methods available now; the chunk-reuse methods plug in beside them.
-METHODS = ("dense", "headsparse")
-REUSE_METHODS = ("prefix", "full_reuse", "cacheblend", "epic", "redknot", "redknot_exact")
+METHODS = ("dense", "headsparse") + tuple(m for m in REUSE_METHODS if m != "dense")
+# Which attention backend a method decodes on: dense KV, or per-head pages under the head config
+# (or under an all-global plan for the exact gate, so it runs the same SegPaged code).
+_BACKEND_OF = {"headsparse": "headsparse", "redknot": "headsparse", "redknot_kv": "headsparse",
+               "redknot_exact": "global_paged"}
 
 
 @dataclass
@@ -33,6 +39,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    metrics: dict | None = None  # cached_tokens, executed prefill FLOPs (reuse methods)
 
 
 class LLM:
@@ -44,7 +51,9 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, head_config: str | Path | HeadConfig | None = None,
                  method: str = "dense", device: str | torch.device | None = None, dtype=None,
-                 page_size: int = 64, kv_pages: int | None = None, max_num_batched_tokens: int = 8192):
+                 page_size: int = 64, kv_pages: int | None = None, max_num_batched_tokens: int = 8192,
+                 sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_store_bytes: int = 4 << 30,
+                 cpu_chunk_store_bytes: int = 0, reuse_options: ReuseOptions | None = None):
         if model is None:
             from ..testbed import model_path
             model = model_path()
@@ -60,6 +69,16 @@ class LLM:
         if head_config is not None:
             head_config.validate_model(self.config.num_hidden_layers, self.config.num_key_value_heads)
         self.head_config = head_config
+        if isinstance(sparse_ffn, (str, Path)):
+            sparse_ffn = SparseFFNConfig.from_json(sparse_ffn)
+        self.sparse_ffn = sparse_ffn or SparseFFNConfig()
+        self.fingerprint = model_fingerprint(self.model, self.config, self.tokenizer)
+        # Chunks at canonical positions, and exact prefixes (method "prefix"), keyed by content + model.
+        self.chunk_store = ChunkStore(self.fingerprint, chunk_store_bytes, cpu_chunk_store_bytes, self.device)
+        self.prefix_store = ChunkStore(self.fingerprint, chunk_store_bytes, 0, self.device)
+        self.reuse = ReuseEngine(self.model, self.config, self.fingerprint, head_config, self.sparse_ffn, self.chunk_store,
+                                 self.prefix_store, self.device, reuse_options)
+        self.last_prefill: PrefillResult | None = None  # what the last reuse prefill executed
         self.method = self._check_method(method)
         self.runner = ModelRunner(self.model, self.device)
         self._backends: dict[str, AttentionBackend] = {}
@@ -68,38 +87,57 @@ class LLM:
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  documents=None, method: str | None = None) -> list[RequestOutput]:
+        """``documents``: one list of documents (strings or token-id lists) per prompt, or None."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
-        if documents is not None:
-            raise NotImplementedError("documents= (chunk reuse) is not implemented yet")
+        if documents is not None and single and (not documents or not isinstance(documents[0], list)
+                                                 or (documents[0] and isinstance(documents[0][0], int))):
+            documents = [documents]  # one prompt's documents given flat
+        if documents is not None and len(documents) != len(prompts):
+            raise ValueError(f"got {len(documents)} document lists for {len(prompts)} prompts")
         params = sampling_params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        backend = self.backend(self._check_method(method or self.method))
-        seqs = []
-        for prompt, p in zip(prompts, params):
-            seq = Sequence(self._encode(prompt), p)
+        method = self._check_method(method or self.method)
+        backend = self.backend(method)
+        seqs, prefilled = [], {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            docs = None if documents is None else documents[i]
+            seq = Sequence(self._prompt_ids(prompt, docs), p)
             if p.seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(p.seed)
             seqs.append(seq)
         try:
-            for seq in seqs:
+            for i, seq in enumerate(seqs):
                 backend.add_sequence(seq.seq_id)
-            self._run(backend, seqs)
+                if method in REUSE_METHODS and method != "dense":
+                    docs = None if documents is None else documents[i]
+                    result = self._reuse_prefill(prompts[i], docs, method)
+                    backend.import_kv(seq.seq_id, result.recovered.k, result.recovered.v)
+                    seq.num_computed = len(seq.token_ids)
+                    prefilled[seq.seq_id] = result
+            self._run(backend, seqs, {sid: r.recovered.logits for sid, r in prefilled.items()})
         finally:
             for seq in seqs:
                 backend.free_sequence(seq.seq_id)
-        return [RequestOutput(i, prompt if isinstance(prompt, str) else None, s.prompt_token_ids,
-                              [CompletionOutput(0, s.text, s.output_token_ids, s.finish_reason)])
-                for i, (prompt, s) in enumerate(zip(prompts, seqs))]
+        outputs = []
+        for i, (prompt, s) in enumerate(zip(prompts, seqs)):
+            r = prefilled.get(s.seq_id)
+            metrics = {"cached_tokens": r.cached_tokens if r else 0,
+                       "flops": r.recovered.flops.totals() if r else None}
+            outputs.append(RequestOutput(i, prompt if isinstance(prompt, str) else None, s.prompt_token_ids,
+                                         [CompletionOutput(0, s.text, s.output_token_ids, s.finish_reason)],
+                                         metrics))
+        return outputs
 
     def first_token_logits(self, prompt, documents=None, method: str | None = None) -> torch.Tensor:
         """float32 logits [vocab] of the first generated position."""
-        if documents is not None:
-            raise NotImplementedError("documents= (chunk reuse) is not implemented yet")
-        backend = self.backend(self._check_method(method or self.method))
-        seq = Sequence(self._encode(prompt), SamplingParams(max_tokens=1, temperature=0))
+        method = self._check_method(method or self.method)
+        if method in REUSE_METHODS and method != "dense":
+            return self._reuse_prefill(prompt, documents, method).recovered.logits
+        backend = self.backend(method)
+        seq = Sequence(self._prompt_ids(prompt, documents), SamplingParams(max_tokens=1, temperature=0))
         backend.add_sequence(seq.seq_id)
         try:
             return self._prefill(backend, [seq])[seq.seq_id]
@@ -107,24 +145,40 @@ class LLM:
             backend.free_sequence(seq.seq_id)
 
     def backend(self, method: str) -> AttentionBackend:
-        if method not in self._backends:
-            if method == "dense":
-                self._backends[method] = DenseBackend(self.config, self.dtype, self.device)
-            else:  # headsparse
+        """The attention backend ``method`` decodes on (built on first use, shared across methods)."""
+        key = _BACKEND_OF.get(method, "dense")
+        if key not in self._backends:
+            if key == "dense":
+                self._backends[key] = DenseBackend(self.config, self.dtype, self.device)
+            else:
                 from .segpaged_backend import SegPagedBackend
-                if self.head_config is None:
+                plan = self.head_config
+                if key == "global_paged":
+                    plan = HeadConfig.all_global(self.config.num_hidden_layers, self.config.num_key_value_heads)
+                elif plan is None:
                     raise ValueError(f"method={method!r} needs a head_config (a JSON file or HeadConfig)")
-                self._backends[method] = SegPagedBackend(self.config, self.head_config, self.dtype, self.device,
-                                                         page_size=self.page_size, num_pages=self.kv_pages)
-        return self._backends[method]
+                self._backends[key] = SegPagedBackend(self.config, plan, self.dtype, self.device,
+                                                      page_size=self.page_size, num_pages=self.kv_pages)
+        return self._backends[key]
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_method(self, method: str) -> str:
-        if method in REUSE_METHODS:
-            raise NotImplementedError(f"method={method!r} needs chunk reuse, which is not implemented yet")
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r} (available: {', '.join(METHODS)})")
+        if method in ("redknot", "redknot_kv") and self.head_config is None:
+            raise ValueError(f"method={method!r} needs a head_config (a JSON file or HeadConfig)")
         return method
+
+    def _reuse_prefill(self, prompt, documents, method: str) -> PrefillResult:
+        cp = build_prompt(self.tokenizer, prompt, documents)
+        self._check_ids(cp.token_ids)
+        self.last_prefill = self.reuse.prefill(cp, method)
+        return self.last_prefill
+
+    def _prompt_ids(self, prompt, documents) -> list[int]:
+        if documents is None:
+            return self._encode(prompt)
+        return self._check_ids(build_prompt(self.tokenizer, prompt, documents).token_ids)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -133,6 +187,9 @@ class LLM:
             ids = list(prompt)
         else:
             raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        return self._check_ids(ids)
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("empty prompt")
         if len(ids) > self.max_model_len:
@@ -162,8 +219,8 @@ class LLM:
             pending = [s for s in pending if s.num_pending > 0]
         return last
 
-    def _run(self, backend, seqs: list[Sequence]) -> None:
-        first = self._prefill(backend, seqs)
+    def _run(self, backend, seqs: list[Sequence], prefilled: dict[int, torch.Tensor]) -> None:
+        first = {**prefilled, **self._prefill(backend, [s for s in seqs if s.seq_id not in prefilled])}
         logits = torch.stack([first[s.seq_id] for s in seqs])
         active = list(seqs)
         while True:

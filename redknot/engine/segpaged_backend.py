@@ -73,5 +73,15 @@ class SegPagedBackend(AttentionBackend):
         for sid in ctx.seq_ids:
             self.pool.trim(sid)
 
+    def import_kv(self, seq_id, k, v):
+        n = k[0].shape[0]
+        self.pool.ensure(seq_id, n)
+        bt = self.pool.block_tables([seq_id])
+        cu = torch.tensor([0, n], dtype=torch.int32, device=self.pool.device)
+        lens = cu[1:]
+        for layer, (kl, vl) in enumerate(zip(k, v)):
+            self._store(kl, vl, self.pool.k_pages, self.pool.v_pages, bt[layer], cu, lens)
+        self.pool.trim(seq_id)
+
     def kv_bytes(self) -> int:
         return (self.pool.num_pages - self.pool.num_free_pages) * self.pool.bytes_per_page

@@ -73,14 +73,26 @@ class RotaryEmbedding(torch.nn.Module):
         self.rot_dim = inv_freq.numel() * 2
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        # Angles in float64: position * inv_freq in fp32 is off by ~ulp(position) radians (6e-5 at
+        # 1K, 8e-3 at 128K), which would also make relocated keys differ from directly computed ones.
+        freqs = positions.double()[:, None] * self.inv_freq.double()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
+        return (emb.cos() * self.scaling).float(), (emb.sin() * self.scaling).float()
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D], positions: [T] (absolute; may be negative for a relocation delta)."""
         cos, sin = self.cos_sin(positions)
         return apply_rotation(x, cos, sin, self.rot_dim)
+
+    def relocate(self, k: torch.Tensor, delta) -> torch.Tensor:
+        """Move keys rotated at positions p to p + delta: one fp32 rotation by delta, one rounding.
+
+        k: [T, H, D]; delta: an int or an int tensor [T]. Yarn's cos/sin scaling is already in the
+        keys, so the delta rotation is a pure rotation (unscaled)."""
+        delta = torch.as_tensor(delta, device=k.device).expand(k.shape[0])
+        freqs = delta.double()[:, None] * self.inv_freq.double()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return apply_rotation(k, emb.cos().float(), emb.sin().float(), self.rot_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         cos, sin = self.cos_sin(positions)

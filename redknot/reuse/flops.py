@@ -1,0 +1,60 @@
+"""FLOPs of what a prefill actually executed: projections, attention and FFN, per layer.
+
+Counts are exact for the visibility rule (visible (query, key) pairs per head), so a method is
+charged for what it ran, not for an analytic model of it. Multiply-adds count as 2 FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.config import ModelConfig
+
+
+def visible_pairs(q_pos: torch.Tensor, window: torch.Tensor, sink: torch.Tensor, group: int) -> int:
+    """Sum over queries and query heads of the keys each sees: j <= p and (j < S or p - j < W)."""
+    n = q_pos.long()[:, None] + 1  # keys at or before p
+    w, s = window.long().to(q_pos.device)[None], sink.long().to(q_pos.device)[None]
+    per_head = torch.minimum(n, w) + torch.minimum(s, n - w).clamp_min(0)
+    return int(per_head.sum()) * group
+
+
+@dataclass
+class FlopReport:
+    proj: list[int] = field(default_factory=list)  # per layer
+    attention: list[int] = field(default_factory=list)
+    ffn: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # tokens through the layer's projections
+    ffn_tokens: list[int] = field(default_factory=list)
+    lm_head: int = 0
+
+    def add_layer(self, cfg: ModelConfig, n_tokens: int, pairs: int, n_ffn: int) -> None:
+        h, d = cfg.hidden_size, cfg.head_dim
+        qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
+        self.proj.append(2 * n_tokens * h * (qkv_out + cfg.num_attention_heads * d))
+        self.attention.append(4 * d * pairs)  # q·k and p·v
+        self.ffn.append(2 * n_ffn * 3 * h * cfg.intermediate_size)
+        self.tokens.append(n_tokens)
+        self.ffn_tokens.append(n_ffn)
+
+    def add_lm_head(self, cfg: ModelConfig, rows: int = 1) -> None:
+        self.lm_head += 2 * rows * cfg.hidden_size * cfg.vocab_size
+
+    def totals(self) -> dict:
+        out = {"proj": sum(self.proj), "attention": sum(self.attention), "ffn": sum(self.ffn),
+               "lm_head": self.lm_head}
+        out["total"] = sum(out.values())
+        return out
+
+    def merge(self, other: "FlopReport") -> "FlopReport":
+        """Layer-wise sum (e.g. a chunk's offline prefill plus the request's recovery)."""
+        if not self.proj:
+            return other
+        return FlopReport([a + b for a, b in zip(self.proj, other.proj)],
+                          [a + b for a, b in zip(self.attention, other.attention)],
+                          [a + b for a, b in zip(self.ffn, other.ffn)],
+                          [a + b for a, b in zip(self.tokens, other.tokens)],
+                          [a + b for a, b in zip(self.ffn_tokens, other.ffn_tokens)],
+                          self.lm_head + other.lm_head)

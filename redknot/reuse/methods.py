@@ -1,0 +1,291 @@
+"""Reuse methods as policies over the recovery forward, and the engine that feeds them chunk KV.
+
+dense          every token, every layer (the baseline, through the same forward)
+prefix         exact KV of the longest cached prefix ending at a chunk boundary; the rest dense
+full_reuse     prefix + relocated chunk KV as they are; only the suffix is computed
+epic           full_reuse, plus the first `epic_tokens` tokens of each chunk recomputed
+cacheblend     layer 0 recomputes every chunk token; the `cacheblend_ratio` with the largest
+               value deviation from their cached KV continue, the rest keep the cache
+redknot        one forward over chunks + suffix: shallow layers (< dense_until) attend locally
+               (every head within its sink + window) with a dense FFN; deeper layers give global
+               heads the full context and local heads their window, and run the FFN only on the
+               tokens that receive the most attention from the suffix's last tokens (tiered
+               thresholds); the rest keep their residual
+redknot_kv     redknot, but a token left out of a layer's FFN stops there: later layers use its
+               cached (relocated) KV, so projections and attention shrink with the FFN
+redknot_exact  the redknot code path with every head global, dense FFN, every chunk recomputed:
+               equals dense (the correctness gate)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.chunk_store import ChunkKV, ChunkStore, chunk_key
+from ..config import DEFAULT_SINK, HeadConfig, SparseFFNConfig
+from ..models.config import ModelConfig
+from ..models.llama import LlamaForCausalLM
+from .flops import FlopReport
+from .prompt import ChunkedPrompt
+from .recovery import Policy, Recovered, recover
+
+CHUNK_METHODS = ("full_reuse", "epic", "cacheblend", "redknot", "redknot_kv", "redknot_exact")
+REUSE_METHODS = ("dense", "prefix") + CHUNK_METHODS
+
+
+@dataclass
+class ReuseOptions:
+    epic_tokens: int = 16
+    cacheblend_ratio: float = 0.15
+    observation_tokens: int = 16  # suffix tail whose attention mass ranks tokens for the sparse FFN
+    shallow_window: int | None = None  # local-recovery window of global heads; None: widest local window
+
+
+@dataclass
+class PrefillResult:
+    recovered: Recovered
+    cached_tokens: int  # prompt tokens whose KV came from a cache at layer 0
+    offline_flops: FlopReport = field(default_factory=FlopReport)  # chunks computed for this request
+    offline_s: float = 0.0
+
+
+class FixedSet(Policy):
+    def __init__(self, positions: torch.Tensor, window: torch.Tensor, sink: torch.Tensor):
+        self.positions, self.window, self.sink = positions, window, sink
+
+    def initial(self):
+        return self.positions
+
+    def visibility(self, layer):
+        return self.window[layer], self.sink[layer]
+
+
+class CacheBlend(FixedSet):
+    """Recompute everything at layer 0, keep the `ratio` most deviating chunk tokens after it."""
+
+    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, ratio: float):
+        super().__init__(positions, window, sink)
+        self.is_chunk, self.ratio = is_chunk, ratio
+
+    def keep_rows(self, layer, cur, info):
+        if layer != 0:
+            return None
+        chunk_rows = self.is_chunk[cur].nonzero().flatten()
+        n_keep = int(round(self.ratio * chunk_rows.numel()))
+        top = chunk_rows[info["v_deviation"][chunk_rows].topk(n_keep).indices]
+        rest = (~self.is_chunk[cur]).nonzero().flatten()
+        return torch.cat([top, rest]).sort().values
+
+
+class RedKnot(FixedSet):
+    def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
+                 sparse: SparseFFNConfig, observe: int, keep_cached: bool):
+        super().__init__(positions, window, sink)
+        self.shallow = (shallow_window, shallow_sink)
+        self.is_chunk, self.sparse, self.n_obs, self.keep_cached = is_chunk, sparse, observe, keep_cached
+        self._rows = None
+
+    def visibility(self, layer):
+        if layer < self.sparse.dense_until:  # local recovery: every head within sink + window
+            return self.shallow[0][layer], self.shallow[1][layer]
+        return super().visibility(layer)
+
+    def observe(self, layer):
+        sparse = self.sparse.threshold(layer) is not None and self.sparse.importance == "attention"
+        return self.n_obs if sparse else 0
+
+    def ffn_rows(self, layer, cur, info):
+        thr = self.sparse.threshold(layer)
+        if thr is None:
+            self._rows = None
+            return None
+        score = info["mass"][cur] if self.sparse.importance == "attention" else info["out_norm"]
+        self._rows = select_tokens(score, self.is_chunk[cur], thr, self.sparse.recent_n, self.sparse.min_keep)
+        return self._rows
+
+    def keep_rows(self, layer, cur, info):
+        return self._rows if self.keep_cached else None
+
+
+def select_tokens(score: torch.Tensor, candidate: torch.Tensor, drop_share: float, recent_n: int,
+                  min_keep: int) -> torch.Tensor:
+    """Rows kept: every non-candidate, the last recent_n rows, and the fewest candidates (highest
+    score first) that cover 1 - drop_share of the candidates' score; at least min_keep rows."""
+    t = score.numel()
+    keep = ~candidate.clone()
+    keep[max(0, t - recent_n):] = True
+    cand = candidate & ~keep
+    s = torch.where(cand, score.float().clamp_min(0), torch.zeros((), device=score.device))
+    total = s.sum()
+    n_cand = int(cand.sum())
+    if n_cand:
+        order = s.argsort(descending=True)
+        if total > 0:
+            share = s[order].cumsum(0) / total
+            n_take = int((share < 1 - drop_share).sum()) + 1
+        else:
+            n_take = 0
+        n_take = min(n_cand, max(n_take, min_keep - int(keep.sum())))
+        keep[order[:n_take]] = True
+    return keep.nonzero().flatten()
+
+
+class ReuseEngine:
+    """Turns a ChunkedPrompt into a prefill for any method, caching prefix and chunk KV by content."""
+
+    def __init__(self, model: LlamaForCausalLM, cfg: ModelConfig, fingerprint: str, head_config: HeadConfig | None,
+                 sparse: SparseFFNConfig, store: ChunkStore, prefix_store: ChunkStore, device: torch.device,
+                 options: ReuseOptions | None = None):
+        self.model, self.cfg, self.device = model, cfg, device
+        self.fingerprint = fingerprint  # keys carry this model's identity, whatever store they go to
+        self.head_config, self.sparse = head_config, sparse
+        self.store, self.prefix_store = store, prefix_store
+        self.options = options or ReuseOptions()
+        glob = HeadConfig.all_global(cfg.num_hidden_layers, cfg.num_key_value_heads)
+        self.global_vis = _tensors(glob.visibility(cfg.sliding_windows))
+
+    # ---- chunk KV -----------------------------------------------------------------------------
+    def _key(self, prefix, ids) -> str:
+        return chunk_key(self.fingerprint, prefix, ids)
+
+    def _entry(self, store: ChunkStore, key: str, prefix: tuple, ids: tuple, start: int,
+               offline: list) -> ChunkKV:
+        entry = store.get(key)
+        if entry is not None:
+            return entry
+        t0 = time.perf_counter()
+        base = self._entry(self.store, self._key((), prefix), (), prefix, 0, offline) if prefix else None
+        tokens = torch.tensor(prefix + ids, device=self.device)
+        n = tokens.numel()
+        positions = torch.arange(start, n, device=self.device)
+        if base is not None:
+            ck, cv, cached = self._empty_cache(n)
+            for l in range(self.cfg.num_hidden_layers):
+                ck[l][:start], cv[l][:start] = base.k[l], base.v[l]
+            cached[:start] = True
+            rec = recover(self.model, tokens, FixedSet(positions, *self.global_vis), ck, cv, cached)
+        else:
+            rec = recover(self.model, tokens, FixedSet(positions, *self.global_vis))
+        entry = ChunkKV(tuple(ids), start, torch.stack([k[start:] for k in rec.k]),
+                        torch.stack([v[start:] for v in rec.v]), compute_s=time.perf_counter() - t0)
+        offline.append((rec.flops, entry.compute_s))
+        store.put(key, entry)
+        return entry
+
+    def _empty_cache(self, n: int):
+        c = self.cfg
+        dtype = next(self.model.parameters()).dtype
+        ck = [torch.zeros(n, c.num_key_value_heads, c.head_dim, dtype=dtype, device=self.device)
+              for _ in range(c.num_hidden_layers)]
+        cv = [torch.zeros_like(x) for x in ck]
+        return ck, cv, torch.zeros(n, dtype=torch.bool, device=self.device)
+
+    def _place(self, ck, cv, entry: ChunkKV, at: int) -> None:
+        """Copy a cached chunk into the request's cache at offset `at`, keys relocated in fp32."""
+        n = entry.num_tokens
+        rope = self.model.model.rotary_emb
+        k = entry.k.to(self.device)
+        if at != entry.start:
+            L, _, h, d = k.shape
+            k = rope.relocate(k.reshape(L * n, h, d), at - entry.start).view(L, n, h, d)
+        for l in range(self.cfg.num_hidden_layers):
+            ck[l][at:at + n] = k[l]
+            cv[l][at:at + n] = entry.v[l].to(self.device)
+
+    # ---- prefill ------------------------------------------------------------------------------
+    def prefill(self, prompt: ChunkedPrompt, method: str) -> PrefillResult:
+        if method not in REUSE_METHODS:
+            raise ValueError(f"unknown reuse method {method!r} (available: {', '.join(REUSE_METHODS)})")
+        tokens = torch.tensor(prompt.token_ids, device=self.device)
+        n = tokens.numel()
+        all_pos = torch.arange(n, device=self.device)
+        if method == "dense":
+            return PrefillResult(recover(self.model, tokens, FixedSet(all_pos, *self.global_vis)), 0)
+        if method == "prefix":
+            return self._prefix(prompt, tokens)
+        offline: list = []
+        ck, cv, cached = self._empty_cache(n)
+        p = len(prompt.prefix)
+        if p:
+            self._place(ck, cv, self._entry(self.store, self._key((), prompt.prefix), (), prompt.prefix, 0,
+                                            offline), 0)
+            cached[:p] = True
+        is_chunk = torch.zeros(n, dtype=torch.bool, device=self.device)
+        for ids, at in zip(prompt.chunks, prompt.chunk_starts):
+            entry = self._entry(self.store, self._key(prompt.prefix, ids), prompt.prefix, ids, p, offline)
+            self._place(ck, cv, entry, at)
+            cached[at:at + len(ids)] = True
+            is_chunk[at:at + len(ids)] = True
+        policy = self._policy(method, prompt, is_chunk)
+        rec = recover(self.model, tokens, policy, ck, cv, cached)
+        off = FlopReport()
+        for f, _ in offline:
+            off = off.merge(f)
+        return PrefillResult(rec, int(cached.sum()) if method != "redknot_exact" else p, off,
+                             sum(s for _, s in offline))
+
+    def _policy(self, method: str, prompt: ChunkedPrompt, is_chunk: torch.Tensor) -> Policy:
+        dev, n = self.device, len(prompt)
+        suffix = torch.arange(prompt.suffix_start, n, device=dev)
+        body = torch.arange(len(prompt.prefix), n, device=dev)  # chunks + suffix
+        o = self.options
+        if method == "full_reuse":
+            return FixedSet(suffix, *self.global_vis)
+        if method == "epic":
+            heads = [torch.arange(at, at + min(o.epic_tokens, len(c)), device=dev)
+                     for c, at in zip(prompt.chunks, prompt.chunk_starts)]
+            return FixedSet(torch.cat(heads + [suffix]), *self.global_vis)
+        if method == "cacheblend":
+            return CacheBlend(body, *self.global_vis, is_chunk, o.cacheblend_ratio)
+        if method == "redknot_exact":
+            return RedKnot(body, *self.global_vis, *self.global_vis, is_chunk,
+                           SparseFFNConfig(dense_until=self.cfg.num_hidden_layers,
+                                           deep_layer_start=self.cfg.num_hidden_layers), 0, False)
+        if self.head_config is None:
+            raise ValueError(f"method={method!r} needs a head_config")
+        window, sink = _tensors(self.head_config.visibility(self.cfg.sliding_windows))
+        shallow_w, shallow_s = self._shallow(window, sink)
+        return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, self.sparse,
+                       min(o.observation_tokens, len(prompt.suffix)), keep_cached=method == "redknot_kv")
+
+    def _shallow(self, window, sink):
+        """Local recovery: global heads get the widest local window (or `shallow_window`) and a sink."""
+        local = window[window < window.max()]
+        w = self.options.shallow_window or (int(local.max()) if local.numel() else 1024)
+        is_global = window > w
+        return torch.where(is_global, w, window), torch.where(is_global, DEFAULT_SINK, sink)
+
+    def _prefix(self, prompt: ChunkedPrompt, tokens: torch.Tensor) -> PrefillResult:
+        """Exact prefix caching at chunk boundaries (what vLLM/SGLang prefix caching gives)."""
+        ids = prompt.token_ids
+        n = len(ids)
+        bounds = [b for b in [len(prompt.prefix)] + [s + len(c) for c, s in zip(prompt.chunks, prompt.chunk_starts)]
+                  if 0 < b < n]
+        hit, entry = 0, None
+        for b in reversed(bounds):
+            entry = self.prefix_store.get(self._key((), tuple(ids[:b])))
+            if entry is not None:
+                hit = b
+                break
+        ck, cv, cached = self._empty_cache(n)
+        if entry is not None:
+            for l in range(self.cfg.num_hidden_layers):
+                ck[l][:hit], cv[l][:hit] = entry.k[l].to(self.device), entry.v[l].to(self.device)
+            cached[:hit] = True
+        rec = recover(self.model, tokens, FixedSet(torch.arange(hit, n, device=self.device), *self.global_vis),
+                      ck, cv, cached)
+        for b in bounds:
+            if b > hit:
+                key = self._key((), tuple(ids[:b]))
+                if not self.prefix_store.contains(key):
+                    self.prefix_store.put(key, ChunkKV(tuple(ids[:b]), 0, torch.stack([k[:b] for k in rec.k]),
+                                                       torch.stack([v[:b] for v in rec.v])))
+        return PrefillResult(rec, hit)
+
+
+def _tensors(vis) -> tuple[torch.Tensor, torch.Tensor]:
+    window, sink = vis
+    return torch.as_tensor(window, dtype=torch.int64), torch.as_tensor(sink, dtype=torch.int64)

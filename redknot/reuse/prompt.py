@@ -1,0 +1,88 @@
+"""How a request with documents becomes tokens: ``[prefix][chunk 1]…[chunk n][suffix]``.
+
+Every method, dense included, sees exactly ``ChunkedPrompt.token_ids``; chunk boundaries are
+explicit (each document is tokenized on its own), never found by searching for separators.
+
+With a chat template the documents go inside the user turn, before the question: the template
+is rendered around a placeholder, the text before it is the prefix, the question plus the text
+after it is the suffix. Each document string is tokenized with a trailing blank line so
+documents read as paragraphs. Without a chat template the prefix is the BOS token (if any) and
+the suffix is the prompt. Token-id lists are taken as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_PLACEHOLDER = "\x00REDKNOT_DOCUMENTS_AND_QUESTION\x00"
+DOCUMENT_SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class ChunkedPrompt:
+    prefix: tuple[int, ...]
+    chunks: tuple[tuple[int, ...], ...]
+    suffix: tuple[int, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        out = list(self.prefix)
+        for c in self.chunks:
+            out.extend(c)
+        out.extend(self.suffix)
+        return out
+
+    @property
+    def chunk_starts(self) -> list[int]:
+        starts, pos = [], len(self.prefix)
+        for c in self.chunks:
+            starts.append(pos)
+            pos += len(c)
+        return starts
+
+    @property
+    def suffix_start(self) -> int:
+        return len(self.prefix) + sum(len(c) for c in self.chunks)
+
+    def __len__(self) -> int:
+        return self.suffix_start + len(self.suffix)
+
+
+def _ids(x, what: str) -> tuple[int, ...]:
+    if not isinstance(x, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+        raise TypeError(f"{what} must be a string or a list of token ids")
+    return tuple(x)
+
+
+def build_prompt(tokenizer, prompt, documents, use_chat_template: bool | None = None) -> ChunkedPrompt:
+    """Split a request into prefix, chunks and suffix token ids (see module docstring)."""
+    if documents is None:
+        documents = []
+    if isinstance(documents, (str, bytes)) or not isinstance(documents, (list, tuple)):
+        raise TypeError("documents must be a list of strings or token-id lists")
+    chat = getattr(tokenizer, "chat_template", None) is not None if use_chat_template is None else use_chat_template
+    if isinstance(prompt, str):
+        if chat:
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": _PLACEHOLDER}], tokenize=False,
+                                                     add_generation_prompt=True)
+            head, tail = rendered.split(_PLACEHOLDER)
+            prefix = tuple(tokenizer.encode(head, add_special_tokens=False))
+            suffix = tuple(tokenizer.encode(prompt + tail, add_special_tokens=False))
+        else:
+            bos = tokenizer.bos_token_id
+            prefix = (bos,) if bos is not None and tokenizer.encode("a")[:1] == [bos] else ()
+            suffix = tuple(tokenizer.encode(prompt, add_special_tokens=False))
+    else:
+        prefix, suffix = (), _ids(prompt, "prompt")
+    chunks = []
+    for i, doc in enumerate(documents):
+        if isinstance(doc, str):
+            ids = tuple(tokenizer.encode(doc + DOCUMENT_SEPARATOR, add_special_tokens=False))
+        else:
+            ids = _ids(doc, f"documents[{i}]")
+        if not ids:
+            raise ValueError(f"documents[{i}] is empty")
+        chunks.append(ids)
+    if not suffix:
+        raise ValueError("empty prompt: the suffix (question) has no tokens")
+    return ChunkedPrompt(prefix, tuple(chunks), suffix)

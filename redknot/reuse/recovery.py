@@ -1,0 +1,162 @@
+"""One prefill forward in which each layer computes only a chosen set of tokens.
+
+Every reuse method is a *policy* over this forward: which positions are computed at each layer
+(the rest take their K/V from the cache: the exact prefix, relocated chunks), what each head may
+see, and which tokens go through the FFN (the rest keep their residual). Dense prefill is the
+policy "every token, every layer, every head global", so exact mode runs the same code.
+
+The sets shrink monotonically (a token dropped after layer l has no hidden state later), and a
+dropped token must be cached. The forward returns the K/V of every position at every layer: the
+cache the decode continues from. Softmax in fp32; attention masks are built per head from the
+same (window, sink) rule as the kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models.llama import LlamaForCausalLM
+from .flops import FlopReport, visible_pairs
+
+# Query rows per attention block: bounds the [Hq, rows, N] mask and score memory.
+_QUERY_BLOCK = 1024
+
+
+class Policy:
+    """What a method computes. Override the hooks; positions are absolute, idx index `cur`."""
+
+    def initial(self) -> torch.Tensor:
+        """Positions computed at layer 0 (sorted)."""
+        raise NotImplementedError
+
+    def visibility(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(window, sink) int64 [Hkv] for this layer's queries."""
+        raise NotImplementedError
+
+    def observe(self, layer: int) -> int:
+        """How many of the last computed queries report the attention mass they give (0: none)."""
+        return 0
+
+    def ffn_rows(self, layer: int, cur: torch.Tensor, info: dict) -> torch.Tensor | None:
+        """Rows of `cur` whose FFN runs (None: all)."""
+        return None
+
+    def keep_rows(self, layer: int, cur: torch.Tensor, info: dict) -> torch.Tensor | None:
+        """Rows of `cur` still computed from the next layer on (None: all)."""
+        return None
+
+
+@dataclass
+class Recovered:
+    logits: torch.Tensor  # float32 [vocab] of the last position
+    k: list[torch.Tensor]  # per layer [N, Hkv, D]: the cache decode continues from
+    v: list[torch.Tensor]
+    flops: FlopReport
+
+
+@torch.inference_mode()
+def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
+            cache_k: list[torch.Tensor] | None = None, cache_v: list[torch.Tensor] | None = None,
+            cached: torch.Tensor | None = None) -> Recovered:
+    """Run the policy's prefill over ``token_ids`` [N].
+
+    cache_k/v: per layer [N, Hkv, D] K/V of cached positions (keys rotated at their absolute
+    positions); ``cached`` bool [N] marks them. Positions never computed must be cached."""
+    cfg = model.config
+    dev = token_ids.device
+    n = token_ids.numel()
+    cached = torch.zeros(n, dtype=torch.bool, device=dev) if cached is None else cached
+    cur = policy.initial().to(dev)
+    covered = cached.clone()
+    covered[cur] = True
+    if not bool(covered.all()):
+        raise ValueError("recovery policy leaves positions neither cached nor computed")
+    group = cfg.num_kv_groups
+    flops = FlopReport()
+    body = model.model
+    h = body.embed_tokens(token_ids[cur])
+    out_k, out_v = [], []
+    for l, layer in enumerate(body.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        t = cur.numel()
+        q = attn.q_proj(x).view(t, attn.n_heads, attn.head_dim)
+        k = attn.k_proj(x).view(t, attn.n_kv, attn.head_dim)
+        v = attn.v_proj(x).view(t, attn.n_kv, attn.head_dim)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = attn.rope(q, k, cur)
+        if cache_k is not None:
+            keys, values = cache_k[l].clone(), cache_v[l].clone()
+        else:
+            keys = torch.zeros(n, attn.n_kv, attn.head_dim, dtype=k.dtype, device=dev)
+            values = torch.zeros_like(keys)
+        info = {}
+        if cache_k is not None:
+            was = cached[cur]  # deviation of recomputed values from their cached version (CacheBlend)
+            info["v_deviation"] = torch.where(
+                was, (v.float() - values[cur].float()).norm(dim=(-1, -2)), torch.zeros((), device=dev))
+        keys[cur], values[cur] = k, v
+        window, sink = policy.visibility(l)
+        o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
+                          policy.observe(l))
+        info["mass"] = mass
+        attn_out = attn.o_proj(o.reshape(t, -1))
+        info["out_norm"] = attn_out.float().norm(dim=-1)
+        h = h + attn_out
+        rows = policy.ffn_rows(l, cur, info)
+        if rows is None:
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            n_ffn = t
+        else:  # sparse FFN: only these rows; the others keep their residual
+            h = h.index_add(0, rows, layer.mlp(layer.post_attention_layernorm(h[rows])))
+            n_ffn = rows.numel()
+        flops.add_layer(cfg, t, visible_pairs(cur, window, sink, group), n_ffn)
+        out_k.append(keys)
+        out_v.append(values)
+        keep = policy.keep_rows(l, cur, info)
+        if keep is not None:
+            dropped = torch.ones(t, dtype=torch.bool, device=dev)
+            dropped[keep] = False
+            if not bool(cached[cur[dropped]].all()):
+                raise ValueError(f"layer {l}: the policy dropped positions that have no cached K/V")
+            h, cur = h[keep], cur[keep]
+    if cur.numel() == 0 or int(cur[-1]) != n - 1:
+        raise ValueError("recovery policy must compute the last position through every layer")
+    logits = model.logits(body.norm(h[-1:]))[0]
+    flops.add_lm_head(cfg)
+    # Layers after a drop hold cached K/V for dropped positions: already in `keys` via clone.
+    return Recovered(logits, out_k, out_v, flops)
+
+
+def _attend(q, q_pos, keys, values, window, sink, scale, n_obs):
+    """q [R, Hq, D] at positions q_pos over keys/values [N, Hkv, D] under (window, sink) per KV head.
+
+    Returns o [R, Hq, D] and, for the last n_obs queries, the attention mass each key receives
+    (summed over those queries and all heads; float32 [N]) or None."""
+    r, hq, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    g = hq // hkv
+    j = torch.arange(n, device=q.device)[None, None, :]
+    w, s = window[:, None, None], sink[:, None, None]
+    kb, vb = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, Hkv, N, D]
+    out = torch.empty_like(q)
+    for r0 in range(0, r, _QUERY_BLOCK):
+        p = q_pos[r0:r0 + _QUERY_BLOCK][None, :, None]
+        mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, rows, N]
+        qb = q[r0:r0 + _QUERY_BLOCK].transpose(0, 1)[None]
+        ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.repeat_interleave(g, dim=0)[None],
+                                            scale=scale, enable_gqa=True)
+        out[r0:r0 + _QUERY_BLOCK] = ob[0].transpose(0, 1)
+    mass = None
+    if n_obs:
+        qo = q[-n_obs:].float()  # [o, Hq, D]
+        p = q_pos[-n_obs:][None, :, None]
+        mask = ((j <= p) & ((j < s) | (p - j < w))).repeat_interleave(g, dim=0)  # [Hq, o, N]
+        scores = torch.einsum("ohd,khd->hok", qo, keys.float().repeat_interleave(g, dim=1)) * scale
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        mass = probs.sum(dim=(0, 1))
+    return out, mass

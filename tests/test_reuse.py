@@ -1,0 +1,173 @@
+"""Chunk reuse: every method through the recovery forward, exactness gates, caching, accounting."""
+
+import pytest
+import torch
+
+from redknot import LLM, HeadConfig, SamplingParams
+from redknot.config import HeadConfigError, SparseFFNConfig
+from redknot.reuse.methods import select_tokens
+from redknot.reuse.prompt import build_prompt
+
+DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 2,
+        "Attention heads differ: some look far back, most look at recent tokens. " * 2,
+        "The quick brown fox jumps over the lazy dog near the old mill. " * 2]
+QUESTION = "Question: who founded the city of Varna? Answer:"
+ALL = ["dense", "headsparse", "prefix", "full_reuse", "epic", "cacheblend", "redknot", "redknot_kv", "redknot_exact"]
+SPARSE = SparseFFNConfig(dense_until=1, mass_thresh=0.3, deep_layer_start=2, mass_thresh_deep=0.1, recent_n=8,
+                         min_keep=4)
+
+
+def cos(a, b):
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
+
+
+def make_llm(path, cfg_layers=3, kv=2, **kw):
+    hc = HeadConfig.synthetic(cfg_layers, kv, 0.5, window=16, sink=4)
+    return LLM(model=path, device="cpu", head_config=hc, page_size=16, sparse_ffn=SPARSE, **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return make_llm(tiny_checkpoint("llama", num_hidden_layers=3))
+
+
+@pytest.mark.parametrize("family,kw", [("llama", {"rope": "llama3"}), ("mistral", {}), ("qwen2", {}),
+                                       ("qwen3", {"tie_word_embeddings": True})])
+def test_redknot_exact_equals_dense(tiny_checkpoint, family, kw):
+    llm = make_llm(tiny_checkpoint(family, num_hidden_layers=3, **kw))
+    dense = llm.first_token_logits(QUESTION, documents=DOCS, method="dense")
+    exact = llm.first_token_logits(QUESTION, documents=DOCS, method="redknot_exact")
+    assert cos(exact, dense) >= 0.99999 and exact.argmax() == dense.argmax()
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    ref = llm.generate(QUESTION, params, documents=DOCS, method="dense")[0].outputs[0].token_ids
+    assert llm.generate(QUESTION, params, documents=DOCS, method="redknot_exact")[0].outputs[0].token_ids == ref
+
+
+def test_full_reuse_of_a_single_document_equals_dense(llm):
+    dense = llm.first_token_logits(QUESTION, documents=DOCS[:1], method="dense")
+    # twice: cold (chunk computed now) and warm (served from the store)
+    for _ in range(2):
+        reused = llm.first_token_logits(QUESTION, documents=DOCS[:1], method="full_reuse")
+        assert cos(reused, dense) >= 0.99999
+    assert llm.last_prefill.cached_tokens == len(build_prompt(llm.tokenizer, QUESTION, DOCS[:1]).token_ids) - \
+        len(build_prompt(llm.tokenizer, QUESTION, DOCS[:1]).suffix)
+
+
+def test_documents_reused_in_another_order_are_relocated(llm):
+    llm.first_token_logits(QUESTION, documents=DOCS, method="full_reuse")
+    hits = llm.chunk_store.stats()["hits"]
+    swapped = [DOCS[2], DOCS[0], DOCS[1]]
+    logits = llm.first_token_logits(QUESTION, documents=swapped, method="full_reuse")
+    assert llm.chunk_store.stats()["hits"] >= hits + 3  # every chunk served from the store
+    assert torch.isfinite(logits).all()
+    # the moved chunks carry keys rotated to their new offsets: the exact gate still holds
+    exact = llm.first_token_logits(QUESTION, documents=swapped, method="redknot_exact")
+    assert cos(exact, llm.first_token_logits(QUESTION, documents=swapped, method="dense")) >= 0.99999
+
+
+def test_prefix_method_reuses_exact_prefixes(llm):
+    first = llm.first_token_logits(QUESTION, documents=DOCS, method="prefix")
+    assert llm.last_prefill.cached_tokens == 0
+    second = llm.first_token_logits("Question: where is the mill?", documents=DOCS, method="prefix")
+    prompt = build_prompt(llm.tokenizer, "Question: where is the mill?", DOCS)
+    assert llm.last_prefill.cached_tokens == prompt.suffix_start  # every chunk boundary was cached
+    dense = llm.first_token_logits("Question: where is the mill?", documents=DOCS, method="dense")
+    assert cos(second, dense) >= 0.99999 and torch.isfinite(first).all()
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_every_method_prefills_decodes_and_frees(llm, method):
+    out = llm.generate([QUESTION, "Question: what jumps?"], SamplingParams(max_tokens=6, temperature=0,
+                                                                           ignore_eos=True),
+                       documents=[DOCS, DOCS[::-1]], method=method)
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+    backend = llm.backend(method)
+    assert backend.kv_bytes() == 0
+    if hasattr(backend, "pool"):
+        assert backend.pool.num_free_pages == backend.pool.num_pages
+
+
+def test_sparse_ffn_and_kv_reuse_execute_less(llm):
+    flops = {}
+    for m in ("dense", "redknot_exact", "redknot", "redknot_kv", "full_reuse", "epic", "cacheblend"):
+        llm.first_token_logits(QUESTION, documents=DOCS, method=m if m != "dense" else "redknot_exact")
+        if m == "dense":
+            continue
+        flops[m] = llm.last_prefill.recovered.flops
+    exact, rk, rkv = flops["redknot_exact"], flops["redknot"], flops["redknot_kv"]
+    assert rk.ffn_tokens[0] == exact.ffn_tokens[0]  # dense_until=1: layer 0 runs the dense FFN
+    assert sum(rk.ffn) < sum(exact.ffn)  # deeper layers: sparse FFN
+    assert rk.tokens == exact.tokens  # every chunk token still goes through every layer
+    assert rkv.tokens[-1] < rkv.tokens[0] and sum(rkv.proj) < sum(rk.proj)  # dropped tokens use cached KV
+    assert sum(rk.attention) < sum(exact.attention)  # local heads see their window only
+    prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    assert flops["full_reuse"].tokens == [len(prompt.suffix)] * 3
+    assert flops["epic"].tokens[0] == len(prompt.suffix) + sum(min(16, len(c)) for c in prompt.chunks)
+    n_chunk = sum(len(c) for c in prompt.chunks)
+    assert flops["cacheblend"].tokens[1] == len(prompt.suffix) + round(0.15 * n_chunk)
+
+
+def test_dense_flops_match_the_formula(llm):
+    llm.first_token_logits(QUESTION, documents=DOCS, method="redknot_exact")
+    f = llm.last_prefill.recovered.flops
+    c = llm.config
+    n = len(build_prompt(llm.tokenizer, QUESTION, DOCS).token_ids)
+    p = len(build_prompt(llm.tokenizer, QUESTION, DOCS).prefix)
+    t = n - p
+    pairs = sum(range(p + 1, n + 1)) * c.num_attention_heads
+    assert f.attention[0] == 4 * c.head_dim * pairs
+    assert f.ffn[0] == 2 * t * 3 * c.hidden_size * c.intermediate_size
+
+
+def test_chunks_never_cross_models(tiny_checkpoint):
+    a = make_llm(tiny_checkpoint("llama", num_hidden_layers=3))
+    b = make_llm(tiny_checkpoint("llama", num_hidden_layers=3, seed=5))
+    assert a.fingerprint != b.fingerprint
+    a.first_token_logits(QUESTION, documents=DOCS[:1], method="full_reuse")
+    b.reuse.store = a.chunk_store  # hand B the store A filled: it must not find A's entries
+    misses = a.chunk_store.stats()["misses"]
+    reused = b.first_token_logits(QUESTION, documents=DOCS[:1], method="full_reuse")
+    assert a.chunk_store.stats()["misses"] > misses
+    dense = b.first_token_logits(QUESTION, documents=DOCS[:1], method="dense")
+    assert cos(reused, dense) >= 0.99999
+
+
+def test_prompt_layout_with_chat_template(llm):
+    p = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    rendered = llm.tokenizer.decode(p.token_ids)
+    assert rendered.index("Ilsa Torv") < rendered.index("Question:")  # documents before the question
+    assert rendered.startswith("<s><|user|>") and rendered.rstrip().endswith("<|assistant|>")
+    assert p.chunk_starts[0] == len(p.prefix) and len(p) == len(p.token_ids)
+    ids = build_prompt(llm.tokenizer, [5, 6], [[7, 8, 9]])
+    assert ids.token_ids == [7, 8, 9, 5, 6]
+
+
+def test_select_tokens_covers_the_mass():
+    score = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05, 9.0])
+    cand = torch.tensor([True, True, True, True, True, False])
+    rows = select_tokens(score, cand, drop_share=0.2, recent_n=0, min_keep=0)
+    assert rows.tolist() == [0, 1, 5]  # 0.5 + 0.3 = 80% of the candidates' mass, plus the non-candidate
+    assert select_tokens(score, cand, 0.2, recent_n=2, min_keep=0).tolist() == [0, 1, 4, 5]
+    assert len(select_tokens(score, cand, 0.9, recent_n=0, min_keep=5)) == 5
+
+
+def test_bad_requests(llm):
+    with pytest.raises(TypeError, match="documents"):
+        llm.first_token_logits(QUESTION, documents="not a list", method="full_reuse")
+    with pytest.raises(ValueError, match=r"documents\[1\] is empty"):
+        llm.first_token_logits(QUESTION, documents=["a", []], method="full_reuse")
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        llm.first_token_logits(QUESTION, documents=["word " * 800], method="full_reuse")
+    with pytest.raises(ValueError, match="2 document lists for 1 prompts"):
+        llm.generate([QUESTION], documents=[DOCS, DOCS])
+
+
+def test_sparse_ffn_config(tmp_path, anchor_head_config):
+    path = anchor_head_config.parents[1] / "sparse_ffn_params" / "mistral-7B.json"
+    cfg = SparseFFNConfig.from_json(path)
+    assert (cfg.dense_until, cfg.deep_layer_start, cfg.recent_n) == (4, 20, 128)
+    assert cfg.threshold(3) is None and cfg.threshold(4) == 0.2 and cfg.threshold(25) == 0.05
+    bad = tmp_path / "s.json"
+    bad.write_text('{"dense_until": 4, "mass_tresh": 0.2}')
+    with pytest.raises(HeadConfigError, match="mass_tresh"):
+        SparseFFNConfig.from_json(bad)
