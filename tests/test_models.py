@@ -109,9 +109,7 @@ def test_bad_inputs_give_clear_errors(tiny_checkpoint, tmp_path):
         llm.generate([[10**6]])
     with pytest.raises(ValueError, match="unknown method"):
         llm.first_token_logits("hi", method="nope")
-    with pytest.raises(NotImplementedError, match="chunk reuse"):
-        llm.first_token_logits("hi", documents=["a doc"])
-    with pytest.raises(NotImplementedError, match="chunk reuse"):
+    with pytest.raises(ValueError, match="needs a head_config"):
         llm.first_token_logits("hi", method="redknot")
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
