@@ -171,3 +171,16 @@ def test_sparse_ffn_config(tmp_path, anchor_head_config):
     bad.write_text('{"dense_until": 4, "mass_tresh": 0.2}')
     with pytest.raises(HeadConfigError, match="mass_tresh"):
         SparseFFNConfig.from_json(bad)
+
+
+def test_recovery_through_the_triton_kernel(llm, monkeypatch):
+    """The GPU path of the recovery (SegPaged kernel with explicit query positions), interpreted."""
+    pytest.importorskip("triton")
+    from redknot.reuse import recovery
+
+    torch_logits = {m: llm.first_token_logits(QUESTION, documents=DOCS, method=m)
+                    for m in ("dense", "epic", "redknot")}
+    monkeypatch.setattr(recovery, "KERNEL", "triton")
+    torch_logits["redknot_exact"] = torch_logits.pop("dense")  # exact through the kernel == dense
+    for m, ref in torch_logits.items():
+        assert cos(llm.first_token_logits(QUESTION, documents=DOCS, method=m), ref) >= 0.99999

@@ -260,6 +260,27 @@ def test_prefill_merged_edge_loop(name, config):
     close(lse, lse_r, 1e-4)
 
 
+@pytest.mark.parametrize("n_q", [1, 30])
+def test_explicit_query_positions(n_q, config):
+    """q_pos: a sorted subset of positions attends over the whole stored sequence (recovery)."""
+    config(prefill=(16, 16, 4, 1))
+    seq_len = 150
+    c = make_case([(seq_len, seq_len)], 4, 2, 16, 16, [G, 20], [3, 0], seed=13)
+    gen = torch.Generator().manual_seed(n_q)
+    pos = torch.randperm(seq_len, generator=gen)[:n_q].sort().values
+    pos[-1] = seq_len - 1
+    c["q"] = c["q"][pos]
+    c["cu_seqlens_q"] = torch.tensor([0, n_q], dtype=torch.int32)
+    c["max_q_len"] = n_q
+    q_pos = pos.to(torch.int32)
+    o = segpaged.segpaged_attention(*[_dev(c[k]) for k in ATTN_KEYS], max_q_len=n_q, q_pos=_dev(q_pos)).cpu()
+    o_r = segpaged_attention_ref(*[c[k] for k in ATTN_KEYS], q_pos=q_pos)
+    close(o, o_r, 1e-4)
+    full = dense_masked_attention(make_case([(seq_len, seq_len)], 4, 2, 16, 16, [G, 20], [3, 0], seed=13)["q"],
+                                  c["full_k"][0], c["full_v"][0], c["window"], c["sink"])
+    close(o_r, full[pos], 1e-5)  # a subset of rows of the full prefill
+
+
 @pytest.mark.parametrize("max_q_len", [40, 1])
 def test_missing_pages_are_absent(max_q_len, config):
     """A -1 page inside the walked range contributes nothing, as in the reference. The pool never

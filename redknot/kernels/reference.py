@@ -66,12 +66,13 @@ def _token_positions(cu_seqlens_q, seq_lens):
 
 def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, window,
                            sink, sm_scale=None, max_q_len=None, sel_pos=None, sel_lens=None,
-                           return_lse=False):
+                           return_lse=False, q_pos=None):
     """Attention over each KV head's own pages (docs/segpaged.md).
 
     q [total_q, Hq, D]; k_pages/v_pages [num_pages, page_size, D]; block_tables int32
     [B, Hkv, max_pages] (-1: nothing stored; such keys are absent); window/sink [Hkv];
-    sel_pos int32 [B, Hkv, max_sel] padded with -1, sel_lens [B, Hkv].
+    sel_pos int32 [B, Hkv, max_sel] padded with -1, sel_lens [B, Hkv]; q_pos [total_q]: explicit
+    query positions (default: the last q_len positions of each sequence).
     Returns o [total_q, Hq, D] (dtype of q) and, if return_lse, lse float32 [total_q, Hq]."""
     total_q, hq, d = q.shape
     page_size, max_pages = k_pages.shape[1], block_tables.shape[2]
@@ -98,7 +99,8 @@ def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_
         kk = torch.where(present[..., None], k_pages[phys.clamp_min(0), slot].float(), 0.0)
         vv = torch.where(present[..., None], v_pages[phys.clamp_min(0), slot].float(), 0.0)
         # The visibility rule for all heads at once: [Hkv, Q, L].
-        p = torch.arange(seq_len - q_len, seq_len, device=q.device)[None, :, None]
+        p = (torch.arange(seq_len - q_len, seq_len, device=q.device) if q_pos is None
+             else q_pos[cu[b]:cu[b + 1]].long())[None, :, None]
         j = k_pos[None, None, :]
         seen = (j < sinks) | (p - j < windows)
         if sel_pos is not None:

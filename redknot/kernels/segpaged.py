@@ -251,7 +251,7 @@ def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, total_q, num_seqs,
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_scale,
+def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                     stride_kp, stride_ks, stride_bb, stride_bh, max_pages,
                     stride_sb, stride_sh, stride_nb,
@@ -259,7 +259,7 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sc
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_N: tl.constexpr,
                     HAS_SEL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
                     UPCAST: tl.constexpr, FAST_INTERIOR: tl.constexpr,
-                    MERGE_EDGES: tl.constexpr):
+                    MERGE_EDGES: tl.constexpr, HAS_QPOS: tl.constexpr):
     hq = tl.program_id(0)
     # Late query blocks see the most keys: launch them first to shorten the tail.
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -278,15 +278,20 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sc
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < q_len
-    pos = ctx + offs_m
     tok = (q_start + offs_m).to(tl.int64)
     q = tl.load(Q + tok[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
-    p_lo = ctx + m_start
-    p_hi = ctx + tl.minimum(m_start + BLOCK_M, q_len) - 1
+    if HAS_QPOS:  # explicit (sorted) query positions: a recovery computes a subset of tokens
+        pos = tl.load(QPOS + tok, mask=row_ok, other=0)
+        p_lo = tl.load(QPOS + q_start + m_start)
+        p_hi = tl.load(QPOS + q_start + tl.minimum(m_start + BLOCK_M, q_len) - 1)
+    else:  # the last q_len positions of the sequence
+        pos = ctx + offs_m
+        p_lo = ctx + m_start
+        p_hi = ctx + tl.minimum(m_start + BLOCK_M, q_len) - 1
     n_sink, w0, f0, f1, t_end = _tile_ranges(p_lo, p_hi, W, S, BLOCK_N)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -564,14 +569,15 @@ def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens)
 
 def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, window, sink,
                        sm_scale=None, max_q_len=None, sel_pos=None, sel_lens=None,
-                       return_lse=False):
+                       return_lse=False, q_pos=None):
     """Per-head sink/window(/selected) attention over each KV head's own pages.
 
     q [total_q, Hq, D] (varlen, packed by cu_seqlens_q); k_pages/v_pages
     [num_pages, page_size, D]; block_tables int32 [B, Hkv, max_pages] (-1 = not stored);
     seq_lens int32 [B] (after this step's tokens were stored); window/sink [Hkv];
     max_q_len: host int bound on q_len (None: total_q); sel_pos int32 [B, Hkv, max_sel] sorted,
-    -1 padded, with sel_lens [B, Hkv]. Returns o (dtype of q) and, if return_lse, float32 lse
+    -1 padded, with sel_lens [B, Hkv]. q_pos int32 [total_q]: explicit, sorted query positions
+    per sequence (default: the last q_len positions). Returns o (dtype of q) and, if return_lse, float32 lse
     [total_q, Hq] (natural log). No host syncs: every launch parameter comes from shapes."""
     total_q, hq, d = q.shape
     _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, d)
@@ -616,21 +622,23 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
 
     mq = total_q if max_q_len is None else min(int(max_q_len), total_q)
     decode_max_q = _CONFIG_OVERRIDE.get("decode_max_q", DECODE_MAX_Q)
-    if mq <= decode_max_q:
+    has_qpos = q_pos is not None
+    qpos = _int32(q_pos, dev).contiguous() if has_qpos else cu  # placeholder when unused
+    if mq <= decode_max_q and not has_qpos:
         _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, has_sel,
                 qk_scale, o, lse, return_lse, gqa, mq, dot_prec)
     else:
         block_m, block_n, warps, stages = _prefill_config(d, q.dtype, mq)
         grid = (hq, triton.cdiv(mq, block_m), B)
         _prefill_kernel[grid](
-            q, k_pages, v_pages, o, lse, bt, cu, sl, win, snk, sel, nsel, qk_scale,
+            q, k_pages, v_pages, o, lse, bt, cu, sl, win, snk, sel, nsel, qpos, qk_scale,
             q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse_stride,
             k_pages.stride(0), k_pages.stride(1), bt.stride(0), bt.stride(1), max_pages,
             *sel_strides,
             GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
             SEL_N=block_n, HAS_SEL=has_sel, WRITE_LSE=return_lse, DOT_PREC=dot_prec,
             UPCAST=upcast, FAST_INTERIOR=_CONFIG_OVERRIDE.get("fast_interior", True),
-            MERGE_EDGES=_prefill_merge_edges(block_n),
+            MERGE_EDGES=_prefill_merge_edges(block_n), HAS_QPOS=has_qpos,
             num_warps=warps, num_stages=stages,
         )
     return (o, lse) if return_lse else o

@@ -23,6 +23,8 @@ from .flops import FlopReport, visible_pairs
 
 # Query rows per attention block: bounds the [Hq, rows, N] mask and score memory.
 _QUERY_BLOCK = 1024
+# Attention path: "auto" (Triton SegPaged kernel on CUDA, masked SDPA elsewhere), "triton", "torch".
+KERNEL = "auto"
 
 
 class Policy:
@@ -136,12 +138,49 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs):
     """q [R, Hq, D] at positions q_pos over keys/values [N, Hkv, D] under (window, sink) per KV head.
 
     Returns o [R, Hq, D] and, for the last n_obs queries, the attention mass each key receives
-    (summed over those queries and all heads; float32 [N]) or None."""
+    (summed over those queries and all heads; float32 [N]) or None. On a GPU the SegPaged kernel
+    runs (the buffers viewed as pages); elsewhere a masked SDPA per block of queries."""
     r, hq, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
     g = hq // hkv
     j = torch.arange(n, device=q.device)[None, None, :]
     w, s = window[:, None, None], sink[:, None, None]
+    if KERNEL == "triton" or (KERNEL == "auto" and q.is_cuda):
+        out = _attend_paged(q, q_pos, keys, values, window, sink, scale)
+    else:
+        out = _attend_masked(q, q_pos, keys, values, j, w, s, scale, g)
+    mass = None
+    if n_obs:
+        qo = q[-n_obs:].view(n_obs, hkv, g, d)
+        p = q_pos[-n_obs:][None, :, None]
+        mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, o, N]
+        scores = torch.einsum("ohgd,khd->hgok", qo, keys).float() * scale  # fp32 softmax
+        probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
+        mass = probs.sum(dim=(0, 1, 2))
+    return out, mass
+
+
+def _attend_paged(q, q_pos, keys, values, window, sink, scale, page: int = 64):
+    """The SegPaged prefill kernel over head-major copies of the buffers, one page per 64 tokens."""
+    from ..kernels import segpaged_attention
+
+    n, hkv, d = keys.shape
+    n_pages = -(-n // page)
+
+    def pages(x):
+        buf = x.new_zeros(hkv, n_pages * page, d)
+        buf[:, :n] = x.transpose(0, 1)
+        return buf.view(hkv * n_pages, page, d)
+
+    table = (torch.arange(hkv, device=q.device)[:, None] * n_pages
+             + torch.arange(n_pages, device=q.device)[None, :]).to(torch.int32)[None]
+    cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    return segpaged_attention(q, pages(keys), pages(values), table, cu, cu.new_tensor([n]), window, sink,
+                              scale, max_q_len=q.shape[0], q_pos=q_pos)
+
+
+def _attend_masked(q, q_pos, keys, values, j, w, s, scale, g):
+    r = q.shape[0]
     kb, vb = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, Hkv, N, D]
     out = torch.empty_like(q)
     for r0 in range(0, r, _QUERY_BLOCK):
@@ -151,12 +190,4 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs):
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.repeat_interleave(g, dim=0)[None],
                                             scale=scale, enable_gqa=True)
         out[r0:r0 + _QUERY_BLOCK] = ob[0].transpose(0, 1)
-    mass = None
-    if n_obs:
-        qo = q[-n_obs:].float()  # [o, Hq, D]
-        p = q_pos[-n_obs:][None, :, None]
-        mask = ((j <= p) & ((j < s) | (p - j < w))).repeat_interleave(g, dim=0)  # [Hq, o, N]
-        scores = torch.einsum("ohd,khd->hok", qo, keys.float().repeat_interleave(g, dim=1)) * scale
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        mass = probs.sum(dim=(0, 1))
-    return out, mass
+    return out
