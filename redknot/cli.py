@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kernel.add_arguments(k)
     k.set_defaults(func=_bench_kernel)
 
+    t = bsub.add_parser("ttft", help="time to first token of every method on RAG layouts (GPU, random weights)")
+    from .bench import ttft as bench_ttft
+
+    bench_ttft.add_arguments(t)
+    t.set_defaults(func=lambda a: (bench_ttft.run(a), 0)[1])
+
     d = sub.add_parser("demo", help="generate on a tiny checkpoint with dense and per-head (SegPaged) attention")
     d.add_argument("--model", default=None, help="HF checkpoint directory (default: a tiny random one)")
     d.add_argument("--device", default=None)

@@ -34,6 +34,8 @@ from .recovery import Policy, Recovered, recover
 
 CHUNK_METHODS = ("full_reuse", "epic", "cacheblend", "redknot", "redknot_kv", "redknot_exact")
 REUSE_METHODS = ("dense", "prefix") + CHUNK_METHODS
+# Also runnable through the engine (benchmarks): no reuse, each head sees only its visible set.
+ENGINE_METHODS = REUSE_METHODS + ("headsparse",)
 
 
 @dataclass
@@ -197,8 +199,8 @@ class ReuseEngine:
 
     # ---- prefill ------------------------------------------------------------------------------
     def prefill(self, prompt: ChunkedPrompt, method: str) -> PrefillResult:
-        if method not in REUSE_METHODS:
-            raise ValueError(f"unknown reuse method {method!r} (available: {', '.join(REUSE_METHODS)})")
+        if method not in ENGINE_METHODS:
+            raise ValueError(f"unknown reuse method {method!r} (available: {', '.join(ENGINE_METHODS)})")
         tokens = torch.tensor(prompt.token_ids, device=self.device)
         n = tokens.numel()
         all_pos = torch.arange(n, device=self.device)
@@ -206,6 +208,11 @@ class ReuseEngine:
             return PrefillResult(recover(self.model, tokens, FixedSet(all_pos, *self.global_vis)), 0)
         if method == "prefix":
             return self._prefix(prompt, tokens)
+        if method == "headsparse":
+            if self.head_config is None:
+                raise ValueError("method='headsparse' needs a head_config")
+            vis = _tensors(self.head_config.visibility(self.cfg.sliding_windows))
+            return PrefillResult(recover(self.model, tokens, FixedSet(all_pos, *vis)), 0)
         offline: list = []
         ck, cv, cached = self._empty_cache(n)
         p = len(prompt.prefix)
