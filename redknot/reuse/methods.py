@@ -30,7 +30,7 @@ from ..models.config import ModelConfig
 from ..models.llama import LlamaForCausalLM
 from .flops import FlopReport
 from .prompt import ChunkedPrompt
-from .recovery import Policy, Recovered, recover
+from .recovery import Policy, Recovered, kv_buffer, recover
 
 CHUNK_METHODS = ("full_reuse", "epic", "cacheblend", "redknot", "redknot_kv", "redknot_exact")
 REUSE_METHODS = ("dense", "prefix") + CHUNK_METHODS
@@ -180,9 +180,12 @@ class ReuseEngine:
     def _empty_cache(self, n: int):
         c = self.cfg
         dtype = next(self.model.parameters()).dtype
-        ck = [torch.zeros(n, c.num_key_value_heads, c.head_dim, dtype=dtype, device=self.device)
-              for _ in range(c.num_hidden_layers)]
-        cv = [torch.zeros_like(x) for x in ck]
+
+        def buf():
+            return kv_buffer(n, c.num_key_value_heads, c.head_dim, dtype, self.device)
+
+        ck = [buf() for _ in range(c.num_hidden_layers)]
+        cv = [buf() for _ in range(c.num_hidden_layers)]
         return ck, cv, torch.zeros(n, dtype=torch.bool, device=self.device)
 
     def _place(self, ck, cv, entry: ChunkKV, at: int) -> None:

@@ -66,7 +66,8 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
     """Run the policy's prefill over ``token_ids`` [N].
 
     cache_k/v: per layer [N, Hkv, D] K/V of cached positions (keys rotated at their absolute
-    positions); ``cached`` bool [N] marks them. Positions never computed must be cached."""
+    positions), ideally from ``kv_buffer``; ``cached`` bool [N] marks them. Positions never
+    computed must be cached. The buffers are written in place and returned as the result."""
     cfg = model.config
     dev = token_ids.device
     n = token_ids.numel()
@@ -91,11 +92,11 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = attn.rope(q, k, cur)
-        if cache_k is not None:
-            keys, values = cache_k[l].clone(), cache_v[l].clone()
+        if cache_k is not None:  # the caller's buffers become this layer's output (written in place)
+            keys, values = cache_k[l], cache_v[l]
         else:
-            keys = torch.zeros(n, attn.n_kv, attn.head_dim, dtype=k.dtype, device=dev)
-            values = torch.zeros_like(keys)
+            keys, values = kv_buffer(n, attn.n_kv, attn.head_dim, k.dtype, dev), \
+                kv_buffer(n, attn.n_kv, attn.head_dim, k.dtype, dev)
         info = {}
         if cache_k is not None:
             was = cached[cur]  # deviation of recomputed values from their cached version (CacheBlend)
@@ -160,22 +161,36 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs):
     return out, mass
 
 
-def _attend_paged(q, q_pos, keys, values, window, sink, scale, page: int = 64):
-    """The SegPaged prefill kernel over head-major copies of the buffers, one page per 64 tokens."""
+PAGE = 64
+
+
+def kv_buffer(n: int, n_kv: int, head_dim: int, dtype, device) -> torch.Tensor:
+    """A zeroed [n, Hkv, D] K or V buffer whose storage is padded to whole pages, so the kernel
+    can read it in place as pages (see _paged_view)."""
+    return torch.zeros(-(-n // PAGE) * PAGE, n_kv, head_dim, dtype=dtype, device=device)[:n]
+
+
+def _paged_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, Hkv, D] as SegPaged pages without a copy: page (lp, h) starts at token lp*PAGE of
+    head h, so physical page id lp*PAGE*Hkv + h, page stride D and slot stride Hkv*D."""
+    n, hkv, d = x.shape
+    n_pages = -(-n // PAGE)
+    if not x.is_contiguous() or x.untyped_storage().nbytes() < n_pages * PAGE * hkv * d * x.element_size():
+        x = kv_buffer(n, hkv, d, x.dtype, x.device).copy_(x)  # not page-padded: one copy
+    pages = x.as_strided(((n_pages - 1) * PAGE * hkv + hkv, PAGE, d), (d, hkv * d, 1))  # ids up to the last
+    table = (torch.arange(n_pages, device=x.device)[None, :] * (PAGE * hkv)
+             + torch.arange(hkv, device=x.device)[:, None]).to(torch.int32)[None]  # [1, Hkv, n_pages]
+    return pages, table
+
+
+def _attend_paged(q, q_pos, keys, values, window, sink, scale):
+    """The SegPaged prefill kernel reading the request's K/V buffers in place."""
     from ..kernels import segpaged_attention
 
-    n, hkv, d = keys.shape
-    n_pages = -(-n // page)
-
-    def pages(x):
-        buf = x.new_zeros(hkv, n_pages * page, d)
-        buf[:, :n] = x.transpose(0, 1)
-        return buf.view(hkv * n_pages, page, d)
-
-    table = (torch.arange(hkv, device=q.device)[:, None] * n_pages
-             + torch.arange(n_pages, device=q.device)[None, :]).to(torch.int32)[None]
+    k_pages, table = _paged_view(keys)
+    v_pages, _ = _paged_view(values)
     cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-    return segpaged_attention(q, pages(keys), pages(values), table, cu, cu.new_tensor([n]), window, sink,
+    return segpaged_attention(q, k_pages, v_pages, table, cu, cu.new_tensor([keys.shape[0]]), window, sink,
                               scale, max_q_len=q.shape[0], q_pos=q_pos)
 
 
