@@ -89,7 +89,9 @@ class RotaryEmbedding(torch.nn.Module):
 
         k: [T, H, D]; delta: an int or an int tensor [T]. Yarn's cos/sin scaling is already in the
         keys, so the delta rotation is a pure rotation (unscaled)."""
-        delta = torch.as_tensor(delta, device=k.device).expand(k.shape[0])
+        delta = torch.as_tensor(delta, device=k.device)
+        # one shared delta (a whole chunk moving): one row of cos/sin, broadcast over the tokens
+        delta = delta.reshape(1) if delta.dim() == 0 else delta
         freqs = delta.double()[:, None] * self.inv_freq.double()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return apply_rotation(k, emb.cos().float(), emb.sin().float(), self.rot_dim)
