@@ -64,14 +64,7 @@ class HeadConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "HeadConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise HeadConfigError(f"{path}: no such head config file") from None
-        except json.JSONDecodeError as e:
-            raise HeadConfigError(f"{path}: malformed JSON ({e})") from None
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(_read_json(path, "head config"), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "head config") -> "HeadConfig":
@@ -198,6 +191,16 @@ class HeadConfig:
                     raise HeadConfigError(f"kv_head_sink_size[{l}][{h}] = {self.sinks[l][h]} must be >= 0")
 
 
+def _read_json(path: str | Path, what: str):
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HeadConfigError(f"{path}: no such {what} file") from None
+    except json.JSONDecodeError as e:
+        raise HeadConfigError(f"{path}: malformed JSON ({e})") from None
+
+
 def _class_name(c, where: str) -> str:
     if not isinstance(c, str):
         raise HeadConfigError(f"{where} = {c!r} is not a class name")
@@ -267,13 +270,7 @@ class SparseFFNConfig:
 
     @classmethod
     def from_json(cls, path: str | Path) -> "SparseFFNConfig":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise HeadConfigError(f"{path}: no such sparse FFN config file") from None
-        except json.JSONDecodeError as e:
-            raise HeadConfigError(f"{path}: malformed JSON ({e})") from None
+        raw = _read_json(path, "sparse FFN config")
         if not isinstance(raw, dict):
             raise HeadConfigError(f"{path}: expected a JSON object")
         known = {f for f in cls.__dataclass_fields__}

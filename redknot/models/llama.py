@@ -44,7 +44,8 @@ class Attention(nn.Module):
         self.rope = rope
         self.backend = None  # set by the runner
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """q [T, Hq, D], k and v [T, Hkv, D] of normed hidden states x, RoPE applied at positions."""
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
@@ -52,8 +53,12 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, k, positions)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x, positions)
         o = self.backend.attention(self.layer_idx, q, k, v)
-        return self.o_proj(o.reshape(t, self.n_heads * self.head_dim))
+        return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):

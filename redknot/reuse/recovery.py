@@ -84,14 +84,8 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
     out_k, out_v = [], []
     for l, layer in enumerate(body.layers):
         attn = layer.self_attn
-        x = layer.input_layernorm(h)
         t = cur.numel()
-        q = attn.q_proj(x).view(t, attn.n_heads, attn.head_dim)
-        k = attn.k_proj(x).view(t, attn.n_kv, attn.head_dim)
-        v = attn.v_proj(x).view(t, attn.n_kv, attn.head_dim)
-        if attn.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = attn.rope(q, k, cur)
+        q, k, v = attn.qkv(layer.input_layernorm(h), cur)
         if cache_k is not None:  # the caller's buffers become this layer's output (written in place)
             keys, values = cache_k[l], cache_v[l]
         else:
