@@ -1,0 +1,238 @@
+"""Continuous batching for serving: one worker thread owns the model; requests stream tokens back.
+
+Each loop iteration admits waiting requests while the KV pool can hold them (prefill, with chunk
+reuse when the method uses it), then runs one decode step for every running sequence together.
+A request whose consumer goes away is aborted and its pages freed. Requests that can never fit
+are refused with ``EngineOverloaded`` (the server answers 503) instead of running out of memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import torch
+
+from .llm import LLM
+from .sampling import SamplingParams, sample
+from .sequence import Sequence
+
+
+class EngineOverloaded(RuntimeError):
+    """The request cannot be admitted: the queue is full or it needs more KV than the pool has."""
+
+
+@dataclass
+class StreamDelta:
+    token_ids: list[int]  # tokens generated since the previous delta
+    text: str  # text generated since the previous delta
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: object
+    documents: list | None
+    method: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.perf_counter)
+    pages: int = 0  # pool pages reserved at admission
+    cached_tokens: int = 0
+    sent_tokens: int = 0
+    sent_text: str = ""
+    aborted: bool = False
+
+
+class AsyncLLMEngine:
+    def __init__(self, llm: LLM, max_num_seqs: int = 64, max_waiting: int = 1024):
+        self.llm, self.max_num_seqs, self.max_waiting = llm, max_num_seqs, max_waiting
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._lock = threading.Condition()
+        self._stop = False
+        self._ids = itertools.count()
+        self._reserved = 0
+        # metrics
+        self.ttft_s: list[float] = []
+        self.generated_tokens = 0
+        self.reused_tokens = 0
+        self.requests_finished = 0
+        self.started = time.time()
+        self._thread = threading.Thread(target=self._loop, name="redknot-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public -------------------------------------------------------------------------------
+    async def generate(self, prompt, params: SamplingParams, documents=None,
+                       method: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream a request's output. Bad input raises ValueError/TypeError before anything runs."""
+        method = self.llm._check_method(method or self.llm.method)
+        ids = self.llm._prompt_ids(prompt, documents)
+        if len(ids) + params.max_tokens > self.llm.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's {self.llm.max_model_len} (max_position_embeddings)")
+        seq = Sequence(ids, params)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.llm.device).manual_seed(params.seed)
+        req = _Request(seq, prompt, documents, method, asyncio.get_running_loop(), asyncio.Queue())
+        self._check_fits(req)
+        with self._lock:
+            if len(self._waiting) >= self.max_waiting:
+                raise EngineOverloaded(f"{len(self._waiting)} requests are waiting; try again later")
+            self._waiting.append(req)
+            self._lock.notify()
+        try:
+            while True:
+                item = await req.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if req.seq.finish_reason is None:  # consumer left early (client disconnected)
+                self.abort(req)
+
+    def abort(self, req: _Request) -> None:
+        with self._lock:
+            req.aborted = True
+            self._lock.notify()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    def stats(self) -> dict:
+        backend = self.llm.backend(self.llm.method)
+        occupancy = backend.pool.occupancy() if hasattr(backend, "pool") else {}
+        with self._lock:
+            return {"running": len(self._running), "waiting": len(self._waiting),
+                    "generated_tokens": self.generated_tokens, "reused_tokens": self.reused_tokens,
+                    "requests_finished": self.requests_finished, "ttft_s": list(self.ttft_s),
+                    "uptime_s": time.time() - self.started, "kv_bytes": backend.kv_bytes(),
+                    "pool_pages": occupancy}
+
+    # ---- admission ------------------------------------------------------------------------------
+    def _pages_for(self, req: _Request) -> int:
+        backend = self.llm.backend(req.method)
+        if not hasattr(backend, "pool"):
+            return 0
+        return backend.pool.pages_needed(len(req.seq.token_ids) + req.seq.params.max_tokens).peak
+
+    def _check_fits(self, req: _Request) -> None:
+        backend = self.llm.backend(req.method)
+        if hasattr(backend, "pool") and self._pages_for(req) > backend.pool.num_pages:
+            raise EngineOverloaded(f"the request needs {self._pages_for(req)} KV pages; the pool has "
+                                   f"{backend.pool.num_pages}")
+
+    def _admissible(self, req: _Request) -> bool:
+        backend = self.llm.backend(req.method)
+        if not hasattr(backend, "pool"):
+            return True
+        return self._reserved + self._pages_for(req) <= backend.pool.num_pages
+
+    # ---- worker ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self._waiting and not self._running:
+                    self._lock.wait()
+                if self._stop:
+                    return
+                admitted = []
+                while (self._waiting and len(self._running) + len(admitted) < self.max_num_seqs
+                       and (self._waiting[0].aborted or self._admissible(self._waiting[0]))):
+                    req = self._waiting.popleft()
+                    if req.aborted:
+                        continue
+                    req.pages = self._pages_for(req)
+                    self._reserved += req.pages
+                    admitted.append(req)
+            for req in admitted:
+                self._guard(req, self._prefill, req)
+            self._reap()
+            if self._running:
+                self._decode()
+            self._reap()
+
+    def _guard(self, req: _Request, fn, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # a failing request must not take the engine down
+            self._fail(req, e)
+
+    def _prefill(self, req: _Request) -> None:
+        llm, seq = self.llm, req.seq
+        backend = llm.backend(req.method)
+        backend.add_sequence(seq.seq_id)
+        self._running.append(req)
+        if req.method in ("dense", "headsparse"):
+            logits = llm._prefill(backend, [seq])[seq.seq_id]
+        else:
+            result = llm._reuse_prefill(req.prompt, req.documents, req.method)
+            backend.import_kv(seq.seq_id, result.recovered.k, result.recovered.v)
+            seq.num_computed = len(seq.token_ids)
+            logits = result.recovered.logits
+            req.cached_tokens = result.cached_tokens
+            self.reused_tokens += result.cached_tokens
+        self._accept(req, sample(logits[None], [seq.params], [seq.generator])[0])
+        self.ttft_s.append(time.perf_counter() - req.arrival)
+
+    def _decode(self) -> None:
+        by_method: dict[str, list[_Request]] = {}
+        for req in self._running:
+            if not req.seq.finished and not req.aborted:
+                by_method.setdefault(req.method, []).append(req)
+        for method, reqs in by_method.items():
+            backend = self.llm.backend(method)
+            try:
+                logits = self.llm.runner.step(backend, [(r.seq, 1) for r in reqs])
+                tokens = sample(logits, [r.seq.params for r in reqs], [r.seq.generator for r in reqs])
+            except Exception as e:
+                for r in reqs:
+                    self._fail(r, e)
+                continue
+            for r, t in zip(reqs, tokens):
+                self._accept(r, t)
+
+    def _accept(self, req: _Request, token: int) -> None:
+        seq = req.seq
+        self.llm._append(seq, token)
+        self.generated_tokens += 1
+        stops = seq.params.stop
+        text = seq.text
+        if not seq.finished and stops:  # hold back what could still become a stop string
+            text = text[: max(len(req.sent_text), len(text) - max(len(s) for s in stops) + 1)]
+        delta = StreamDelta(seq.output_token_ids[req.sent_tokens:], text[len(req.sent_text):], seq.finish_reason,
+                            seq.num_prompt, len(seq.output_token_ids), req.cached_tokens)
+        req.sent_tokens, req.sent_text = len(seq.output_token_ids), text
+        req.loop.call_soon_threadsafe(req.queue.put_nowait, delta)
+
+    def _fail(self, req: _Request, error: Exception) -> None:
+        req.aborted = True
+        req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
+
+    def _reap(self) -> None:
+        """Free finished and aborted sequences."""
+        keep = []
+        for req in self._running:
+            if req.seq.finished or req.aborted:
+                self.llm.backend(req.method).free_sequence(req.seq.seq_id)
+                with self._lock:
+                    self._reserved -= req.pages
+                if req.seq.finished:
+                    self.requests_finished += 1
+            else:
+                keep.append(req)
+        self._running = keep
