@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ttft.add_arguments(t)
     t.set_defaults(func=lambda a: (bench_ttft.run(a), 0)[1])
 
+    pr = sub.add_parser("profile", help="classify every (layer, KV head) of a model and write a head config")
+    from .profile import cli as profile_cli
+
+    profile_cli.add_arguments(pr)
+    pr.set_defaults(func=profile_cli.run)
+
     d = sub.add_parser("demo", help="generate on a tiny checkpoint with dense and per-head (SegPaged) attention")
     d.add_argument("--model", default=None, help="HF checkpoint directory (default: a tiny random one)")
     d.add_argument("--device", default=None)

@@ -1,0 +1,48 @@
+"""``redknot serve``: the OpenAI-compatible server (uvicorn) over one model."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--head-config", default=None, help="head config JSON (needed by headsparse and redknot*)")
+    p.add_argument("--method", default="dense", help="default method of requests that name none")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
+    p.add_argument("--kv-pages", type=int, default=None, help="SegPaged pool pages (default: from free memory)")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per SegPaged page")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
+    p.add_argument("--log-level", default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..engine import LLM
+    from ..engine.async_engine import AsyncLLMEngine
+    from .app import build_app
+
+    llm = LLM(model=args.model, head_config=args.head_config, method=args.method, device=args.device,
+              dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size)
+    engine = AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs)
+    app = build_app(engine, args.served_model_name or args.model)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="redknot serve", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn server on a free port, the official
+``openai`` client, answers checked against ``LLM.generate`` on a second copy of the model."""
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from redknot import LLM, HeadConfig, SamplingParams  # noqa: E402
+from redknot.engine.async_engine import AsyncLLMEngine  # noqa: E402
+from redknot.serve import build_app  # noqa: E402
+
+MODEL = "tiny-llama"
+# 128 pages of 16 tokens over 2 layers x 2 KV heads: one request holds at most 512 tokens.
+LLM_KW = dict(method="headsparse", device="cpu", page_size=16, kv_pages=128)
+DOCS = ["The quick brown fox jumps over the lazy dog. A river flows past the old mill at dawn.",
+        "Question: who founded the city of Varna? Answer: the merchant Ilsa Torv founded it in 1120.",
+        "Attention heads differ: some look far back, most look at recent tokens and a few sinks."]
+
+
+def head_config():
+    return HeadConfig.synthetic(2, 2, 0.5, window=16, sink=4)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    llm = LLM(model=path, head_config=head_config(), **LLM_KW)
+    engine = AsyncLLMEngine(llm, max_num_seqs=16)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(0.05)
+    ref = LLM(model=path, head_config=head_config(), **LLM_KW)  # same weights, its own caches
+    ns = type("Server", (), {})()
+    ns.base, ns.engine, ns.llm, ns.ref = base, engine, llm, ref
+    ns.pool = llm.backend("headsparse").pool
+    ns.client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    yield ns
+    srv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+    sock.close()
+
+
+def greedy(n, **kw):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def expected(ref, prompt, n, documents=None, method=None, **kw):
+    out = ref.generate(prompt, greedy(n, **kw), documents=documents, method=method)[0]
+    return out.outputs[0].text, len(out.prompt_token_ids)
+
+
+def chat_ids(tokenizer, messages):
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                              return_dict=False))
+
+
+def wait_pool_free(pool, timeout=5.0) -> bool:
+    deadline = time.time() + timeout
+    while pool.num_free_pages != pool.num_pages and time.time() < deadline:
+        time.sleep(0.02)
+    return pool.num_free_pages == pool.num_pages
+
+
+def test_health_and_models(server):
+    assert httpx.get(f"{server.base}/health").json() == {"status": "ok"}
+    assert [m.id for m in server.client.models.list().data] == [MODEL]
+
+
+def test_completions_match_llm(server):
+    c, greedy_kw = server.client, dict(temperature=0, extra_body={"ignore_eos": True})
+    text, n_prompt = expected(server.ref, "The quick brown fox", 12)
+    r = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, **greedy_kw)
+    assert r.choices[0].text == text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 12)
+    # token ids as the prompt, streamed, with usage in a last chunk without choices
+    ids = server.ref.tokenizer.encode("The quick brown fox")
+    chunks = list(c.completions.create(model=MODEL, prompt=ids, max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True}, **greedy_kw))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    # a stop string cuts the text the same way, streamed or not
+    stop = text[6:8]
+    want, _ = expected(server.ref, "The quick brown fox", 12, stop=[stop])
+    r = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, stop=stop, **greedy_kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    stream = c.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, stop=stop,
+                                  stream=True, **greedy_kw)
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == want
+
+
+def test_chat_matches_llm(server):
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Who founded Varna?"},
+                {"role": "assistant", "content": "Ilsa Torv."}, {"role": "user", "content": "When?"}]
+    text, n_prompt = expected(server.ref, chat_ids(server.ref.tokenizer, messages), 10)
+    kw = dict(model=MODEL, messages=messages, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    r = server.client.chat.completions.create(**kw)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == text
+    assert r.usage.prompt_tokens == n_prompt and r.usage.total_tokens == n_prompt + 10
+    chunks = list(server.client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+
+
+def test_documents_reuse_chunks(server):
+    docs = [d + " (reuse test)" for d in DOCS]  # not cached by any other test
+    c = server.client
+    for i, (method, pair) in enumerate([("full_reuse", docs[:2]), ("full_reuse", docs[1:]), ("dense", docs[1:])]):
+        text, n_prompt = expected(server.ref, "Who founded Varna?", 8, documents=pair, method=method)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who founded Varna?"}],
+                                      max_tokens=8, temperature=0,
+                                      extra_body={"documents": pair, "method": method, "ignore_eos": True})
+        assert r.choices[0].message.content == text and r.usage.prompt_tokens == n_prompt
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert cached > 0 if i == 1 else True  # the second request shares docs[1] with the first
+        assert cached == 0 if method == "dense" else True
+    # completions take documents too, streamed
+    text, _ = expected(server.ref, "Who founded Varna?", 8, documents=docs[::-1], method="full_reuse")
+    chunks = list(c.completions.create(model=MODEL, prompt="Who founded Varna?", max_tokens=8, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"documents": docs[::-1], "method": "full_reuse",
+                                                   "ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_concurrent_streams_return_every_page(server):
+    prompts = [f"{i} 1 2 3 the quick brown fox" for i in range(16)]
+
+    def one(i):
+        stream = server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompts[i]}], max_tokens=16, temperature=0.8,
+            seed=i, stream=True, stream_options={"include_usage": True},
+            extra_body={"method": "headsparse", "ignore_eos": True})
+        chunks = list(stream)
+        return chunks[-1].usage.completion_tokens
+
+    with ThreadPoolExecutor(16) as ex:
+        futures = [ex.submit(one, i) for i in range(16)]
+        results = [f.exception() or f.result() for f in futures]
+    assert results == [16] * 16
+    assert wait_pool_free(server.pool), server.pool.occupancy()
+
+
+def test_disconnect_aborts_and_frees_pages(server):
+    stats = server.engine.stats()
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=480)
+    extra = {"method": "headsparse", "ignore_eos": True}  # 480 tokens take several seconds on CPU
+    with server.client.chat.completions.create(stream=True, extra_body=extra, **body) as stream:
+        next(iter(stream))
+        next(iter(stream))
+        assert server.pool.num_free_pages < server.pool.num_pages  # the request holds pages
+    # a non-streamed request whose client times out is aborted as well
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.base}/v1/chat/completions", json=body | extra, timeout=0.5)
+    assert wait_pool_free(server.pool, timeout=5), server.pool.occupancy()
+    after = server.engine.stats()
+    assert after["requests_finished"] == stats["requests_finished"]  # both aborted, neither ran out
+    assert after["generated_tokens"] - stats["generated_tokens"] < 2 * 480
+
+
+def test_bad_requests_get_openai_errors(server):
+    url = f"{server.base}/v1/chat/completions"
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    long_prompt = list(range(3, 103)) * 11  # 1100 tokens > max_position_embeddings 1024
+    cases = [
+        (400, dict(content=b'{"model": "tiny-llama", "messages": [')),  # malformed JSON
+        (400, dict(json={**good, "max_tokens": "4"})),
+        (400, dict(json={**good, "messages": "Hello"})),
+        (400, dict(json={**good, "temperature": "hot"})),
+        (400, dict(json={**good, "messages": [{"role": "user", "content": 5}]})),
+        (404, dict(json={**good, "model": "gpt-4"})),
+        (400, dict(json={**good, "messages": []})),
+        (400, dict(json={**good, "messages": [{"role": "user", "content": "fox " * 2000}]})),
+        (400, dict(json={**good, "max_tokens": 0})),
+        (400, dict(json={**good, "max_tokens": 5000})),
+        (400, dict(json={**good, "method": "magic"})),
+        (400, dict(json={**good, "n": 2})),
+        (400, dict(json={**good, "stream": True, "n": 2})),
+        (400, dict(json={**good, "documents": ["a doc"], "messages": good["messages"] * 2})),
+        (400, dict(json={**good, "documents": "a doc"})),
+        (400, dict(json={**good, "temperature": -1})),
+        (503, dict(json={**good, "max_tokens": 700, "method": "headsparse"})),  # needs > 128 pages
+        (400, dict(json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4}, url="/v1/completions")),
+        (400, dict(json={"model": MODEL, "prompt": [], "max_tokens": 4}, url="/v1/completions")),
+        (400, dict(json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 4}, url="/v1/completions")),
+    ]
+    for status, kw in cases:
+        target = server.base + kw.pop("url") if "url" in kw else url
+        r = httpx.post(target, headers={"content-type": "application/json"}, **kw)
+        assert r.status_code == status, (kw, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"], err
+    with pytest.raises(openai.BadRequestError):
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2)
+    with pytest.raises(openai.NotFoundError):
+        server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
+    r = httpx.post(url, json=good)  # the server keeps serving
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert wait_pool_free(server.pool)
+
+
+def test_metrics(server):
+    server.client.completions.create(model=MODEL, prompt="Who founded Varna?", max_tokens=3,
+                                     extra_body={"documents": DOCS[:2], "method": "full_reuse"})
+    server.client.completions.create(model=MODEL, prompt="Who founded Varna?", max_tokens=3,
+                                     extra_body={"documents": DOCS[1:], "method": "full_reuse"})
+    r = httpx.get(f"{server.base}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    text = r.text
+    for name in ['redknot_time_to_first_token_seconds_bucket{le="0.1"}', 'redknot_time_to_first_token_seconds_bucket{le="+Inf"}',
+                 "redknot_time_to_first_token_seconds_sum", "redknot_time_to_first_token_seconds_count",
+                 "redknot_generation_tokens_total", "redknot_generation_tokens_per_second",
+                 "redknot_reused_chunk_tokens_total", 'redknot_kv_pool_pages{head_class="global"}',
+                 'redknot_kv_pool_pages{head_class="local"}', "redknot_kv_pool_free_pages",
+                 "redknot_requests_running", "redknot_requests_waiting"]:
+        assert name in text, name
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
+    assert values["redknot_time_to_first_token_seconds_count"] >= 2
+    assert values['redknot_time_to_first_token_seconds_bucket{le="+Inf"}'] == values[
+        "redknot_time_to_first_token_seconds_count"]
+    assert values["redknot_generation_tokens_total"] >= 6 and values["redknot_reused_chunk_tokens_total"] > 0
+    assert values["redknot_requests_running"] == 0 and values["redknot_requests_waiting"] == 0
