@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ttft.add_arguments(t)
     t.set_defaults(func=lambda a: (bench_ttft.run(a), 0)[1])
 
+    sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
+    from .serve import cli as serve_cli
+
+    serve_cli.add_arguments(sv)
+    sv.set_defaults(func=serve_cli.run)
+
     pr = sub.add_parser("profile", help="classify every (layer, KV head) of a model and write a head config")
     from .profile import cli as profile_cli
 

@@ -23,6 +23,10 @@ from .sampling import SamplingParams, sample
 from .sequence import Sequence
 
 
+# Upper edges (seconds) of the time-to-first-token histogram.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
 class EngineOverloaded(RuntimeError):
     """The request cannot be admitted: the queue is full or it needs more KV than the pool has."""
 
@@ -63,7 +67,8 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self._reserved = 0
         # metrics
-        self.ttft_s: list[float] = []
+        self._ttft_counts = [0] * len(TTFT_BUCKETS)
+        self._ttft_sum, self._ttft_n = 0.0, 0
         self.generated_tokens = 0
         self.reused_tokens = 0
         self.requests_finished = 0
@@ -105,6 +110,8 @@ class AsyncLLMEngine:
     def abort(self, req: _Request) -> None:
         with self._lock:
             req.aborted = True
+            if req in self._waiting:
+                self._waiting.remove(req)
             self._lock.notify()
 
     def shutdown(self) -> None:
@@ -114,14 +121,25 @@ class AsyncLLMEngine:
         self._thread.join(timeout=10)
 
     def stats(self) -> dict:
-        backend = self.llm.backend(self.llm.method)
-        occupancy = backend.pool.occupancy() if hasattr(backend, "pool") else {}
+        """Counters for /metrics; KV and pool pages summed over every backend in use."""
+        backends = list(self.llm._backends.values())
+        pools = [b.pool.occupancy() for b in backends if hasattr(b, "pool")]
+        occupancy = {k: sum(p[k] for p in pools) for k in pools[0]} if pools else {}
         with self._lock:
             return {"running": len(self._running), "waiting": len(self._waiting),
                     "generated_tokens": self.generated_tokens, "reused_tokens": self.reused_tokens,
-                    "requests_finished": self.requests_finished, "ttft_s": list(self.ttft_s),
-                    "uptime_s": time.time() - self.started, "kv_bytes": backend.kv_bytes(),
-                    "pool_pages": occupancy}
+                    "requests_finished": self.requests_finished,
+                    "ttft_buckets": list(zip(TTFT_BUCKETS, self._ttft_counts)), "ttft_sum": self._ttft_sum,
+                    "ttft_count": self._ttft_n, "uptime_s": time.time() - self.started,
+                    "kv_bytes": sum(b.kv_bytes() for b in backends), "pool_pages": occupancy}
+
+    def _record_ttft(self, seconds: float) -> None:
+        with self._lock:
+            for i, edge in enumerate(TTFT_BUCKETS):
+                if seconds <= edge:
+                    self._ttft_counts[i] += 1  # cumulative buckets, as Prometheus expects
+            self._ttft_sum += seconds
+            self._ttft_n += 1
 
     # ---- admission ------------------------------------------------------------------------------
     def _pages_for(self, req: _Request) -> int:
@@ -187,7 +205,7 @@ class AsyncLLMEngine:
             req.cached_tokens = result.cached_tokens
             self.reused_tokens += result.cached_tokens
         self._accept(req, sample(logits[None], [seq.params], [seq.generator])[0])
-        self.ttft_s.append(time.perf_counter() - req.arrival)
+        self._record_ttft(time.perf_counter() - req.arrival)
 
     def _decode(self) -> None:
         by_method: dict[str, list[_Request]] = {}
@@ -212,8 +230,13 @@ class AsyncLLMEngine:
         self.generated_tokens += 1
         stops = seq.params.stop
         text = seq.text
-        if not seq.finished and stops:  # hold back what could still become a stop string
-            text = text[: max(len(req.sent_text), len(text) - max(len(s) for s in stops) + 1)]
+        if not seq.finished:
+            # hold back a trailing partial character (bytes of it are still to come) and what
+            # could still become a stop string
+            keep = len(text.rstrip("\ufffd"))
+            if stops:
+                keep = min(keep, len(text) - max(len(s) for s in stops) + 1)
+            text = text[: max(len(req.sent_text), keep)]
         delta = StreamDelta(seq.output_token_ids[req.sent_tokens:], text[len(req.sent_text):], seq.finish_reason,
                             seq.num_prompt, len(seq.output_token_ids), req.cached_tokens)
         req.sent_tokens, req.sent_text = len(seq.output_token_ids), text

@@ -11,7 +11,6 @@ closes the engine's generator, which aborts its request and frees its KV pages.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
 import logging
 from contextlib import suppress
@@ -32,7 +31,6 @@ log = logging.getLogger("redknot.serve")
 
 _DISCONNECT_POLL_S = 0.2
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
 
 class APIError(Exception):
@@ -323,13 +321,13 @@ def render_metrics(stats: dict) -> str:
             label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
             lines.append(f"{name}{label} {_num(value)}")
 
-    ttft = sorted(stats.get("ttft_s", []))
-    buckets = [({"le": _num(b)}, bisect.bisect_right(ttft, b)) for b in TTFT_BUCKETS] + [({"le": "+Inf"}, len(ttft))]
+    count = stats.get("ttft_count", 0)
+    buckets = [({"le": _num(float(b))}, n) for b, n in stats.get("ttft_buckets", [])] + [({"le": "+Inf"}, count)]
     name = "redknot_time_to_first_token_seconds"
     lines += [f"# HELP {name} Time from a request's arrival to its first generated token.",
               f"# TYPE {name} histogram"]
     lines += [f'{name}_bucket{{le="{lab["le"]}"}} {n}' for lab, n in buckets]
-    lines += [f"{name}_sum {_num(sum(ttft))}", f"{name}_count {len(ttft)}"]
+    lines += [f"{name}_sum {_num(float(stats.get('ttft_sum', 0.0)))}", f"{name}_count {count}"]
 
     uptime = max(stats.get("uptime_s", 0.0), 1e-9)
     generated = stats.get("generated_tokens", 0)
