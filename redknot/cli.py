@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cli.add_arguments(pr)
     pr.set_defaults(func=profile_cli.run)
 
+    bs = bsub.add_parser("serve", help="concurrent streaming clients against redknot serve, per method")
+    from .bench import serve as bench_serve
+
+    bench_serve.add_arguments(bs)
+    bs.set_defaults(func=lambda a: (bench_serve.run(a), 0)[1])
+
     d = sub.add_parser("demo", help="generate on a tiny checkpoint with dense and per-head (SegPaged) attention")
     d.add_argument("--model", default=None, help="HF checkpoint directory (default: a tiny random one)")
     d.add_argument("--device", default=None)

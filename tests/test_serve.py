@@ -1,8 +1,6 @@
 """The OpenAI-compatible server, end to end: a real uvicorn server on a free port, the official
 ``openai`` client, answers checked against ``LLM.generate`` on a second copy of the model."""
 
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +12,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from redknot import LLM, HeadConfig, SamplingParams  # noqa: E402
 from redknot.engine.async_engine import AsyncLLMEngine  # noqa: E402
-from redknot.serve import build_app  # noqa: E402
+from redknot.serve.background import BackgroundServer  # noqa: E402
 
 MODEL = "tiny-llama"
 # 128 pages of 16 tokens over 2 layers x 2 KV heads: one request holds at most 512 tokens.
@@ -32,33 +30,15 @@ def head_config():
 def server(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     llm = LLM(model=path, head_config=head_config(), **LLM_KW)
-    engine = AsyncLLMEngine(llm, max_num_seqs=16)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 30
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.time() < deadline, "server did not come up"
-        time.sleep(0.05)
+    server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=16), MODEL)
+    base, engine = server.base, server.engine
     ref = LLM(model=path, head_config=head_config(), **LLM_KW)  # same weights, its own caches
     ns = type("Server", (), {})()
     ns.base, ns.engine, ns.llm, ns.ref = base, engine, llm, ref
     ns.pool = llm.backend("headsparse").pool
     ns.client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
     yield ns
-    srv.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
-    sock.close()
+    server.stop()
 
 
 def greedy(n, **kw):

@@ -35,7 +35,7 @@ ARCHS = {
                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "max_position_embeddings": 262144, "rope_theta": 1e6, "rms_norm_eps": 1e-6},
     # CPU smoke test
-    "tiny": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "tiny": {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
              "max_position_embeddings": 4096},
 }

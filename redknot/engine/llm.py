@@ -9,7 +9,7 @@ import torch
 
 from ..cache import ChunkStore
 from ..config import HeadConfig, SparseFFNConfig
-from ..models import load_model
+from ..models import ModelConfig, build_model, load_model, resolve_dtype
 from ..models.fingerprint import model_fingerprint
 from ..reuse.methods import REUSE_METHODS, PrefillResult, ReuseEngine, ReuseOptions
 from ..reuse.prompt import build_prompt
@@ -53,14 +53,23 @@ class LLM:
                  method: str = "dense", device: str | torch.device | None = None, dtype=None,
                  page_size: int = 64, kv_pages: int | None = None, max_num_batched_tokens: int = 8192,
                  sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_store_bytes: int = 4 << 30,
-                 cpu_chunk_store_bytes: int = 0, reuse_options: ReuseOptions | None = None):
+                 cpu_chunk_store_bytes: int = 0, reuse_options: ReuseOptions | None = None, tokenizer=None):
+        """``model``: an HF checkpoint directory, or a ModelConfig for random weights of that
+        architecture (benchmarks; the tokenizer then defaults to a small built-in BPE)."""
         if model is None:
             from ..testbed import model_path
             model = model_path()
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, self.config = load_model(model, dtype=dtype, device=self.device)
+        if isinstance(model, ModelConfig):
+            self.config = model
+            self.model = build_model(model, resolve_dtype(dtype, model, self.device), self.device)
+            if tokenizer is None:
+                from ..tiny import make_tokenizer
+                tokenizer = make_tokenizer()
+        else:
+            self.model, self.config = load_model(model, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = tokenizer or _load_tokenizer(model)
         self.max_model_len = self.config.max_position_embeddings
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size, self.kv_pages = page_size, kv_pages

@@ -1,0 +1,293 @@
+"""`redknot bench quality`: answer quality and first-token fidelity of every method against dense.
+
+Each record is a question over documents with gold answers. Every method answers it greedily
+(stop at the first newline) and is scored with SQuAD exact match and token F1. Independently of
+the answers, the logits of the first generated position are compared with dense's: top-1
+agreement, top-10 overlap and cosine. These catch reuse errors on a model too small (or a data
+set too easy) for EM/F1 to move. Dense is always run as the reference, listed or not.
+
+Data: jsonl, one record a line:
+    {"id": ..., "documents": [str, ...], "question": str, "answers": [str, ...], "type": str}
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import re
+import string
+import sys
+from pathlib import Path
+
+import torch
+
+REFERENCE = "dense"
+TOPK = 10
+# Methods that cannot run without a per-head plan; checked before the (slow) model load.
+NEEDS_HEAD_CONFIG = ("headsparse", "redknot", "redknot_kv")
+# Per-record quantities that are averaged, overall and per question type.
+SCORES = ("em", "f1", "top1_agreement", "top10_overlap", "logit_cos")
+REQUIRED_FIELDS = {"id": (str, int), "documents": list, "question": str, "answers": list, "type": str}
+
+
+# ---- SQuAD answer scoring -----------------------------------------------------------------------
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD normalisation: lowercase, drop punctuation, drop articles, collapse whitespace."""
+    s = s.lower().translate(_PUNCT)
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def _golds(answers) -> list[str]:
+    return [answers] if isinstance(answers, str) else list(answers)
+
+
+def exact_match(prediction: str, answers: str | list[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised gold answer."""
+    pred = normalize_answer(prediction)
+    return float(any(pred == normalize_answer(a) for a in _golds(answers)))
+
+
+def _token_f1(prediction: str, gold: str) -> float:
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not pred or not ref:  # SQuAD v2 rule: an empty side scores 1 only if both are empty
+        return float(pred == ref)
+    same = sum((collections.Counter(pred) & collections.Counter(ref)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str, answers: str | list[str]) -> float:
+    """SQuAD token F1 (bag of normalised tokens), max over the gold answers."""
+    return max((_token_f1(prediction, a) for a in _golds(answers)), default=0.0)
+
+
+# ---- first-token comparison ---------------------------------------------------------------------
+def logit_agreement(logits: torch.Tensor, ref: torch.Tensor, k: int = TOPK) -> dict:
+    """Top-1 agreement, top-k overlap and cosine of one method's first-token logits with dense's."""
+    a, b = logits.double().flatten().cpu(), ref.double().flatten().cpu()  # fp64: cos(x, x) reads 1.0
+    k = min(k, a.numel())
+    top_a = set(a.topk(k).indices.tolist())
+    top_b = set(b.topk(k).indices.tolist())
+    return {"top1_agreement": float(int(a.argmax()) == int(b.argmax())),
+            "top10_overlap": len(top_a & top_b) / k,
+            "logit_cos": float(torch.nn.functional.cosine_similarity(a, b, dim=0))}
+
+
+def dense_prefill_flops(cfg, n_tokens: int) -> int:
+    """FLOPs of a dense prefill of n tokens, counted exactly as the recovery forward counts them
+    (redknot.reuse.flops), so reuse methods' executed FLOPs divide by a like-for-like number.
+    Dense requests do not report FLOPs themselves; computing them costs no forward."""
+    from ..config import HeadConfig
+    from ..reuse.flops import FlopReport, visible_pairs
+
+    window, sink = HeadConfig.all_global(cfg.num_hidden_layers, cfg.num_key_value_heads).visibility(
+        cfg.sliding_windows)  # every head global, capped by the architecture's own sliding window
+    pos = torch.arange(n_tokens)
+    report = FlopReport()
+    for layer in range(cfg.num_hidden_layers):
+        pairs = visible_pairs(pos, torch.as_tensor(window[layer]), torch.as_tensor(sink[layer]), cfg.num_kv_groups)
+        report.add_layer(cfg, n_tokens, pairs, n_tokens)
+    report.add_lm_head(cfg)
+    return report.totals()["total"]
+
+
+# ---- data ---------------------------------------------------------------------------------------
+def load_records(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Read and validate a jsonl file; errors name file:line. Blank lines are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit is not None and len(records) >= limit:
+                break  # later lines are neither read nor validated
+            records.append(_parse_record(line, f"{path}:{lineno}"))
+    if not records:
+        raise ValueError(f"{path}: no records")
+    return records
+
+
+def _parse_record(line: str, where: str) -> dict:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(rec, dict):
+        raise ValueError(f"{where}: a record is a JSON object, got {type(rec).__name__}")
+    missing = [k for k in REQUIRED_FIELDS if k not in rec]
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {', '.join(missing)} "
+                         f"(a record needs {', '.join(REQUIRED_FIELDS)})")
+    for key, kind in REQUIRED_FIELDS.items():
+        if not isinstance(rec[key], kind) or isinstance(rec[key], bool):
+            raise ValueError(f"{where}: field {key!r} has type {type(rec[key]).__name__}")
+    for key in ("documents", "answers"):
+        if not all(isinstance(x, str) for x in rec[key]):
+            raise ValueError(f"{where}: field {key!r} must be a list of strings")
+    if not rec["answers"]:
+        raise ValueError(f"{where}: field 'answers' is empty")
+    return rec
+
+
+# ---- evaluation ---------------------------------------------------------------------------------
+def _score_method(llm, rec: dict, method: str, max_tokens: int, ref_logits: torch.Tensor) -> dict:
+    """One record through one method: the greedy answer, its scores, and first-token agreement."""
+    from ..engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"])
+    out = llm.generate(rec["question"], params, documents=rec["documents"], method=method)[0]
+    text = out.outputs[0].text.strip()
+    if method == REFERENCE:
+        logits = ref_logits  # the reference's own logits: no second dense prefill
+    else:
+        logits = llm.first_token_logits(rec["question"], documents=rec["documents"], method=method)
+    metrics = out.metrics or {}
+    flops = (metrics.get("flops") or {}).get("total")
+    dense_flops = dense_prefill_flops(llm.config, len(out.prompt_token_ids))
+    if method == REFERENCE:
+        flops = dense_flops
+    return {"text": text, "em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
+            **logit_agreement(logits, ref_logits), "cached_tokens": metrics.get("cached_tokens"),
+            "flops": flops, "dense_flops": dense_flops, "prompt_tokens": len(out.prompt_token_ids)}
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _summary(rows: list[dict]) -> dict:
+    out = {k: _mean(r[k] for r in rows) for k in SCORES}
+    out["n"] = len(rows)
+    return out
+
+
+def _aggregate(rows: list[dict]) -> dict:
+    """Overall and per-type means for one method; FLOPs as the share of dense over all records."""
+    summary = _summary(rows)
+    summary["cached_tokens"] = _mean(r["cached_tokens"] for r in rows)
+    flops = [r["flops"] for r in rows]
+    available = all(f is not None for f in flops)  # a partial mean would compare unlike prompts
+    summary["flops"] = _mean(flops) if available else None
+    summary["dense_flops"] = _mean(r["dense_flops"] for r in rows)
+    # Ratio of totals, not a mean of ratios: long prompts dominate compute, so they should here too.
+    summary["flops_fraction"] = sum(flops) / sum(r["dense_flops"] for r in rows) if available else None
+    by_type = collections.defaultdict(list)
+    for r in rows:
+        by_type[r["type"]].append(r)
+    summary["by_type"] = {t: _summary(by_type[t]) for t in sorted(by_type)}
+    return summary
+
+
+def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, progress: bool = True) -> dict:
+    """Run every record through every method; returns {"methods": {NAME: summary}, "records": [...]}."""
+    from tqdm import tqdm
+
+    rows = {m: [] for m in methods}
+    per_record = []
+    bar = tqdm(total=len(records) * len(methods), desc="quality", unit="run", disable=not progress, file=sys.stderr)
+    try:
+        for rec in records:
+            entry = {"id": rec["id"], "type": rec["type"], "answers": rec["answers"], "predictions": {}}
+            try:
+                ref = llm.first_token_logits(rec["question"], documents=rec["documents"], method=REFERENCE)
+                for m in methods:
+                    bar.set_postfix_str(m)
+                    row = _score_method(llm, rec, m, max_tokens, ref)
+                    rows[m].append({**row, "type": rec["type"]})
+                    entry["predictions"][m] = row
+                    bar.update()
+            except ValueError as e:  # e.g. a prompt longer than the model allows: say which record
+                raise ValueError(f"record {rec['id']!r}: {e}") from e
+            per_record.append(entry)
+    finally:
+        bar.close()
+    return {"methods": {m: _aggregate(rows[m]) for m in methods}, "records": per_record}
+
+
+# ---- command line -------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..engine import METHODS
+
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--data", required=True, help="jsonl: id, documents, question, answers, type per line")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of: {', '.join(METHODS)}")
+    p.add_argument("--head-config", default=None,
+                   help=f"head config JSON (needed by {', '.join(NEEDS_HEAD_CONFIG)})")
+    p.add_argument("--sparse-ffn", default=None, help="sparse FFN JSON (default: built-in tiers)")
+    p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--limit", type=int, default=None, help="first N records only")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+
+
+def parse_methods(spec: str, head_config) -> list[str]:
+    """Validate the method list up front, so a typo fails before minutes of model loading."""
+    from ..engine import METHODS
+
+    methods = list(dict.fromkeys(m.strip() for m in spec.split(",") if m.strip()))
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'} (available: {', '.join(METHODS)})")
+    needy = [m for m in methods if m in NEEDS_HEAD_CONFIG]
+    if needy and head_config is None:
+        raise ValueError(f"method(s) {', '.join(needy)} need --head-config")
+    return methods
+
+
+def run(args) -> dict:
+    from ..engine import LLM
+
+    methods = parse_methods(args.methods, args.head_config)
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    records = load_records(args.data, args.limit)  # before the model: bad data fails fast
+    llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
+              dtype=args.dtype)
+    result = evaluate(llm, records, methods, args.max_tokens)
+    result.update({
+        "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,
+        "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "torch": torch.__version__,
+        "n_records": len(records),
+    })
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(result))
+    return result
+
+
+def format_table(result: dict) -> str:
+    """One row per method: overall EM/F1/top-1/top-10/cos, cached tokens, FLOPs share, EM per type."""
+    methods = result["methods"]
+    types = sorted({t for s in methods.values() for t in s["by_type"]})
+
+    def num(x, fmt="{:.3f}"):
+        return "-" if x is None else fmt.format(x)
+
+    width = max([6] + [len(m) for m in methods])
+    head = (f"{'method':<{width}}  {'EM':>5}  {'F1':>5}  {'top1':>5}  {'top10':>5}  {'cos':>7}  {'cached':>7}  "
+            f"{'flops':>5}" + "".join(f"  {('EM:' + t)[:12]:>12}" for t in types))
+    lines = [f"quality on {result.get('n_records', '?')} records vs {REFERENCE} | model {result.get('model', '?')}",
+             head, "-" * len(head)]
+    for m, s in methods.items():
+        lines.append(f"{m:<{width}}  {num(s['em']):>5}  {num(s['f1']):>5}  {num(s['top1_agreement']):>5}  "
+                     f"{num(s['top10_overlap']):>5}  {num(s['logit_cos'], '{:.5f}'):>7}  "
+                     f"{num(s['cached_tokens'], '{:.1f}'):>7}  {num(s['flops_fraction'], '{:.2f}'):>5}" +
+                     "".join(f"  {num(s['by_type'].get(t, {}).get('em')):>12}" for t in types))
+    return "\n".join(lines)

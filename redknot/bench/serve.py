@@ -1,0 +1,160 @@
+"""`redknot bench serve`: concurrent streaming clients against `redknot serve`, per method.
+
+For each method a server starts in this process (random weights of a 7B architecture on the GPU,
+or a checkpoint with --model), N clients send requests whose documents are drawn from a shared
+pool (so chunks recur in different orders), and we record time to first token (first streamed
+chunk), generated tokens per second over the run, and the tokens served from the chunk cache.
+Prints a table and writes JSON; ratios compare methods within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+WORDS = ("amber river city founded merchant salt trade north harbour tower bridge market guild winter "
+         "summer record ledger captain ship coast island valley mill stone road king queen council").split()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default="mistral-7b", help="random-weight architecture (see bench ttft) or 'tiny'")
+    p.add_argument("--model", default=None, help="HF checkpoint directory instead of random weights")
+    p.add_argument("--methods", default="dense,redknot_kv,redknot,full_reuse")
+    p.add_argument("--head-config", default="g15-w1024", help="JSON file or synthetic spec gRATIO-wWINDOW")
+    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--requests", type=int, default=64, help="requests per method, spread over the clients")
+    p.add_argument("--pool-docs", type=int, default=16, help="shared document pool")
+    p.add_argument("--docs-per-request", type=int, default=8)
+    p.add_argument("--doc-words", type=int, default=700, help="words per document (~1K tokens)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--kv-pages", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+
+
+def _documents(n: int, words: int, rng: random.Random) -> list[str]:
+    return [f"Document {i}. " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+def _llm(args, dev):
+    from ..config import HeadConfig
+    from ..engine import LLM
+    from ..models.config import ModelConfig
+    from .ttft import ARCHS, _head_config
+
+    model = args.model or ModelConfig.from_dict(ARCHS[args.arch])  # random weights of the architecture
+    cfg = ModelConfig.from_dir(model) if args.model else model
+    head = None
+    if args.head_config:
+        head = (HeadConfig.from_json(args.head_config) if os.path.isfile(args.head_config)
+                else _head_config(args.head_config, cfg, None))
+    return LLM(model=model, head_config=head, device=dev, kv_pages=args.kv_pages,
+               chunk_store_bytes=(64 << 30) if dev.type == "cuda" else (1 << 30))
+
+
+async def _client(client, model, jobs, results, max_tokens, method):
+    for question, docs in jobs:
+        t0 = time.perf_counter()
+        first, n_tok, cached = None, 0, 0
+        stream = await client.completions.create(
+            model=model, prompt=question, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"documents": docs, "method": method, "ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and first is None:
+                first = time.perf_counter() - t0
+            if chunk.usage is not None:
+                n_tok = chunk.usage.completion_tokens
+                details = chunk.usage.prompt_tokens_details
+                cached = details.cached_tokens if details else 0
+        results.append({"ttft_s": first, "completion_tokens": n_tok, "cached_tokens": cached,
+                        "latency_s": time.perf_counter() - t0})
+
+
+async def _load(base, model, method, jobs_per_client, max_tokens):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+    results: list[dict] = []
+    t0 = time.perf_counter()
+    outcome = await asyncio.gather(*[_client(client, model, jobs, results, max_tokens, method)
+                                     for jobs in jobs_per_client], return_exceptions=True)
+    wall = time.perf_counter() - t0
+    errors = [f"{type(e).__name__}: {str(e)[:120]}" for e in outcome if isinstance(e, BaseException)]
+    await client.close()
+    return results, wall, errors
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def run(args) -> dict:
+    from ..engine.async_engine import AsyncLLMEngine
+    from ..serve.background import BackgroundServer
+
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rng = random.Random(args.seed)
+    pool = _documents(args.pool_docs, args.doc_words, rng)
+    jobs = [(f"Question {i}: which documents mention the salt trade?", rng.sample(pool, args.docs_per_request))
+            for i in range(args.requests)]
+    per_client = [jobs[c::args.clients] for c in range(args.clients)]
+    llm = _llm(args, dev)
+    out = args.out or os.path.join(os.environ.get("OUT", "."), "serve.json")
+    result = {"benchmark": "serve", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+              "argv": ["redknot", "bench", "serve"] + sys.argv[3:],
+              "args": {k: v for k, v in vars(args).items() if not callable(v)}, "methods": {}}
+    for method in args.methods.split(","):
+        llm.chunk_store.clear()
+        server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs), "bench")
+        try:
+            results, wall, errors = asyncio.run(_load(server.base, "bench", method, per_client, args.max_tokens))
+        finally:
+            server.stop()
+        ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+        tokens = sum(r["completion_tokens"] for r in results)
+        row = {"requests": len(results), "errors": errors, "wall_s": wall,
+               "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
+               "ttft_mean_s": statistics.mean(ttfts) if ttfts else float("nan"),
+               "throughput_tok_s": tokens / wall, "requests_per_s": len(results) / wall,
+               "cached_tokens_mean": statistics.mean(r["cached_tokens"] for r in results) if results else 0}
+        result["methods"][method] = row
+        print(json.dumps({"method": method, **row}), flush=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        gc.collect()
+    base = result["methods"].get("dense")
+    print(f"\nserving on {result['device']}: {args.clients} clients, {args.requests} requests/method, "
+          f"{args.docs_per_request} of {args.pool_docs} shared documents each")
+    print(f"{'method':<13} {'TTFT p50 s':>10} {'TTFT p99 s':>10} {'tok/s':>9} {'req/s':>7} {'cached tok':>10} "
+          f"{'p50 x dense':>11} {'errors':>6}")
+    for m, r in result["methods"].items():
+        ratio = base["ttft_p50_s"] / r["ttft_p50_s"] if base and r["ttft_p50_s"] else float("nan")
+        print(f"{m:<13} {r['ttft_p50_s']:>10.3f} {r['ttft_p99_s']:>10.3f} {r['throughput_tok_s']:>9.1f} "
+              f"{r['requests_per_s']:>7.2f} {r['cached_tokens_mean']:>10.0f} {ratio:>11.2f} {len(r['errors']):>6}")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="redknot bench serve", description=__doc__)
+    add_arguments(p)
+    run(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

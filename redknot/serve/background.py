@@ -1,0 +1,39 @@
+"""Run the server in a background thread on a free local port (tests and benchmarks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+class BackgroundServer:
+    def __init__(self, engine, model_name: str, host: str = "127.0.0.1"):
+        import httpx
+        import uvicorn
+
+        from .app import build_app
+
+        self.engine = engine
+        self._sock = socket.socket()
+        self._sock.bind((host, 0))
+        self.base = f"http://{host}:{self._sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name), log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("the server did not come up within 30 s")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+        self._sock.close()

@@ -1,0 +1,170 @@
+"""`redknot bench quality`: SQuAD scoring on known cases, data validation, and an end-to-end run on a
+tiny random checkpoint (answers are noise there; the first-token gates against dense are not)."""
+
+import argparse
+import json
+import re
+
+import pytest
+
+from redknot.bench import quality
+from redknot.bench.quality import exact_match, f1_score, normalize_answer
+
+RECORDS = [
+    {"id": "q1", "type": "single", "question": "Who founded the city of Varna?",
+     "documents": ["The merchant Ilsa Torv founded Varna in 1120.", "A river flows past the old mill at dawn."],
+     "answers": ["Ilsa Torv", "the merchant Ilsa Torv"]},
+    {"id": "q2", "type": "single", "question": "What jumps over the lazy dog?",
+     "documents": ["The quick brown fox jumps over the lazy dog."], "answers": ["the quick brown fox"]},
+    {"id": 3, "type": "multi", "question": "When was Varna founded, and by whom?",
+     "documents": ["Attention heads differ: some look far back.", "Varna was founded in 1120.",
+                   "Ilsa Torv was a merchant."], "answers": ["1120"]},
+]
+
+
+# ---- SQuAD normalisation, EM, F1 ----------------------------------------------------------------
+@pytest.mark.parametrize("raw, norm", [
+    ("The Eiffel Tower", "eiffel tower"),
+    ("  an   apple, a pear! ", "apple pear"),
+    ("Theory of the atom.", "theory of atom"),  # "the" inside "Theory" is not an article
+    ("U.S.A.", "usa"),
+    ("A", ""),
+    ("", ""),
+])
+def test_normalize_answer(raw, norm):
+    assert normalize_answer(raw) == norm
+
+
+def test_exact_match_is_max_over_golds_after_normalisation():
+    assert exact_match("the Eiffel Tower.", ["Louvre", "Eiffel tower"]) == 1.0
+    assert exact_match("Eiffel", ["Eiffel Tower"]) == 0.0
+    assert exact_match("An apple", "apple") == 1.0  # a single gold string works too
+    assert exact_match("", ["a", "the"]) == 1.0  # gold reduces to empty, so does the prediction
+
+
+def test_f1_known_values():
+    assert f1_score("Eiffel Tower", ["The Eiffel Tower!"]) == 1.0
+    assert f1_score("the Eiffel", ["Eiffel Tower"]) == pytest.approx(2 / 3)  # p=1, r=1/2
+    assert f1_score("Paris France", ["Lyon"]) == 0.0
+    # max over golds: 2 of 3 tokens against "quick brown fox", exact against the other
+    assert f1_score("quick brown", ["quick brown fox", "brown quick"]) == 1.0
+    assert f1_score("quick brown", ["quick brown fox", "dog"]) == pytest.approx(0.8)
+    assert f1_score("fox fox", ["fox"]) == pytest.approx(2 / 3)  # bag of tokens: duplicates count once each
+    assert f1_score("", ["fox"]) == 0.0 and f1_score("the", ["a"]) == 1.0  # empty vs empty is a match
+
+
+# ---- data validation ----------------------------------------------------------------------------
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"id": "x", "documents": [], "question": "q", "answers": ["a"]}), "missing field(s) type"),
+    (json.dumps({"id": "x", "documents": "doc", "question": "q", "answers": ["a"], "type": "t"}),
+     "'documents' has type str"),
+    (json.dumps({"id": "x", "documents": ["d"], "question": "q", "answers": [], "type": "t"}), "'answers' is empty"),
+    (json.dumps([1, 2]), "a record is a JSON object"),
+])
+def test_malformed_data_names_file_and_line(tmp_path, bad, message):
+    path = _write(tmp_path / "data.jsonl", [json.dumps(RECORDS[0]), "", bad])
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        quality.load_records(path)
+    assert f"{path}:3:" in str(err.value)
+
+
+def test_limit_stops_before_later_lines(tmp_path):
+    path = _write(tmp_path / "data.jsonl", [json.dumps(r) for r in RECORDS] + ["{broken"])
+    assert [r["id"] for r in quality.load_records(path, limit=2)] == ["q1", "q2"]
+
+
+def test_method_list_is_checked_before_loading(tmp_path):
+    with pytest.raises(ValueError, match="unknown method"):
+        quality.parse_methods("dense,nope", None)
+    with pytest.raises(ValueError, match="need --head-config"):
+        quality.parse_methods("dense,redknot", None)
+    assert quality.parse_methods("dense, full_reuse,dense", None) == ["dense", "full_reuse"]
+
+
+# ---- end to end ---------------------------------------------------------------------------------
+def _args(**kw):
+    p = argparse.ArgumentParser()
+    quality.add_arguments(p)
+    argv = []
+    for k, v in kw.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return p.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_checkpoint, tmp_path_factory):
+    import redknot
+
+    tmp = tmp_path_factory.mktemp("quality")
+    model = tiny_checkpoint("llama", num_hidden_layers=2)
+    heads = tmp / "heads.json"
+    redknot.HeadConfig.synthetic(2, 2, 0.5, window=16, sink=4).to_json(heads)
+    data = _write(tmp / "data.jsonl", [json.dumps(r) for r in RECORDS])
+    return model, heads, data, tmp
+
+
+def test_end_to_end_json_and_gates(setup, capsys):
+    model, heads, data, tmp = setup
+    out = tmp / "results.json"
+    methods = ["dense", "full_reuse", "redknot", "redknot_exact"]
+    result = quality.run(_args(model=model, data=data, methods=",".join(methods), head_config=heads, out=out,
+                               max_tokens=4, device="cpu", dtype="float32"))
+    saved = json.loads(out.read_text())
+    assert saved["methods"].keys() == set(methods) and saved == json.loads(json.dumps(result))
+    for key in ("model", "data", "args", "date"):
+        assert key in saved
+    assert saved["args"]["max_tokens"] == 4
+
+    for m, s in saved["methods"].items():
+        assert s["n"] == 3
+        for key in ("em", "f1", "top1_agreement", "top10_overlap", "logit_cos"):
+            assert s[key] is not None, (m, key)
+        assert 0 <= s["em"] <= s["f1"] <= 1  # an exact match is also a full F1 match
+        assert set(s["by_type"]) == {"single", "multi"}
+        assert s["by_type"]["single"]["n"] == 2 and s["by_type"]["multi"]["n"] == 1
+        for t in s["by_type"].values():
+            assert {"em", "f1", "top1_agreement", "top10_overlap", "logit_cos", "n"} <= t.keys()
+            assert 0 <= t["em"] <= 1 and 0 <= t["f1"] <= 1
+
+    dense, exact, reuse = saved["methods"]["dense"], saved["methods"]["redknot_exact"], saved["methods"]["full_reuse"]
+    assert dense["top1_agreement"] == 1.0 and dense["top10_overlap"] == 1.0
+    assert dense["logit_cos"] == pytest.approx(1.0, abs=1e-9)
+    assert dense["cached_tokens"] == 0 and dense["flops_fraction"] == 1.0
+    # redknot_exact is the redknot code path made exact: it must match dense at the first token
+    assert exact["top1_agreement"] == 1.0 and exact["logit_cos"] >= 0.99999
+    # and it answers exactly as dense does, record by record
+    for rec in saved["records"]:
+        assert rec["predictions"]["redknot_exact"]["text"] == rec["predictions"]["dense"]["text"]
+    # reuse methods serve the documents from the cache and execute fewer FLOPs than dense
+    assert reuse["cached_tokens"] > 0 and 0 < reuse["flops_fraction"] < 1
+
+    table = capsys.readouterr().out
+    for m in methods:
+        assert any(line.startswith(m + " ") for line in table.splitlines())
+    assert "EM:multi" in table and "EM:single" in table
+
+
+def test_dense_flops_match_the_recovery_forward(setup):
+    """The analytic dense count is the FLOPs the dense recovery forward reports for the same prompt."""
+    from redknot import LLM
+    from redknot.reuse.prompt import build_prompt
+
+    model, heads, _, _ = setup
+    llm = LLM(model=model, device="cpu", dtype="float32")
+    rec = RECORDS[2]
+    cp = build_prompt(llm.tokenizer, rec["question"], rec["documents"])
+    measured = llm.reuse.prefill(cp, "dense").recovered.flops.totals()["total"]
+    assert quality.dense_prefill_flops(llm.config, len(cp.token_ids)) == measured
+
+
+def test_malformed_data_fails_before_the_model_loads(setup, tmp_path):
+    _, heads, _, _ = setup
+    bad = _write(tmp_path / "bad.jsonl", [json.dumps(RECORDS[0]), json.dumps({"id": "x", "question": "q"})])
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:2: missing field(s) documents, answers, type")):
+        quality.run(_args(model=tmp_path / "no-such-model", data=bad, methods="dense", out=tmp_path / "r.json"))
