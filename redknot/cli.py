@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cli.add_arguments(pr)
     pr.set_defaults(func=profile_cli.run)
 
+    q = bsub.add_parser("quality", help="EM/F1 and first-token agreement with dense of every method")
+    from .bench import quality as bench_quality
+
+    bench_quality.add_arguments(q)
+    q.set_defaults(func=lambda a: (bench_quality.run(a), 0)[1])
+
     bs = bsub.add_parser("serve", help="concurrent streaming clients against redknot serve, per method")
     from .bench import serve as bench_serve
 

@@ -18,7 +18,7 @@ from typing import AsyncIterator
 
 import torch
 
-from .llm import LLM
+from .llm import LLM, prefills_through_reuse
 from .sampling import SamplingParams, sample
 from .sequence import Sequence
 
@@ -195,7 +195,7 @@ class AsyncLLMEngine:
         backend = llm.backend(req.method)
         backend.add_sequence(seq.seq_id)
         self._running.append(req)
-        if req.method in ("dense", "headsparse"):
+        if not prefills_through_reuse(req.method):
             logits = llm._prefill(backend, [seq])[seq.seq_id]
         else:
             result = llm._reuse_prefill(req.prompt, req.documents, req.method)

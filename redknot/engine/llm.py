@@ -19,6 +19,12 @@ from .sampling import SamplingParams, sample
 from .sequence import Sequence
 
 METHODS = ("dense", "headsparse") + tuple(m for m in REUSE_METHODS if m != "dense")
+
+
+def prefills_through_reuse(method: str) -> bool:
+    """Methods whose prefill is the reuse engine's recovery (dense/headsparse use the runner)."""
+    return method in REUSE_METHODS and method != "dense"
+
 # Which attention backend a method decodes on: dense KV, or per-head pages under the head config
 # (or under an all-global plan for the exact gate, so it runs the same SegPaged code).
 _BACKEND_OF = {"headsparse": "headsparse", "redknot": "headsparse", "redknot_kv": "headsparse",
@@ -120,7 +126,7 @@ class LLM:
         try:
             for i, seq in enumerate(seqs):
                 backend.add_sequence(seq.seq_id)
-                if method in REUSE_METHODS and method != "dense":
+                if prefills_through_reuse(method):
                     docs = None if documents is None else documents[i]
                     result = self._reuse_prefill(prompts[i], docs, method)
                     backend.import_kv(seq.seq_id, result.recovered.k, result.recovered.v)
@@ -143,7 +149,7 @@ class LLM:
     def first_token_logits(self, prompt, documents=None, method: str | None = None) -> torch.Tensor:
         """float32 logits [vocab] of the first generated position."""
         method = self._check_method(method or self.method)
-        if method in REUSE_METHODS and method != "dense":
+        if prefills_through_reuse(method):
             return self._reuse_prefill(prompt, documents, method).recovered.logits
         backend = self.backend(method)
         seq = Sequence(self._prompt_ids(prompt, documents), SamplingParams(max_tokens=1, temperature=0))
