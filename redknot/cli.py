@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(bs)
     bs.set_defaults(func=lambda a: (bench_serve.run(a), 0)[1])
 
+    tb = sub.add_parser("testbed", help="synthetic multi-document QA corpus and the testbed model")
+    from .testbed import cli as testbed_cli
+
+    testbed_cli.add_arguments(tb)
+    tb.set_defaults(func=testbed_cli.run)
+
     d = sub.add_parser("demo", help="generate on a tiny checkpoint with dense and per-head (SegPaged) attention")
     d.add_argument("--model", default=None, help="HF checkpoint directory (default: a tiny random one)")
     d.add_argument("--device", default=None)

@@ -1,0 +1,37 @@
+"""The testbed: the synthetic multi-document QA corpus and the small model trained on it.
+
+``model_path()`` / ``head_config_path()`` locate the checkpoint bundled inside the package
+(``redknot/testbed/model/``); until one ships they raise ``FileNotFoundError``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .data import TYPES, easy_records, generate_records, read_jsonl, write_jsonl
+
+__all__ = ["TYPES", "generate_records", "easy_records", "read_jsonl", "write_jsonl", "model_path",
+           "head_config_path"]
+
+_MODEL_DIR = Path(__file__).resolve().parent / "model"
+
+
+def model_path() -> Path:
+    """The bundled testbed checkpoint directory (HF layout: ``config.json``, safetensors, tokenizer)."""
+    path = Path(_MODEL_DIR)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no bundled testbed model at {path} (this build of redknot ships none yet): pass a checkpoint "
+            f"directory with --model DIR on the command line or LLM(model=DIR) in Python")
+    return path
+
+
+def head_config_path() -> Path:
+    """The head config of the bundled testbed model (``redknot/testbed/model/heads.json``)."""
+    path = Path(_MODEL_DIR) / "heads.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no bundled testbed head config at {path} (this build of redknot ships no testbed model yet): pass "
+            f"a checkpoint with --model DIR / LLM(model=DIR) and its head config with --head-config FILE / "
+            f"LLM(head_config=FILE), or write one with `redknot profile --model DIR --out heads.json`")
+    return path

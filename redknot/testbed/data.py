@@ -1,0 +1,820 @@
+"""Synthetic long-context multi-document QA corpus for the testbed model.
+
+Every context is a set of documents about fictional entities (people, towns, companies, academies,
+rivers, mountains) whose names are built from syllables and kept unambiguous within the context (no
+name word equals, contains or is contained in another). Documents are bios and profiles written
+from templates plus neutral filler, 150-400 words each. Facts come in *clusters*:
+
+- ``single_hop``: one document states the answer ("Which city was Orla Venn born in?").
+- ``multi_hop``: document A says X works for company C, document B says where C is headquartered;
+  the question asks where X's employer is headquartered. B never names X, A never states the answer.
+- ``cross_doc``: document A introduces X by name ("Kestrel Works was founded by Orla Venn"); a
+  *later* document B refers to X only by a description ("the founder of Kestrel Works") and states
+  a fact about them; the question names X. Only linking B's description to A answers it, which
+  chunks encoded independently cannot do.
+
+Every asked cluster has a twin of the same variant with other names (asked too when there is more
+than one question per context), and the rest of the budget is filled with clusters of the same
+styles, so "any entity of the right type" is never a safe answer.
+
+A record is ``{"id", "documents", "question", "answers", "type"}`` plus ``"supporting"`` (indices of
+the documents needed, in reasoning order; the answer is in the last one) and, on request,
+``"meta"`` (question entity, relation, bridge entity, description, answers of same-variant twins).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TYPES = ("single_hop", "multi_hop", "cross_doc")
+MIN_DOC_WORDS, MAX_DOC_WORDS = 150, 400
+TARGET_DOC_WORDS = 270  # documents per context ~ words budget / this
+REQUIRED_FIELDS = {"id": str, "documents": list, "question": str, "answers": list, "type": str}
+
+# ---- names --------------------------------------------------------------------------------------
+ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t",
+          "th", "tr", "v", "w", "z", "sh", "bl"]
+INNER_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z"]  # later syllables
+VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "a", "e", "i", "o", "ai", "ei", "y"]
+CODAS = ["n", "r", "l", "s", "m", "th", "nd", "v", "x", "ll", "rn", "sk", "k"]
+SURNAME_SUFFIXES = ["", "", "", "sen", "ner", "by", "ard", "ell", "ov", "mont", "ack"]
+CITY_SUFFIXES = ["mere", "holm", "ford", "wick", "stead", "bury", "port", "dale", "vik", "haven", "gard",
+                 "ton", "moor", "ness", "field", "", ""]
+COMPANY_KINDS = {  # kind word -> plural products
+    "Works": ["steel bridges", "iron gates", "railway wagons"],
+    "Mills": ["wool blankets", "linen sheets", "cotton sails"],
+    "Labs": ["medical sensors", "water filters", "weather instruments"],
+    "Foundry": ["church bells", "bronze statues", "cast iron stoves"],
+    "Shipping": ["river barges", "cargo boats", "ferry engines"],
+    "Instruments": ["violins", "pianos", "brass horns"],
+    "Press": ["maps and atlases", "school books", "playing cards"],
+    "Glassworks": ["lenses", "bottles", "stained windows"],
+}
+ACADEMY_KINDS = ["Academy", "College", "Institute"]
+ACADEMY_SUBJECTS = ["music", "engineering", "medicine", "law", "navigation", "painting", "agriculture"]
+OCCUPATIONS = ["engineer", "accountant", "designer", "chemist", "clerk", "surveyor", "architect", "translator",
+               "machinist", "pilot", "draughtsman", "bookbinder", "electrician", "inspector"]
+TOWN_ADJECTIVES = ["small", "quiet", "busy", "old", "hilly", "windy", "prosperous"]
+ORDINALS = ["second", "third", "fourth", "fifth", "last"]
+PRONOUNS = {"she": dict(pron="she", Pron="She", obj="her", poss="her", Poss="Her", person="woman"),
+            "he": dict(pron="he", Pron="He", obj="him", poss="his", Poss="His", person="man")}
+
+# ---- templates (data) ---------------------------------------------------------------------------
+# Placeholders: {name} full name; {N}/{n} subject at a sentence start / inside (name or pronoun);
+# {C}/{c} the same for companies, towns and academies; {year} a filler year (never an answer);
+# {num}, {num2}, {ordinal} small numbers; {desc}/{Desc}/{dposs} the described person of a cross_doc.
+PERSON_INTRO = ["{name} is {a_occupation}.", "{name} is {a_occupation} with a long career behind {obj}.",
+                "{name} is {a_occupation} known well beyond {poss} own field."]
+PERSON_FACTS = {
+    "birth": ["{N} was born in {birth_city} in {birth_year}.",
+              "{N} was born in {birth_year} in the town of {birth_city}.",
+              "{Poss} birthplace is {birth_city}, where {pron} was born in {birth_year}."],
+    "employer": ["{N} works at {employer}.", "{N} has been employed by {employer} since {year}.",
+                 "{N} joined {employer} in {year} and still works there.",
+                 "For many years {n} has worked for {employer}."],
+    "school": ["{N} studied at {school}.", "As a student, {n} attended {school}.",
+               "{N} trained at {school} before starting work."],
+    "residence": ["{N} now lives in {residence}.", "Today {n} lives in {residence}.",
+                  "{N} has lived in {residence} for many years."],
+}
+COMPANY_INTRO = ["{name} is a company that makes {product}.", "{name} is a maker of {product}.",
+                 "{name} produces {product} and sells them across the region."]
+COMPANY_FACTS = {
+    "founding": ["{C} was founded in {founded_year} by {founder}.", "{founder} founded {c} in {founded_year}.",
+                 "The company was founded by {founder} in {founded_year}."],
+    "hq": ["{C} is headquartered in {hq}.", "The headquarters of {c} are in {hq}.",
+           "{C} has its headquarters in {hq}."],
+    "engineer": ["The chief engineer of {c} is {engineer}.", "{engineer} serves as the chief engineer of {c}.",
+                 "Its chief engineer is {engineer}."],
+}
+CITY_INTRO = ["{name} is {a_adj} town of about {population} thousand people.",
+              "{name} is {a_adj} town with a weekly market.",
+              "{name} is {a_adj} town known for its narrow streets."]
+CITY_FACTS = {
+    "river": ["{C} lies on the {river}.", "The {river} flows through {c}.",
+              "{C} was built on both banks of the {river}."],
+    "mountain": ["{mountain} rises to the north of {c}.", "{C} sits at the foot of {mountain}."],
+    "founding": ["{C} was founded in {founded_year}.", "The town was founded in {founded_year}.",
+                 "{C} dates from {founded_year}, when it was founded by fishing families."],
+    "mayor": ["The mayor of {c} is {mayor}.", "{mayor} has been the mayor of {c} since {year}.",
+              "{C} is governed by its mayor, {mayor}."],
+}
+ACADEMY_INTRO = ["{name} is a school of {subject} in {city}.", "{name} teaches {subject} in the town of {city}."]
+ACADEMY_FACTS = {"founding": ["{C} was founded in {founded_year}.", "The academy was founded in {founded_year}."]}
+
+# cross_doc: how document B describes the person introduced in document A, and what it states.
+DESCRIPTIONS = {
+    "founder": ["the founder of {company}", "the person who founded {company}", "the {person} who founded {company}"],
+    "mayor": ["the mayor of {city}"],
+    "engineer": ["the chief engineer of {company}"],
+}
+LATER_FACTS = {  # sentence in document B (whose subject is the answer's entity)
+    "final_years": ["{Desc} spent {dposs} final years in {name}.",
+                    "Among the town's best-known residents was {desc}, who spent {dposs} final years here.",
+                    "In old age {desc} settled in {name} and spent {dposs} final years in a house near the market."],
+    "statue": ["A bronze statue of {desc} stands in the main square of {name}.",
+               "In the main square of {name} stands a statue of {desc}.",
+               "The town put up a statue of {desc} in its main square."],
+    "honorary": ["In {hon_year} the academy awarded an honorary degree to {desc}.",
+                 "{Desc} received an honorary degree from {name} in {hon_year}.",
+                 "Among those given an honorary degree by {name} was {desc}, in {hon_year}."],
+    "married": ["{N} married {desc} in {year}.", "In {year} {n} married {desc}."],
+}
+
+FILLER = {
+    "person": [
+        "{N} is known among colleagues for careful work and a dry sense of humour.",
+        "In {year} {n} spent a long summer travelling by train across the northern provinces.",
+        "Friends describe {obj} as patient, stubborn and generous with {poss} time.",
+        "{N} keeps a small garden and grows beans, onions and far too many tomatoes.",
+        "{Poss} first job was sweeping the floor of a print shop, which paid almost nothing.",
+        "{N} once said that the best ideas arrive on long walks rather than at a desk.",
+        "In {year} {n} entered a chess tournament and finished in {ordinal} place.",
+        "{N} speaks three languages and reads a fourth, mostly with the help of a dictionary.",
+        "{Poss} letters from those years are kept in a box of {num} bundles tied with string.",
+        "Colleagues remember a long night in {year} when {n} fixed a broken boiler by lamplight.",
+        "{N} rarely gives interviews and prefers to let the work speak for itself.",
+        "On weekends {n} plays the cello in an amateur orchestra of about {num} musicians.",
+        "{N} has written a handful of short essays on repair, patience and old tools.",
+        "As a child {n} collected stones, stamps and the timetables of local ferries.",
+        "{N} likes to cook for large groups and is famous for a thick winter soup.",
+        "In {year} {n} broke an arm while climbing a ladder and spent six weeks reading.",
+        "{Poss} desk is covered with notebooks, each one filled with lists and small sketches.",
+        "{N} swims in cold water every morning, whatever the season.",
+        "Neighbours say {n} is the first to help when a roof leaks or a fence falls down.",
+        "{N} has kept a diary every day since {year}, with very few gaps.",
+    ],
+    "company": [
+        "{C} employs about {num} people across {num2} workshops.",
+        "In {year} {c} opened a second workshop and doubled its output within a few years.",
+        "Its products are sold in shops across the region and shipped abroad by rail.",
+        "The early account books of {c} survive and show a loss in almost every month of the first year.",
+        "A fire in {year} destroyed part of the main hall, but no one was hurt.",
+        "Apprentices at {c} spend their first year learning to sharpen and care for their tools.",
+        "{C} publishes a short report every spring listing new designs and retired ones.",
+        "In {year} the company won a large order that kept every workshop busy for two years.",
+        "Workers take their lunch together in a long room above the loading yard.",
+        "The firm has a reputation for slow deliveries and products that rarely break.",
+        "In {year} a strike lasted {num} days and ended with shorter working hours.",
+        "{C} keeps a small museum of old models, open to visitors on the first Sunday of each month.",
+        "Customers often write to ask for spare parts for items that are decades old.",
+        "The company sign, a plain circle crossed by two lines, has not changed in a long time.",
+        "During a hard winter in {year} {c} kept paying wages even though the workshops stood still.",
+        "Its catalogue lists more than {num} items, from small parts to complete machines.",
+        "The company still uses a hand bell to mark the start and end of each shift.",
+        "Several former apprentices later started small workshops of their own.",
+    ],
+    "city": [
+        "The old market square is lined with narrow houses painted in pale colours.",
+        "Every autumn {c} holds a fair that lasts {num} days and draws visitors from far away.",
+        "A stone bridge built in {year} still carries traffic over the harbour canal.",
+        "The town library holds about {num} thousand books and a collection of old maps.",
+        "In {year} a great storm tore the roofs off many houses near the harbour.",
+        "Local bakers are known for a dark rye bread flavoured with caraway.",
+        "The railway reached {c} in {year}, and the station is still in use.",
+        "Most streets in the old centre are closed to cars on market days.",
+        "The town hall clock has been running slow for as long as anyone can remember.",
+        "In winter the lanes are cleared by volunteers who meet at dawn with shovels.",
+        "A small museum near the station tells the story of local crafts and trades.",
+        "Summer concerts take place in the park behind the old hospital.",
+        "Fishermen still sell their catch at the quay early every morning.",
+        "The local football club was formed in {year} and has never won a league title.",
+        "Visitors often remark on the smell of wood smoke that hangs over {c} in autumn.",
+        "A row of lime trees planted in {year} shades the main street in summer.",
+        "The school of {c} occupies a former wool warehouse.",
+        "Three buses a day connect {c} with the villages further up the valley.",
+    ],
+    "academy": [
+        "{C} admits about {num} students each year.",
+        "Its library is open day and night during the examination weeks.",
+        "In {year} the academy added a new wing for laboratories.",
+        "Students wear a plain grey scarf on formal occasions.",
+        "Lectures are held in a hall with {num} wooden benches and no heating.",
+        "{C} runs a summer course for teachers from smaller schools.",
+        "A long rivalry with a neighbouring school is settled each spring by a rowing race.",
+        "In {year} the academy nearly closed for lack of funds, but local families raised the money.",
+        "Its motto, carved above the main door, is rarely translated the same way twice.",
+        "Many graduates return years later to teach a course or two.",
+        "The garden of {c} is famous for its old pear trees.",
+        "Every year the academy prints a thin book of student poems.",
+    ],
+    "generic": [
+        "Much of what is known about those years comes from letters and local newspapers.",
+        "Accounts differ on the details, but most agree on the main events.",
+        "Historians have written about this period at length, though rarely in agreement.",
+        "A short film about it was shown on regional television in {year}.",
+        "Old photographs from the time show muddy streets, horses and crowded windows.",
+        "The archive holds {num} boxes of papers that have never been fully catalogued.",
+        "Few written records survive from the earliest period.",
+        "The story is often retold, and each telling adds a little more colour.",
+        "A local society meets once a month to collect recollections and old documents.",
+        "In {year} a small exhibition brought many of these items together for the first time.",
+        "Some of the surviving drawings are now too faded to read.",
+        "A guidebook printed in {year} devotes two full pages to the subject.",
+        "Schoolchildren in the region still learn a simple version of this history.",
+        "Several details remain uncertain, and new letters turn up from time to time.",
+    ],
+}
+
+# Questions: single-hop relations (also used by easy_records), multi-hop and cross-doc variants.
+SINGLE_HOP = {  # relation -> (entity kind, attribute, questions)
+    "birth_city": ("person", "birth_city", ["Which city was {X} born in?", "In which city was {X} born?",
+                                            "Where was {X} born?"]),
+    "birth_year": ("person", "birth_year", ["In which year was {X} born?", "When was {X} born?"]),
+    "employer": ("person", "employer", ["Which company does {X} work for?", "Who employs {X}?"]),
+    "school": ("person", "school", ["Where did {X} study?", "Which school did {X} attend?"]),
+    "residence": ("person", "residence", ["Where does {X} live today?", "In which city does {X} live?"]),
+    "company_founded": ("company", "founded_year", ["In which year was {X} founded?", "When was {X} founded?"]),
+    "founder": ("company", "founder", ["Who founded {X}?", "Who is the founder of {X}?"]),
+    "hq": ("company", "hq", ["Where is {X} headquartered?", "In which city is {X} headquartered?"]),
+    "engineer": ("company", "engineer", ["Who is the chief engineer of {X}?"]),
+    "river": ("city", "river", ["Which river flows through {X}?", "On which river does {X} lie?"]),
+    "mayor": ("city", "mayor", ["Who is the mayor of {X}?", "Who governs {X} as mayor?"]),
+    "town_founded": ("city", "founded_year", ["In which year was {X} founded?", "When was {X} founded?"]),
+    "mountain": ("city", "mountain", ["Which mountain rises near {X}?"]),
+}
+MULTI_HOP = {  # (person attribute -> bridge kind, bridge attribute) -> questions
+    ("employer", "hq"): ["In which city is the company that {X} works for headquartered?",
+                         "Where is the company that employs {X} headquartered?"],
+    ("employer", "founded_year"): ["In which year was the company that {X} works for founded?",
+                                   "When was {X}'s employer founded?"],
+    ("employer", "founder"): ["Who founded the company that {X} works for?", "Who is the founder of {X}'s employer?"],
+    ("birth_city", "river"): ["Which river flows through the city where {X} was born?",
+                              "On which river does {X}'s birthplace lie?"],
+    ("birth_city", "mayor"): ["Who is the mayor of the city where {X} was born?",
+                              "Who is the mayor of {X}'s birthplace?"],
+    ("birth_city", "founded_year"): ["In which year was the city where {X} was born founded?"],
+    ("residence", "river"): ["Which river flows through the city where {X} lives?"],
+    ("school", "founded_year"): ["In which year was the school where {X} studied founded?"],
+    ("school", "city"): ["In which city is the school where {X} studied?"],
+}
+CROSS_DOC_QUESTIONS = {
+    "final_years": ["In which city did {X} spend {xposs} final years?", "Where did {X} spend {xposs} final years?"],
+    "statue": ["In which city does a statue of {X} stand?", "Where does a statue of {X} stand?"],
+    "honorary": ["In which year did {X} receive an honorary degree?", "When did {X} receive an honorary degree?"],
+    "married": ["Whom did {X} marry?", "Who did {X} marry?"],
+}
+VARIANTS = {
+    "single_hop": list(SINGLE_HOP),
+    "multi_hop": [f"{a}->{b}" for a, b in MULTI_HOP],
+    "cross_doc": [f"{d}->{l}" for d in DESCRIPTIONS for l in LATER_FACTS],
+}
+EASY_FACTS = {  # relation -> one sentence, key next to value
+    "birth_city": "{X} was born in {V}.", "birth_year": "{X} was born in {V}.", "employer": "{X} works for {V}.",
+    "school": "{X} studied at {V}.", "residence": "{X} lives in {V}.", "company_founded": "{X} was founded in {V}.",
+    "founder": "{X} was founded by {V}.", "hq": "{X} is headquartered in {V}.",
+    "engineer": "The chief engineer of {X} is {V}.", "river": "{X} lies on the {V}.",
+    "mayor": "The mayor of {X} is {V}.",
+    "town_founded": "{X} was founded in {V}.", "mountain": "{X} sits at the foot of {V}.",
+}
+
+
+def _template_words() -> set[str]:
+    texts = [t for d in (PERSON_FACTS, COMPANY_FACTS, CITY_FACTS, ACADEMY_FACTS, LATER_FACTS, FILLER, DESCRIPTIONS,
+                         CROSS_DOC_QUESTIONS) for v in d.values() for t in v]
+    texts += PERSON_INTRO + COMPANY_INTRO + CITY_INTRO + ACADEMY_INTRO + list(EASY_FACTS.values())
+    texts += [q for _, _, qs in SINGLE_HOP.values() for q in qs] + [q for qs in MULTI_HOP.values() for q in qs]
+    texts += OCCUPATIONS + TOWN_ADJECTIVES + ACADEMY_SUBJECTS + [p for ps in COMPANY_KINDS.values() for p in ps]
+    return {w.lower() for t in texts for w in re.findall(r"[A-Za-z]+", t)}
+
+
+_TEMPLATE_WORDS = _template_words()
+
+
+# ---- entities -----------------------------------------------------------------------------------
+@dataclass
+class Person:
+    name: str
+    first: str
+    last: str
+    gender: str
+    occupation: str
+    birth_city: str
+    birth_year: int
+    employer: str
+    school: str
+    residence: str
+
+    @property
+    def p(self) -> dict:
+        return PRONOUNS[self.gender]
+
+
+@dataclass
+class Company:
+    name: str
+    product: str
+    founder: Person
+    founded_year: int
+    hq: str
+    engineer: Person
+
+
+@dataclass
+class City:
+    name: str
+    adj: str
+    population: int
+    river: str
+    mountain: str
+    founded_year: int
+    mayor: Person
+
+
+@dataclass
+class Academy:
+    name: str
+    subject: str
+    city: str
+    founded_year: int
+
+
+@dataclass
+class DocPlan:
+    """A document before rendering: title, core sentence templates with their slots (intro first),
+    and the filler pool with its slots. Formatting waits until every fact year of the context is
+    drawn, so that no filler year can equal an answer."""
+    title: str
+    core: list[tuple[str, dict]]
+    filler_kind: str
+    slots: dict
+
+
+@dataclass
+class Cluster:
+    type: str
+    variant: str
+    docs: list[DocPlan]  # cross_doc: [A, B] and A must precede B in the context
+    question: str
+    answer: str
+    entity: str  # named in the question
+    bridge: str | None = None
+    description: str | None = None
+    forbidden: dict = field(default_factory=dict)  # doc index -> words it must not contain
+
+
+class World:
+    """Fresh, mutually unambiguous names and unique fact years for one context."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.words: list[str] = []  # distinctive name words, lower case
+        self.fact_years: set[int] = set()
+
+    # names
+    def _syllables(self, k: int) -> str:
+        """``k`` syllables: a consonant cluster may open the word, later onsets are single consonants,
+        codas are rare inside the word (pronounceable names of a few tokens)."""
+        rng, parts = self.rng, []
+        for i in range(k):
+            onset = (rng.choice(ONSETS) if rng.random() < 0.8 else "") if i == 0 else rng.choice(INNER_ONSETS)
+            coda = rng.choice(CODAS) if rng.random() < (0.5 if i == k - 1 else 0.2) else ""
+            parts.append(onset + rng.choice(VOWELS) + coda)
+        return "".join(parts)
+
+    def _claim(self, make) -> str:
+        """A word from ``make()`` that is not a template word and shares no substring relation with
+        a name word already used in this context."""
+        for _ in range(1000):
+            w = make()
+            lw = w.lower()
+            if (4 <= len(w) <= 10 and lw not in _TEMPLATE_WORDS and not re.search(r"(.)\1\1", lw)
+                    and not any(lw in u or u in lw for u in self.words)):
+                self.words.append(lw)
+                return w.capitalize()
+        raise RuntimeError("could not find a fresh name")  # pragma: no cover
+
+    def year(self, lo: int, hi: int) -> int:
+        for _ in range(1000):
+            y = self.rng.randint(lo, hi)
+            if y not in self.fact_years:
+                self.fact_years.add(y)
+                return y
+        raise RuntimeError("ran out of distinct years")  # pragma: no cover
+
+    def filler_year(self, since: int = 1700) -> int:
+        """A year for filler (after ``since`` where possible), never a fact year of the context."""
+        lo = min(max(since, 1700), 2010)
+        while True:
+            y = self.rng.randint(lo, 2024)
+            if y not in self.fact_years:
+                return y
+
+    def city_name(self) -> str:
+        return self._claim(lambda: self._syllables(self.rng.choice([1, 2])) + self.rng.choice(CITY_SUFFIXES))
+
+    def company_name(self) -> str:
+        return f"{self._claim(lambda: self._syllables(2))} {self.rng.choice(list(COMPANY_KINDS))}"
+
+    def academy_name(self) -> str:
+        return f"{self._claim(lambda: self._syllables(2))} {self.rng.choice(ACADEMY_KINDS)}"
+
+    def river_name(self) -> str:
+        return f"{self._claim(lambda: self._syllables(2))} River"
+
+    def mountain_name(self) -> str:
+        return f"Mount {self._claim(lambda: self._syllables(2))}"
+
+    # entities
+    def person(self) -> Person:
+        rng = self.rng
+        first = self._claim(lambda: self._syllables(2))
+        last = self._claim(lambda: self._syllables(rng.choice([1, 2])) + rng.choice(SURNAME_SUFFIXES))
+        return Person(f"{first} {last}", first, last, rng.choice(list(PRONOUNS)), rng.choice(OCCUPATIONS),
+                      self.city_name(), self.year(1800, 1995), self.company_name(), self.academy_name(),
+                      self.city_name())
+
+    def company(self) -> Company:
+        name = self.company_name()
+        product = self.rng.choice(COMPANY_KINDS[name.split()[-1]])
+        return Company(name, product, self.person(), self.year(1750, 1990), self.city_name(), self.person())
+
+    def city(self) -> City:
+        return City(self.city_name(), self.rng.choice(TOWN_ADJECTIVES), self.rng.randint(3, 400), self.river_name(),
+                    self.mountain_name(), self.year(1100, 1850), self.person())
+
+    def academy(self) -> Academy:
+        return Academy(self.academy_name(), self.rng.choice(ACADEMY_SUBJECTS), self.city_name(),
+                       self.year(1600, 1950))
+
+
+# ---- documents ----------------------------------------------------------------------------------
+def _article(word: str) -> str:
+    return ("an " if word[0].lower() in "aeiou" else "a ") + word
+
+
+def _cap(s: str) -> str:
+    return s[:1].upper() + s[1:]
+
+
+def _fill(template: str, slots: dict, world: World) -> str:
+    """Format a template: list-valued slots pick one value; numbers and filler years are drawn."""
+    rng = world.rng
+    values = {k: (rng.choice(v) if isinstance(v, list) else v) for k, v in slots.items()}
+    values.update(year=world.filler_year(slots.get("since", 1700)), num=rng.randint(3, 90), num2=rng.randint(2, 6),
+                  ordinal=rng.choice(ORDINALS))
+    return _cap(template.format_map(values))
+
+
+def _person_slots(p: Person) -> dict:
+    return {**p.p, "name": p.name, "N": [p.name, p.first, p.p["Pron"]], "n": [p.name, p.first, p.p["pron"]],
+            "a_occupation": _article(p.occupation), "since": p.birth_year + 16, "birth_city": p.birth_city,
+            "birth_year": p.birth_year,
+            "employer": p.employer, "school": p.school, "residence": p.residence}
+
+
+def _named_slots(name: str, noun: str) -> dict:
+    return {"name": name, "C": [name, name, f"The {noun}"], "c": [name, name, f"the {noun}"]}
+
+
+def _plan(title: str, intro: list[str], facts: dict, slots: dict, kind: str, world: World,
+          extra: tuple[str, ...] = (), extra_slots: dict | None = None) -> DocPlan:
+    rng = world.rng
+    core = [(rng.choice(intro), slots)] + [(rng.choice(ts), slots) for ts in facts.values()]
+    core += [(t, {**slots, **(extra_slots or {})}) for t in extra]
+    return DocPlan(title, core, kind, slots)
+
+
+def person_doc(p: Person, world: World, extra=(), extra_slots=None) -> DocPlan:
+    return _plan(p.name, PERSON_INTRO, PERSON_FACTS, _person_slots(p), "person", world, extra, extra_slots)
+
+
+def company_doc(c: Company, world: World, extra=(), extra_slots=None) -> DocPlan:
+    slots = {**_named_slots(c.name, "company"), "since": c.founded_year, "product": c.product,
+             "founder": c.founder.name,
+             "founded_year": c.founded_year, "hq": c.hq, "engineer": c.engineer.name}
+    return _plan(c.name, COMPANY_INTRO, COMPANY_FACTS, slots, "company", world, extra, extra_slots)
+
+
+def city_doc(c: City, world: World, extra=(), extra_slots=None) -> DocPlan:
+    slots = {**_named_slots(c.name, "town"), "a_adj": _article(c.adj), "population": c.population,
+             "river": c.river, "mountain": c.mountain, "founded_year": c.founded_year, "mayor": c.mayor.name}
+    return _plan(c.name, CITY_INTRO, CITY_FACTS, slots, "city", world, extra, extra_slots)
+
+
+def academy_doc(a: Academy, world: World, extra=(), extra_slots=None) -> DocPlan:
+    slots = {**_named_slots(a.name, "academy"), "since": a.founded_year, "subject": a.subject, "city": a.city,
+             "founded_year": a.founded_year}
+    return _plan(a.name, ACADEMY_INTRO, ACADEMY_FACTS, slots, "academy", world, extra, extra_slots)
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+def render(plan: DocPlan, target_words: int, world: World) -> str:
+    """Title line, then the core sentences with filler mixed in until about ``target_words``."""
+    rng = world.rng
+    target = min(max(target_words, MIN_DOC_WORDS), MAX_DOC_WORDS)
+    core = [_fill(t, slots, world) for t, slots in plan.core]
+    words = _words(plan.title) + sum(_words(s) for s in core)
+    pool = rng.sample(FILLER[plan.filler_kind], len(FILLER[plan.filler_kind]))
+    pool += rng.sample(FILLER["generic"], len(FILLER["generic"]))
+    filler = []
+    for template in pool:
+        if words >= target - 4:
+            break
+        s = _fill(template, plan.slots, world)
+        if words + _words(s) <= min(target + 8, MAX_DOC_WORDS):
+            filler.append(s)
+            words += _words(s)
+    body = core[1:] + filler
+    rng.shuffle(body)
+    body = [core[0]] + body
+    n_par = max(1, min(3, len(body) // 5))
+    cuts = [round(k * len(body) / n_par) for k in range(n_par + 1)]
+    paragraphs = [" ".join(body[a:b]) for a, b in zip(cuts, cuts[1:])]
+    return plan.title + "\n" + "\n\n".join(paragraphs)
+
+
+# ---- clusters -----------------------------------------------------------------------------------
+def single_hop_cluster(world: World, relation: str) -> Cluster:
+    kind, attr, questions = SINGLE_HOP[relation]
+    entity = {"person": world.person, "company": world.company, "city": world.city}[kind]()
+    doc = {"person": person_doc, "company": company_doc, "city": city_doc}[kind](entity, world)
+    answer = getattr(entity, attr)
+    answer = answer.name if isinstance(answer, Person) else str(answer)
+    q = world.rng.choice(questions).format(X=entity.name)
+    return Cluster("single_hop", relation, [doc], q, answer, entity.name)
+
+
+def multi_hop_cluster(world: World, variant: str) -> Cluster:
+    """A: bio of X naming the bridge entity; B: profile of the bridge entity stating the answer."""
+    link, attr = variant.split("->")
+    x = world.person()
+    if link == "employer":
+        bridge = world.company()
+        x.employer = bridge.name
+        b_doc = company_doc(bridge, world)
+    elif link == "school":
+        bridge = world.academy()
+        x.school = bridge.name
+        b_doc = academy_doc(bridge, world)
+    else:  # birth_city, residence
+        bridge = world.city()
+        setattr(x, link, bridge.name)
+        b_doc = city_doc(bridge, world)
+    answer = getattr(bridge, attr)
+    answer = answer.name if isinstance(answer, Person) else str(answer)
+    q = world.rng.choice(MULTI_HOP[(link, attr)]).format(X=x.name)
+    return Cluster("multi_hop", variant, [person_doc(x, world), b_doc], q, answer, x.name, bridge=bridge.name,
+                   forbidden={1: [x.first, x.last]})
+
+
+def cross_doc_cluster(world: World, variant: str) -> Cluster:
+    """A names X in a role; a later B describes X only by that role and states the answer."""
+    role, later = variant.split("->")
+    rng = world.rng
+    if role == "mayor":
+        holder = world.city()
+        x, a_doc, anchor = holder.mayor, city_doc(holder, world), {"city": holder.name}
+    else:
+        holder = world.company()
+        x = holder.founder if role == "founder" else holder.engineer
+        a_doc, anchor = company_doc(holder, world), {"company": holder.name}
+    desc = rng.choice(DESCRIPTIONS[role]).format(person=x.p["person"], **anchor)
+    ref = {"desc": desc, "Desc": _cap(desc), "dposs": x.p["poss"]}
+    template = [rng.choice(LATER_FACTS[later])]
+    if later in ("final_years", "statue"):
+        town = world.city()
+        b_doc, answer = city_doc(town, world, template, ref), town.name
+    elif later == "honorary":
+        academy = world.academy()
+        hon_year = world.year(1800, 2000)
+        b_doc, answer = academy_doc(academy, world, template, {**ref, "hon_year": hon_year}), str(hon_year)
+    else:  # married
+        spouse = world.person()
+        b_doc, answer = person_doc(spouse, world, template, ref), spouse.name
+    q = rng.choice(CROSS_DOC_QUESTIONS[later]).format(X=x.name, xposs=x.p["poss"])
+    return Cluster("cross_doc", variant, [a_doc, b_doc], q, answer, x.name, bridge=holder.name, description=desc,
+                   forbidden={1: [x.first, x.last]})
+
+
+MAKERS = {"single_hop": single_hop_cluster, "multi_hop": multi_hop_cluster, "cross_doc": cross_doc_cluster}
+
+
+# ---- contexts -----------------------------------------------------------------------------------
+def _contains(text: str, phrase: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text) is not None
+
+
+def _check(c: Cluster, docs: list[str], support: list[int]) -> None:
+    """The invariants the corpus promises; a failure here is a generator bug."""
+    answer_doc = docs[support[-1]]
+    assert _contains(answer_doc, c.answer), (c.question, c.answer)
+    if len(support) == 2:
+        first = docs[support[0]]
+        assert _contains(first, c.entity) and not _contains(first, c.answer), (c.question, c.answer)
+        assert all(not _contains(answer_doc, w) for w in c.forbidden.get(1, ())), c.question
+        assert _contains(answer_doc, c.bridge) or c.description.lower() in answer_doc.lower(), c.question
+    if c.type == "cross_doc":
+        assert support[0] < support[1] and c.description in answer_doc.replace(_cap(c.description), c.description)
+
+
+def _budget_clusters(world: World, rng: random.Random, words_budget: float, questions: int, types,
+                     pair_base: int) -> tuple[list[Cluster], list[Cluster]]:
+    """Asked clusters (pairs of one variant, both asked when there are enough questions), the unasked
+    twin, then distractor clusters until the document count fits the word budget."""
+    asked, twins = [], []
+    for j in range(math.ceil(questions / 2)):
+        t = types[(pair_base + j) % len(types)]
+        variant = rng.choice(VARIANTS[t])
+        pair = [MAKERS[t](world, variant), MAKERS[t](world, variant)]
+        asked.append(pair[0])
+        (asked if len(asked) < questions else twins).append(pair[1])
+    n_docs = sum(len(c.docs) for c in asked)
+    max_docs = max(n_docs, int(words_budget // MIN_DOC_WORDS))
+    target_docs = max(n_docs, round(words_budget / TARGET_DOC_WORDS))
+    extra = []
+    for c in twins:
+        if n_docs + len(c.docs) <= max_docs:
+            extra.append(c)
+            n_docs += len(c.docs)
+    while n_docs < target_docs:
+        t = rng.choice(types) if target_docs - n_docs >= 2 else "single_hop"
+        c = MAKERS[t](world, rng.choice(VARIANTS[t]))
+        extra.append(c)
+        n_docs += len(c.docs)
+    return asked, extra
+
+
+def _word_targets(rng: random.Random, n_docs: int, words_budget: float) -> list[int]:
+    raw = [rng.uniform(0.8, 1.2) for _ in range(n_docs)]
+    scale = words_budget / sum(raw)
+    return [int(min(max(r * scale, MIN_DOC_WORDS), MAX_DOC_WORDS)) for r in raw]
+
+
+def _context_records(seed: int, i: int, context_tokens: int, questions: int, types, tokens_per_word: float,
+                     meta: bool) -> list[dict]:
+    rng = random.Random(f"redknot-testbed:{seed}:{i}")
+    world = World(rng)
+    words_budget = context_tokens / tokens_per_word
+    asked, extra = _budget_clusters(world, rng, words_budget, questions, types, i * math.ceil(questions / 2))
+    clusters = asked + extra
+    slots = [(ci, di) for ci, c in enumerate(clusters) for di in range(len(c.docs))]
+    rng.shuffle(slots)
+    pos = {s: k for k, s in enumerate(slots)}
+    for ci, c in enumerate(clusters):  # a cross-document reference always points back
+        if c.type == "cross_doc" and pos[(ci, 0)] > pos[(ci, 1)]:
+            a, b = pos[(ci, 0)], pos[(ci, 1)]
+            slots[a], slots[b] = slots[b], slots[a]
+            pos[(ci, 0)], pos[(ci, 1)] = b, a
+    targets = _word_targets(rng, len(slots), words_budget)
+    docs = [render(clusters[ci].docs[di], w, world) for (ci, di), w in zip(slots, targets)]
+    records = []
+    for q, c in enumerate(asked):  # asked clusters come first: cluster index == q
+        support = [pos[(q, di)] for di in range(len(c.docs))]
+        _check(c, docs, support)
+        rec = {"id": f"s{seed}-{i}-{q}", "documents": docs, "question": c.question, "answers": [c.answer],
+               "type": c.type, "supporting": support}
+        if meta:
+            rec["meta"] = {"entity": c.entity, "relation": c.variant, "bridge": c.bridge, "description": c.description,
+                           "distractor_answers": [o.answer for o in clusters
+                                                  if o is not c and (o.type, o.variant) == (c.type, c.variant)]}
+        records.append(rec)
+    return records
+
+
+def _check_args(n: int, context_tokens: int, questions_per_context: int, tokens_per_word: float, types=TYPES):
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    if context_tokens < 1:
+        raise ValueError(f"context_tokens={context_tokens} must be >= 1")
+    if questions_per_context < 1:
+        raise ValueError(f"questions_per_context={questions_per_context} must be >= 1")
+    if not tokens_per_word > 0:
+        raise ValueError(f"tokens_per_word={tokens_per_word} must be > 0")
+    types = (types,) if isinstance(types, str) else tuple(types)
+    bad = [t for t in types if t not in TYPES]
+    if not types or bad:
+        raise ValueError(f"types={list(types)}: use one or more of {list(TYPES)}")
+    return types
+
+
+def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_per_context: int = 1,
+                     types=TYPES, tokens_per_word: float = 1.3, meta: bool = False) -> list[dict]:
+    """``n`` contexts x ``questions_per_context`` records, deterministic for ``seed``.
+
+    Context ``i`` depends only on ``(seed, i)`` (so a smaller ``n`` gives a prefix). Question types
+    go round-robin over ``types`` (pairs of questions share a type and variant). Documents fill
+    about ``context_tokens`` tokens, estimated as words x ``tokens_per_word``; with many questions
+    for a short context, the asked documents alone may exceed it (documents keep >= 150 words).
+    """
+    types = _check_args(n, context_tokens, questions_per_context, tokens_per_word, types)
+    return [r for i in range(n)
+            for r in _context_records(seed, i, context_tokens, questions_per_context, types, tokens_per_word, meta)]
+
+
+# ---- easy curriculum ----------------------------------------------------------------------------
+@dataclass
+class _Fact:
+    sentence: str
+    question: str
+    answer: str
+    relation: str
+    entity: str
+
+
+def _easy_fact(world: World, relation: str) -> _Fact:
+    kind, attr, questions = SINGLE_HOP[relation]
+    entity = {"person": world.person, "company": world.company, "city": world.city}[kind]()
+    value = getattr(entity, attr)
+    value = value.name if isinstance(value, Person) else str(value)
+    return _Fact(EASY_FACTS[relation].format(X=entity.name, V=value),
+                 world.rng.choice(questions).format(X=entity.name), value, relation, entity.name)
+
+
+def _easy_context(seed: int, i: int, context_tokens: int, questions: int, tokens_per_word: float,
+                  meta: bool) -> list[dict]:
+    rng = random.Random(f"redknot-testbed-easy:{seed}:{i}")
+    world = World(rng)
+    words_budget = context_tokens / tokens_per_word
+    relations = rng.sample(list(SINGLE_HOP), rng.randint(2, 4))  # few relations, so each one repeats
+    # two facts of each asked relation at least (the asked one and its distractor), then fill
+    facts = [_easy_fact(world, relations[(k // 2) % len(relations)]) for k in range(2 * questions)]
+    words = sum(_words(f.sentence) for f in facts)
+    while words < words_budget - 5:
+        facts.append(_easy_fact(world, rng.choice(relations)))
+        words += _words(facts[-1].sentence)
+    asked = [facts[2 * q + rng.randint(0, 1)] for q in range(questions)]
+    rng.shuffle(facts)
+    docs, k = [], 0
+    while k < len(facts):  # short documents of 2-4 facts
+        size = rng.randint(2, 4)
+        docs.append(" ".join(f.sentence for f in facts[k:k + size]))
+        k += size
+    records = []
+    for q, fact in enumerate(asked):
+        support = [d for d, text in enumerate(docs) if _contains(text, fact.sentence)]
+        rec = {"id": f"e{seed}-{i}-{q}", "documents": docs, "question": fact.question, "answers": [fact.answer],
+               "type": "easy", "supporting": support}
+        if meta:
+            rec["meta"] = {"entity": fact.entity, "relation": fact.relation, "sentence": fact.sentence,
+                           "distractor_answers": [f.answer for f in facts
+                                                  if f.relation == fact.relation and f is not fact]}
+        records.append(rec)
+    return records
+
+
+def easy_records(seed: int, n: int, context_tokens: int = 128, questions_per_context: int = 1,
+                 tokens_per_word: float = 1.3, meta: bool = False) -> list[dict]:
+    """Curriculum stage 1: short contexts of one-sentence facts ("X was born in Y."), the key next
+    to its value, a few same-relation distractors; single-hop questions; type ``"easy"``."""
+    _check_args(n, context_tokens, questions_per_context, tokens_per_word)
+    return [r for i in range(n) for r in _easy_context(seed, i, context_tokens, questions_per_context,
+                                                       tokens_per_word, meta)]
+
+
+# ---- JSON lines ---------------------------------------------------------------------------------
+class RecordError(ValueError):
+    """A record file that does not hold valid records."""
+
+
+def check_record(rec, where: str = "record") -> dict:
+    """Raise ``RecordError`` unless ``rec`` has the record fields with the right types."""
+    if not isinstance(rec, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    missing = [k for k in REQUIRED_FIELDS if k not in rec]
+    if missing:
+        raise RecordError(f"{where}: missing field(s) {missing}; a record needs {list(REQUIRED_FIELDS)}")
+    for k, typ in REQUIRED_FIELDS.items():
+        if not isinstance(rec[k], typ):
+            raise RecordError(f"{where}: field {k!r} must be {typ.__name__}, got {type(rec[k]).__name__}")
+    for k in ("documents", "answers"):
+        if not all(isinstance(x, str) for x in rec[k]):
+            raise RecordError(f"{where}: field {k!r} must be a list of strings")
+    return rec
+
+
+def write_jsonl(records, path) -> Path:
+    """One record a line (UTF-8, non-ASCII kept); parent directories are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for k, rec in enumerate(records):
+            check_record(rec, f"record {k}")
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return path
+
+
+def read_jsonl(path) -> list[dict]:
+    """Records of a JSON-lines file; blank lines are skipped; errors name ``file:line``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such record file")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecordError(f"{path}:{n}: malformed JSON ({e.msg} at column {e.colno})") from None
+            records.append(check_record(rec, f"{path}:{n}"))
+    return records

@@ -1,0 +1,225 @@
+"""The synthetic testbed corpus: determinism, question types and their invariants, context size,
+JSON-lines I/O, the bundled-model paths and ``redknot testbed make-data``."""
+
+import argparse
+import json
+import random
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import redknot.testbed as testbed
+from redknot.testbed import cli as testbed_cli
+from redknot.testbed.data import (MAX_DOC_WORDS, MIN_DOC_WORDS, TYPES, RecordError, World, easy_records,
+                                  generate_records, read_jsonl, write_jsonl)
+
+
+def has(text: str, phrase: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text) is not None
+
+
+def words(docs) -> int:
+    return sum(len(d.split()) for d in docs)
+
+
+def check_invariants(rec):
+    docs, meta, answer = rec["documents"], rec["meta"], rec["answers"][0]
+    support = rec["supporting"]
+    answer_doc = docs[support[-1]]
+    assert has(answer_doc, answer)
+    name_words = meta["entity"].split()
+    if rec["type"] == "single_hop":
+        assert len(support) == 1 and has(answer_doc, meta["entity"])
+    else:
+        assert len(support) == 2
+        first = docs[support[0]]
+        assert has(first, meta["entity"]) and not has(first, answer)
+        # the answer document never names the question's entity: both documents are needed
+        assert not any(has(answer_doc, w) for w in name_words)
+        assert has(first, meta["bridge"])
+    if rec["type"] == "multi_hop":
+        assert has(answer_doc, meta["bridge"])
+    if rec["type"] == "cross_doc":
+        assert support[0] < support[1], "the referring document comes later"
+        assert meta["description"].lower() in answer_doc.lower()
+        assert meta["bridge"] in meta["description"]
+    # distractors of the same variant: other names, present in documents that do not support this answer
+    assert meta["distractor_answers"]
+    for other in meta["distractor_answers"]:
+        assert other != answer
+        assert any(has(d, other) for k, d in enumerate(docs) if k not in support)
+
+
+def test_deterministic_per_seed_and_prefix_stable():
+    a = generate_records(5, 6)
+    assert a == generate_records(5, 6)
+    assert generate_records(5, 3) == a[:3]  # context i depends on (seed, i) only
+    random.seed(123)  # global random state plays no part
+    assert generate_records(5, 2) == a[:2]
+
+
+def test_different_seeds_differ():
+    a, b = generate_records(1, 3), generate_records(2, 3)
+    assert all(x["documents"] != y["documents"] and x["question"] != y["question"] for x, y in zip(a, b))
+
+
+def test_record_format_and_round_robin_types():
+    recs = generate_records(3, 6)
+    assert [r["type"] for r in recs] == list(TYPES) * 2
+    for i, r in enumerate(recs):
+        assert r["id"] == f"s3-{i}-0"
+        assert set(r) == {"id", "documents", "question", "answers", "type", "supporting"}
+        assert all(isinstance(d, str) and d for d in r["documents"]) and r["question"].endswith("?")
+        assert len(r["answers"]) == 1 and 1 <= len(r["answers"][0].split()) <= 3  # short answers
+        assert all(MIN_DOC_WORDS <= len(d.split()) <= MAX_DOC_WORDS for d in r["documents"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6))
+def test_invariants_of_every_type(seed):
+    for rec in generate_records(seed, 3, context_tokens=2048, meta=True):
+        check_invariants(rec)
+
+
+def test_cross_doc_later_document_describes_but_never_names():
+    recs = generate_records(11, 12, types=("cross_doc",), meta=True)
+    assert {r["type"] for r in recs} == {"cross_doc"}
+    assert len({r["meta"]["relation"] for r in recs}) > 3  # several description / fact variants
+    for r in recs:
+        check_invariants(r)
+        earlier, later = (r["documents"][k] for k in r["supporting"])
+        first, last = r["meta"]["entity"].split()
+        assert not has(later, first) and not has(later, last)
+        assert r["meta"]["description"].lower() in later.lower()
+        assert not has(r["question"], r["meta"]["bridge"])  # the question names the person, not the role
+
+
+def test_multi_hop_needs_two_documents():
+    recs = generate_records(12, 9, types=("multi_hop",), meta=True)
+    for r in recs:
+        check_invariants(r)
+        bridge_doc, answer_doc = (r["documents"][k] for k in r["supporting"])
+        assert not has(answer_doc, r["meta"]["entity"]) and not has(bridge_doc, r["answers"][0])
+        assert not has(r["question"], r["meta"]["bridge"])
+
+
+def test_distractors_share_entity_types():
+    """Any city (company, person, year) is not enough: each context has several of each type."""
+    r = generate_records(4, 1, types=("single_hop",), meta=True)[0]
+    text = "\n".join(r["documents"])
+    assert len(set(re.findall(r"\b1[6-9]\d\d\b|\b20[0-2]\d\b", text))) >= 5
+    assert len(set(re.findall(r"\b[A-Z]\w+ (?:Works|Mills|Labs|Foundry|Shipping|Instruments|Press|Glassworks)\b",
+                              text))) >= 2
+
+
+@pytest.mark.parametrize("tokens", [1024, 2048, 4096, 8192])
+def test_context_size_near_target(tokens):
+    recs = generate_records(0, 6, context_tokens=tokens)
+    est = [words(r["documents"]) * 1.3 for r in recs]
+    assert abs(sum(est) / len(est) - tokens) < 0.1 * tokens
+    assert all(abs(e - tokens) < 0.2 * tokens for e in est)
+
+
+def test_tokens_per_word_sets_the_word_budget():
+    recs = generate_records(0, 3, context_tokens=4096, tokens_per_word=2.0)
+    assert all(abs(words(r["documents"]) * 2.0 - 4096) < 0.2 * 4096 for r in recs)
+
+
+def test_questions_per_context_share_documents():
+    recs = generate_records(8, 3, context_tokens=4096, questions_per_context=4, meta=True)
+    assert len(recs) == 12
+    for i in range(3):
+        ctx = recs[4 * i:4 * i + 4]
+        assert [r["id"] for r in ctx] == [f"s8-{i}-{q}" for q in range(4)]
+        assert all(r["documents"] is ctx[0]["documents"] or r["documents"] == ctx[0]["documents"] for r in ctx)
+        assert len({r["question"] for r in ctx}) == 4 and len({r["answers"][0] for r in ctx}) == 4
+        for r in ctx:
+            check_invariants(r)
+    assert {r["type"] for r in recs} == set(TYPES)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="types"):
+        generate_records(0, 1, types=("nope",))
+    with pytest.raises(ValueError, match="questions_per_context"):
+        generate_records(0, 1, questions_per_context=0)
+    assert generate_records(0, 0) == []
+
+
+def test_names_are_unambiguous():
+    world = World(random.Random(0))
+    names = [world.person().name for _ in range(40)] + [world.city_name() for _ in range(40)]
+    parts = [w.lower() for n in names for w in n.split()]
+    assert len(set(parts)) == len(parts)
+    assert not any(a != b and a in b for a in parts for b in parts)
+
+
+def test_easy_records():
+    recs = easy_records(2, 5, context_tokens=128, meta=True)
+    assert recs == easy_records(2, 5, context_tokens=128, meta=True)
+    for r in recs:
+        assert r["type"] == "easy" and r["id"].startswith("e2-")
+        assert words(r["documents"]) * 1.3 < 128 * 1.3
+        doc = r["documents"][r["supporting"][0]]
+        sentence = r["meta"]["sentence"]
+        assert sentence in doc and has(sentence, r["meta"]["entity"]) and has(sentence, r["answers"][0])
+        assert r["meta"]["entity"] in r["question"]
+        assert r["meta"]["distractor_answers"] and all(has(" ".join(r["documents"]), a)
+                                                       for a in r["meta"]["distractor_answers"])
+
+
+def test_jsonl_round_trip(tmp_path):
+    recs = generate_records(0, 3) + easy_records(0, 2)
+    path = write_jsonl(recs, tmp_path / "sub" / "data.jsonl")
+    assert read_jsonl(path) == recs
+
+
+def test_jsonl_errors_name_file_and_line(tmp_path):
+    good = json.dumps({"id": "a", "documents": ["d"], "question": "q?", "answers": ["x"], "type": "t"})
+    path = tmp_path / "bad.jsonl"
+    path.write_text(good + "\n{not json\n")
+    with pytest.raises(RecordError, match=rf"{re.escape(str(path))}:2: malformed JSON"):
+        read_jsonl(path)
+    path.write_text(good + "\n\n" + json.dumps({"id": "b", "documents": ["d"], "question": "q?"}) + "\n")
+    with pytest.raises(RecordError, match=r"bad.jsonl:3: missing field\(s\) \['answers', 'type'\]"):
+        read_jsonl(path)
+    path.write_text(json.dumps({"id": "a", "documents": "d", "question": "q?", "answers": [], "type": "t"}))
+    with pytest.raises(RecordError, match=r":1: field 'documents' must be list"):
+        read_jsonl(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(RecordError, match="expected a JSON object"):
+        read_jsonl(path)
+    with pytest.raises(FileNotFoundError):
+        read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_model_paths(tmp_path, monkeypatch):
+    monkeypatch.setattr(testbed, "_MODEL_DIR", tmp_path / "model")
+    with pytest.raises(FileNotFoundError, match=r"--model DIR.*LLM\(model=DIR\)"):
+        testbed.model_path()
+    with pytest.raises(FileNotFoundError, match=r"--model DIR"):
+        testbed.head_config_path()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "heads.json").write_text("{}")
+    assert testbed.model_path() == tmp_path / "model"
+    assert testbed.head_config_path() == tmp_path / "model" / "heads.json"
+
+
+def test_cli_make_data(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    testbed_cli.add_arguments(parser)
+    out = tmp_path / "d.jsonl"
+    args = parser.parse_args(["make-data", "--seed", "4", "--n", "2", "--context-tokens", "1024", "--out", str(out),
+                              "--questions-per-context", "2", "--types", "multi_hop", "cross_doc"])
+    assert testbed_cli.run(args) == 0
+    recs = read_jsonl(out)
+    assert recs == generate_records(4, 2, 1024, 2, types=("multi_hop", "cross_doc"))
+    assert "wrote 4 records" in capsys.readouterr().out
+    args = parser.parse_args(["make-data", "--n", "3", "--context-tokens", "128", "--out", str(out), "--easy"])
+    assert testbed_cli.run(args) == 0
+    assert [r["type"] for r in read_jsonl(out)] == ["easy"] * 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["make-data", "--n", "1", "--out", str(out), "--types", "bogus"])
