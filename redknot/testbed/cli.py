@@ -1,4 +1,4 @@
-"""``redknot testbed ...``: the synthetic corpus (``make-data``).
+"""``redknot testbed ...``: the synthetic corpus (``make-data``) and the model training (``train``).
 
 Wiring (in ``redknot/cli.py``)::
 
@@ -32,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser):
     m.add_argument("--easy", action="store_true",
                    help="curriculum stage 1: one-sentence facts, short context (--types is ignored)")
     m.set_defaults(testbed_func=make_data)
+    from . import train
+
+    t = sub.add_parser("train", help="train the testbed model (GPU; resumable, curriculum stages)",
+                       description=train.__doc__.split("\n\n")[0] if train.__doc__ else None)
+    train.add_arguments(t)
+    t.set_defaults(testbed_func=train.run)
     return sub
 
 

@@ -364,6 +364,8 @@ class World:
     def __init__(self, rng: random.Random):
         self.rng = rng
         self.words: list[str] = []  # distinctive name words, lower case
+        self._word_set: set[str] = set()
+        self._word_substrings: set[str] = set()  # every substring of a used name word
         self.fact_years: set[int] = set()
 
     # names
@@ -383,9 +385,14 @@ class World:
         for _ in range(1000):
             w = make()
             lw = w.lower()
-            if (4 <= len(w) <= 10 and lw not in _TEMPLATE_WORDS and not re.search(r"(.)\1\1", lw)
-                    and not any(lw in u or u in lw for u in self.words)):
+            if not (4 <= len(w) <= 10 and lw not in _TEMPLATE_WORDS and not re.search(r"(.)\1\1", lw)):
+                continue
+            # substring relation with a used word, in O(len^2) with sets instead of a scan of all words
+            subs = {lw[i:j] for i in range(len(lw)) for j in range(i + 1, len(lw) + 1)}
+            if lw not in self._word_substrings and not subs & self._word_set:
                 self.words.append(lw)
+                self._word_set.add(lw)
+                self._word_substrings |= subs
                 return w.capitalize()
         raise RuntimeError("could not find a fresh name")  # pragma: no cover
 

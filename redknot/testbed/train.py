@@ -1,0 +1,905 @@
+"""`redknot testbed train`: train the bundled testbed model on the synthetic multi-document QA corpus.
+
+The model is a standard HF ``LlamaForCausalLM`` (GQA, RoPE, SwiGLU, RMSNorm) with a byte-level BPE
+tokenizer trained on the corpus, so redknot serves it through exactly the path it serves any user's
+checkpoint.
+
+What the first probe taught us, and what this script does about it
+------------------------------------------------------------------
+A first probe (13M parameters, 2K context, 4–8 questions per context, ~5,000 steps, plain LM loss
+over the whole sequence) learned to *copy an entity of the right type* but not key-based lookup:
+its exact match sat at ≈ 1/candidates, i.e. it guessed among the names of the asked-for type in
+the context. Hence:
+
+* **Curriculum.** An ``easy`` stage first (key → value adjacent, few distractors, short context) so
+  the lookup circuit (match the key, copy what follows it) forms where it is easy to find, then
+  ``qa`` stages at growing context lengths (``--stages easy:512,qa:2048,qa:4096``).
+* **Dense supervision.** Every context carries ``--questions-per-context`` (default 8) questions.
+  They share the context in one packed sequence: each QA block sits after the context, sees the
+  context and itself but no other block (block attention mask), and its positions continue from
+  the end of the context. That is *exactly* the prompt redknot serves
+  (``build_prompt(tokenizer, question, documents).token_ids`` + answer + ``</s>``) for every
+  question, at the cost of computing the context once.
+* **Answer-weighted loss.** ``loss = mean CE(answer tokens and </s>) + lm_weight · mean CE(other
+  tokens)``, each term averaged on its own: answers are ~1–2% of the tokens, so one plain token
+  average would be dominated by the text. ``lm_weight`` (0.1) keeps the model learning the text.
+  The log also shows the CE of each answer's *first* token, where the lookup happens: a model that
+  only guesses an entity of the right type stays near log(candidates) there.
+* **Held-out EM per stage.** Greedy decoding on a fixed held-out seed (``10_000 + stage index``,
+  never a training seed; contexts drawn like the training ones), SQuAD-normalised exact match,
+  logged per question type at ``--eval-every`` steps and at every stage end: a falling loss alone
+  does not show lookup.
+
+Efficiency (the real run is ~10 minutes at a time on one H200, resumed across runs): examples are
+packed into fixed-shape rows of ``--batch-tokens`` per step (static shapes, torch.compile-friendly),
+bf16 autocast, TF32 matmuls, fused AdamW, cosine schedule with warmup per stage, background data
+workers, and ``--time-budget`` stops cleanly (state + model saved) before the machine is taken away.
+Batches are a pure function of (seed, stage, step), so ``--resume`` from an exact state continues
+exactly. ``qa:N`` asks the corpus for N tokens of documents, calibrated to this tokenizer; with many
+questions the documents they need can pass a short budget (8 questions: ~2.6K tokens at qa:2048).
+
+Outputs in ``--out``: ``tokenizer.json`` (trained once, reused), ``train_state.pt``,
+``train_log.jsonl`` and ``model/`` (HF safetensors checkpoint + tokenizer, bf16 when fp32 would
+pass 40 MB, written at every stage end and whenever a run stops; ``redknot.LLM(model=OUT/model)``).
+``train_state.pt`` stays under ``--state-mb`` (60) so it can be carried to the next machine: exact
+(fp32 weights, AdamW moments, RNG states) when that fits, else bf16 weights only, resumed with fresh
+moments and a 50-step learning-rate re-warmup; the exact state then also goes to
+``train_state_full.pt``, which a resume on the same disk prefers.
+
+Running it (one H200; each invocation stops itself within ``--time-budget`` seconds)::
+
+    python -m redknot.testbed.train --out out/testbed --size small \
+        --stages easy:512,qa:2048,qa:4096 --steps-per-stage 800 2000 2000 \
+        --batch-tokens 131072 --eval-every 200 --time-budget 540
+    # then the same command with --resume until the log says "done"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import os
+import random
+import re
+import signal
+import string
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..reuse.prompt import build_prompt
+
+# Architectures. "small" is the shipped model: ≈19.4M parameters, ≈39 MB in bf16 (DESIGN.md §5 asks
+# ≤ 40 MB); 8 query / 4 KV heads of dim 64 so the head profiler has a real GQA layout to classify.
+# "tiny" exists for tests on CPU.
+SIZES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, head_dim=16, vocab_size=512),
+    "small": dict(hidden_size=512, intermediate_size=896, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=64, vocab_size=4096),
+}
+ROPE_THETA = 500_000.0        # long enough wavelengths for 8K+ positions (Llama-3 uses the same for 8K)
+MAX_POSITIONS = 16384         # ≥ 8192: the model is trained at 4K and evaluated beyond
+SPECIALS = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]  # role markers: one token each
+HELDOUT_SEED = 10_000         # held-out EM of stage i uses seed HELDOUT_SEED + i
+TOKENIZER_SEED = 30_000       # the tokenizer's training text: neither held-out nor a training batch
+_TRAIN_SEED_BASE = 1 << 40    # training batches draw seeds far above every fixed seed
+MAX_MODEL_BYTES = 40 << 20    # fp32 if the checkpoint fits in this, else bf16
+STATE_FILE, LOG_FILE, MODEL_DIR, TOKENIZER_FILE = "train_state.pt", "train_log.jsonl", "model", "tokenizer.json"
+FULL_STATE_FILE = "train_state_full.pt"  # the exact state, beside a lossy train_state.pt
+REWARMUP_STEPS = 50  # after a resume without optimizer moments: Adam re-estimates them (β2 = 0.95 ≈ 20 steps)
+
+
+@dataclass(frozen=True)
+class Stage:
+    kind: str              # "easy" or "qa"
+    context_tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.context_tokens}"
+
+
+def parse_stages(spec: str) -> list[Stage]:
+    stages = []
+    for part in spec.split(","):
+        kind, _, ctx = part.strip().partition(":")
+        if kind not in ("easy", "qa") or not ctx.isdigit() or int(ctx) <= 0:
+            raise ValueError(f"--stages: {part!r} is not KIND:CONTEXT_TOKENS with KIND easy or qa (e.g. qa:2048)")
+        stages.append(Stage(kind, int(ctx)))
+    return stages
+
+
+# ---- corpus ---------------------------------------------------------------------------------------
+def stage_records(stage: Stage, seed: int, contexts: int, questions_per_context: int = 1,
+                  tokens_per_word: float = 1.3) -> list[dict]:
+    """``contexts`` x ``questions_per_context`` records of the stage's kind, deterministic for ``seed``."""
+    from .data import easy_records, generate_records
+
+    fn = easy_records if stage.kind == "easy" else generate_records
+    return fn(seed, contexts, context_tokens=stage.context_tokens, questions_per_context=questions_per_context,
+              tokens_per_word=tokens_per_word)
+
+
+def group_records(records: list[dict]) -> list[list[dict]]:
+    """Consecutive records with the same documents form one group (one context, many questions)."""
+    groups: list[list[dict]] = []
+    for r in records:
+        if groups and groups[-1][0]["documents"] == r["documents"]:
+            groups[-1].append(r)
+        else:
+            groups.append([r])
+    return groups
+
+
+# ---- tokenizer ------------------------------------------------------------------------------------
+def _tokenizer_texts(seed: int, contexts: int):
+    """Documents, questions and answers of both corpus kinds, plus the chat scaffolding."""
+    per_kind = max(1, contexts // 2)
+    for stage in (Stage("easy", 512), Stage("qa", 1024)):
+        for r in stage_records(stage, seed, per_kind, questions_per_context=4):
+            yield from r["documents"]
+            yield r["question"] + "\n" + "\n".join(r["answers"])
+    yield "<|user|>\n<|assistant|>\n\n"
+
+
+def train_tokenizer(vocab_size: int, seed: int = TOKENIZER_SEED, contexts: int = 200):
+    """A byte-level BPE trained on generated text, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ..tiny import CHAT_TEMPLATE
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_tokenizer_texts(seed, contexts), trainer)
+    # Plain (non-chat) encodes start with <s>, like Llama's; build_prompt's chat path adds no specials.
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def load_or_train_tokenizer(out: Path, vocab_size: int, contexts: int, log=print):
+    from transformers import PreTrainedTokenizerFast
+
+    if (out / TOKENIZER_FILE).is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(out))
+    t0 = time.time()
+    tokenizer = train_tokenizer(vocab_size, contexts=contexts)
+    tokenizer.save_pretrained(str(out))
+    log(f"trained a {len(tokenizer)}-token byte-level BPE in {time.time() - t0:.1f}s -> {out / TOKENIZER_FILE}")
+    return tokenizer
+
+
+# ---- model ----------------------------------------------------------------------------------------
+def make_config(size: str, tokenizer, attn: str = "sdpa"):
+    from transformers import LlamaConfig
+
+    shape = dict(SIZES[size])
+    shape.pop("vocab_size")
+    return LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True, initializer_range=0.02, hidden_act="silu",
+                       attention_bias=False, mlp_bias=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id, attn_implementation=_HF_ATTN[attn], **shape)
+
+
+_HF_ATTN = {"sdpa": "sdpa", "flex": "flex_attention"}
+
+
+def build_model(config, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                            attn_implementation=config._attn_implementation)
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied embeddings count once
+
+
+# ---- packing --------------------------------------------------------------------------------------
+@dataclass
+class Group:
+    context: list[int]                       # chat prefix + documents: shared by every question
+    blocks: list[tuple[list[int], list[int]]]  # per question: (question suffix, answer + </s>)
+
+
+def tokenize_group(tokenizer, records: list[dict]) -> Group:
+    """Tokens of one context and its questions, identical to what redknot serves.
+
+    build_prompt tokenizes the prefix, each document and the suffix separately, so
+    ``context + suffix_i == build_prompt(tokenizer, question_i, documents).token_ids``.
+    """
+    cp = build_prompt(tokenizer, records[0]["question"], records[0]["documents"])
+    context = list(cp.prefix) + [t for chunk in cp.chunks for t in chunk]
+    blocks = []
+    for r in records:
+        suffix = list(build_prompt(tokenizer, r["question"], []).suffix)
+        answer = tokenizer.encode(r["answers"][0], add_special_tokens=False) + [tokenizer.eos_token_id]
+        blocks.append((suffix, answer))
+    return Group(context, blocks)
+
+
+class Rows:
+    """Fixed-shape rows being filled with groups; numpy so data workers build them cheaply.
+
+    Per token: ``seg`` (group within the row, -1 = padding), ``qa`` (0 = context, k = k-th QA
+    block), positions, next-token labels (-100 = none) and whether the label is an answer token.
+    """
+
+    def __init__(self, rows: int, row_len: int, pad_id: int):
+        self.row_len = row_len
+        self.input_ids = np.full((rows, row_len), pad_id, np.int64)
+        self.position_ids = np.zeros((rows, row_len), np.int64)
+        self.seg = np.full((rows, row_len), -1, np.int32)
+        self.qa = np.zeros((rows, row_len), np.int32)
+        self.labels = np.full((rows, row_len), -100, np.int64)
+        self.answer = np.zeros((rows, row_len), bool)
+        self.used = [0] * rows
+        self.groups = [0] * rows
+        self.questions = 0
+
+    def free(self) -> int:
+        return max(self.row_len - u for u in self.used)
+
+    def add(self, g: Group) -> bool:
+        """First-fit: the first row with room for the context and one QA block; the blocks that
+        do not fit are dropped (never truncated, so no answer is cut)."""
+        need = len(g.context) + sum(map(len, g.blocks[0]))
+        for r, used in enumerate(self.used):
+            if self.row_len - used >= need:
+                self._write(r, g)
+                return True
+        return False
+
+    def _write(self, r: int, g: Group) -> None:
+        o, C, gid = self.used[r], len(g.context), self.groups[r]
+        blocks, room = [], self.row_len - o - C
+        for q, a in g.blocks:
+            if len(q) + len(a) > room:
+                break
+            blocks.append(q + a)
+            room -= len(q) + len(a)
+        self.input_ids[r, o:o + C] = g.context
+        self.position_ids[r, o:o + C] = np.arange(C)
+        self.seg[r, o:o + C] = gid
+        self.labels[r, o:o + C - 1] = g.context[1:]
+        self.labels[r, o + C - 1] = blocks[0][0]   # the context's last token predicts a question start
+        o += C
+        for k, (blk, (q, _)) in enumerate(zip(blocks, g.blocks), start=1):
+            n = len(blk)
+            self.input_ids[r, o:o + n] = blk
+            self.position_ids[r, o:o + n] = np.arange(C, C + n)  # every block continues the context
+            self.seg[r, o:o + n] = gid
+            self.qa[r, o:o + n] = k
+            self.labels[r, o:o + n - 1] = blk[1:]               # </s> ends the block: no label
+            self.answer[r, o + len(q) - 1:o + n - 1] = True     # labels that are answer tokens or </s>
+            o += n
+        self.used[r], self.groups[r] = o, gid + 1
+        self.questions += len(blocks)
+
+    def arrays(self) -> dict:
+        return dict(input_ids=self.input_ids, position_ids=self.position_ids, seg=self.seg, qa=self.qa,
+                    labels=self.labels, answer=self.answer,
+                    stats=np.array([sum(self.used), self.questions, sum(self.groups)], np.int64))
+
+
+def batch_seed(seed: int, stage_index: int, step: int, call: int) -> int:
+    return _TRAIN_SEED_BASE + ((seed * 64 + stage_index) * 10_000_000 + step) * 64 + call
+
+
+def build_batch(tokenizer, stage: Stage, stage_index: int, step: int, seed: int, rows: int, row_len: int,
+                questions_per_context: int, tokens_per_word: float, est_group_tokens: int) -> dict:
+    """The packed batch of (seed, stage, step): deterministic, so a resumed run sees the same data."""
+    packed = Rows(rows, row_len, tokenizer.pad_token_id)
+    min_need = None
+    for call in range(16):
+        contexts = max(1, math.ceil(packed.free() * rows / est_group_tokens * 1.2) if call else
+                       math.ceil(rows * row_len / est_group_tokens * 1.1))
+        records = stage_records(stage, batch_seed(seed, stage_index, step, call), contexts, questions_per_context,
+                                tokens_per_word)
+        for grp in group_records(records):
+            g = tokenize_group(tokenizer, grp)
+            need = len(g.context) + sum(map(len, g.blocks[0]))
+            min_need = need if min_need is None else min(min_need, need)
+            packed.add(g)
+        if packed.free() < min_need:   # no row can take even the smallest group seen
+            break
+    return packed.arrays()
+
+
+class StageBatches(torch.utils.data.Dataset):
+    """Map-style: item ``step`` is that step's batch, so DataLoader workers build batches ahead."""
+
+    def __init__(self, tokenizer, stage: Stage, stage_index: int, seed: int, rows: int, row_len: int,
+                 questions_per_context: int, tokens_per_word: float, est_group_tokens: int, steps: int):
+        self.kw = dict(tokenizer=tokenizer, stage=stage, stage_index=stage_index, seed=seed, rows=rows,
+                       row_len=row_len, questions_per_context=questions_per_context,
+                       tokens_per_word=tokens_per_word, est_group_tokens=est_group_tokens)
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> dict:
+        return build_batch(step=step, **self.kw)
+
+
+@dataclass
+class StagePlan:
+    """How a stage's batches are shaped; measured once on held-out records and stored in the state."""
+    rows: int
+    row_len: int
+    tokens_per_word: float
+    est_group_tokens: int
+    mean_context_tokens: int = 0
+
+
+def plan_stage(tokenizer, stage: Stage, stage_index: int, batch_tokens: int, questions_per_context: int,
+               min_row: int = 0, probe_contexts: int = 16) -> StagePlan:
+    """Calibrate the corpus' tokens-per-word estimate to this tokenizer (so ``qa:2048`` means 2048 of
+    *our* tokens; calibrated with one question per context, since the documents of many asked
+    questions can exceed a short budget), then pick a row length that holds the longest probed
+    context with all its questions (at least ``min_row``). Masked SDPA computes every (query, key)
+    pair of a row, so its rows stay short (about one context each); FlexAttention skips the blocks
+    between groups, so it takes long rows (``min_row`` 2048) that pack short contexts with less padding."""
+    seed = HELDOUT_SEED + 100 + stage_index  # neither a held-out nor a training seed
+
+    def probe(questions: int, tpw: float) -> list[Group]:
+        records = stage_records(stage, seed, probe_contexts, questions, tpw)
+        return [tokenize_group(tokenizer, g) for g in group_records(records)]
+
+    tpw = 1.3
+    mean_ctx = sum(len(g.context) for g in probe(1, tpw)) / probe_contexts
+    tpw = round(tpw * mean_ctx / stage.context_tokens, 3)
+    groups = probe(questions_per_context, tpw)
+    lens = [len(g.context) + sum(len(q) + len(a) for q, a in g.blocks) for g in groups]
+    row_len = _round_up(max(max(lens) * 1.05, min(min_row, batch_tokens)), 128)
+    return StagePlan(rows=max(1, batch_tokens // row_len), row_len=row_len, tokens_per_word=tpw,
+                     est_group_tokens=int(sum(lens) / len(lens)),
+                     mean_context_tokens=int(sum(len(g.context) for g in groups) / len(groups)))
+
+
+def _round_up(x: float, m: int) -> int:
+    return int(math.ceil(x / m) * m)
+
+
+# ---- attention mask and loss ----------------------------------------------------------------------
+def visibility(seg: torch.Tensor, qa: torch.Tensor):
+    """The one attention rule of a packed batch, as a FlexAttention ``mask_mod``: query q sees key k
+    iff k is not after q, both are in the same group, and k is context or in q's own QA block.
+    Padding (seg -1, qa 0) sees earlier padding, so no query is left with nothing to attend to."""
+
+    def mask_mod(b, h, q, k):
+        return (q >= k) & (seg[b, q] == seg[b, k]) & ((qa[b, k] == 0) | (qa[b, q] == qa[b, k]))
+
+    return mask_mod
+
+
+def dense_mask(seg: torch.Tensor, qa: torch.Tensor) -> torch.Tensor:
+    """``visibility`` materialised for SDPA: [B, 1, L, L] bool, True = attend."""
+    B, L = seg.shape
+    i = torch.arange(L, device=seg.device)
+    b = torch.arange(B, device=seg.device)[:, None, None]
+    return visibility(seg, qa)(b, None, i[None, :, None], i[None, None, :])[:, None]
+
+
+def block_mask(seg: torch.Tensor, qa: torch.Tensor):
+    """``visibility`` as a FlexAttention BlockMask: blocks that no query sees are skipped entirely."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, L = seg.shape
+    return create_block_mask(visibility(seg, qa), B, None, L, L, device=seg.device, _compile=seg.is_cuda)
+
+
+def attention_mask(seg, qa, attn: str):
+    return block_mask(seg, qa) if attn == "flex" else dense_mask(seg, qa)
+
+
+def forward_loss(model, batch: dict, lm_weight: float, attn: str = "sdpa"):
+    """Answer-weighted loss: mean CE over answer labels + lm_weight x mean CE over the other labels.
+
+    Also returns, detached, the answer and text CE and the CE of each answer's *first* token: that is
+    where the lookup happens (the rest is mostly copying a name once it has started), and a model that
+    only guesses an entity of the right type sits at about log(candidates) there."""
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                attention_mask=attention_mask(batch["seg"], batch["qa"], attn), use_cache=False)
+    labels, answer = batch["labels"], batch["answer"]
+    ce = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                         reduction="none").view_as(labels)
+    text = (labels != -100) & ~answer
+    first = answer & ~F.pad(answer[:, :-1], (1, 0))
+    ans_loss, lm_loss, first_loss = ((ce * m).sum() / m.sum().clamp(min=1) for m in (answer, text, first))
+    return ans_loss + lm_weight * lm_loss, ans_loss.detach(), lm_loss.detach(), first_loss.detach()
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def autocast(device: torch.device):
+    # bf16 autocast on GPU (fp32 master weights and optimizer); CPU stays fp32 (bf16 matmuls are slow there).
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def make_optimizer(model, lr: float, weight_decay: float, device: torch.device):
+    decay = [p for p in model.parameters() if p.ndim >= 2]     # matrices (and the tied embedding)
+    no_decay = [p for p in model.parameters() if p.ndim < 2]   # RMSNorm gains
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+
+
+def train_step(model, optimizer, batch: dict, lm_weight: float, attn: str, device: torch.device,
+               clip: float = 1.0):
+    with autocast(device):
+        loss, *metrics = forward_loss(model, batch, lm_weight, attn)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return (loss.detach(), *metrics)  # loss, answer CE, text CE, first-answer-token CE
+
+
+def lr_factor(step: int, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """Per stage: linear warmup, then cosine down to min_ratio. A pure function of the position, so
+    resuming restores the schedule exactly."""
+    warmup = min(warmup, max(1, steps // 10))
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+# ---- evaluation -----------------------------------------------------------------------------------
+def normalize_answer(s: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    s = re.sub(r"\b(a|an|the)\b", " ", s)
+    return " ".join(s.split())
+
+
+def exact_match(prediction: str, answers: list[str]) -> bool:
+    return any(normalize_answer(prediction) == normalize_answer(a) for a in answers)
+
+
+@torch.no_grad()
+def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, device: torch.device,
+                   batch_tokens: int = 65536) -> list[str]:
+    """Greedy decoding of each prompt (left-padded batches of similar length)."""
+    batches, current = [], []
+    for j in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):  # the newest is the longest
+        if current and (len(current) + 1) * (len(prompts[j]) + max_new_tokens) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(j)
+    batches.append(current)
+    texts: list[str] = [""] * len(prompts)
+    for idx in batches:
+        L = len(prompts[idx[-1]])
+        ids = torch.full((len(idx), L), tokenizer.pad_token_id, dtype=torch.long)
+        am = torch.zeros((len(idx), L), dtype=torch.long)
+        for r, j in enumerate(idx):
+            ids[r, L - len(prompts[j]):] = torch.tensor(prompts[j])
+            am[r, L - len(prompts[j]):] = 1
+        with autocast(device):
+            out = model.generate(input_ids=ids.to(device), attention_mask=am.to(device), do_sample=False,
+                                 max_new_tokens=max_new_tokens, use_cache=True, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        for r, j in enumerate(idx):
+            new = out[r, L:].tolist()
+            if tokenizer.eos_token_id in new:
+                new = new[:new.index(tokenizer.eos_token_id)]
+            texts[j] = tokenizer.decode(new, skip_special_tokens=True)
+    return texts
+
+
+def evaluate(model, tokenizer, records: list[dict], device: torch.device) -> dict:
+    """Held-out exact match, overall and per question type."""
+    prompts = [build_prompt(tokenizer, r["question"], r["documents"]).token_ids for r in records]
+    longest = max(len(tokenizer.encode(a, add_special_tokens=False)) for r in records for a in r["answers"])
+    if model.config._attn_implementation != "sdpa":
+        # decoding with a KV cache is SDPA's home ground; a copy leaves the (compiled) training model as it is
+        model = copy.deepcopy(model)
+        model.set_attn_implementation("sdpa")
+    was_training = model.training
+    model.eval()
+    preds = greedy_answers(model, tokenizer, prompts, min(32, longest + 2), device)
+    model.train(was_training)
+    hits: dict[str, list[bool]] = {}
+    for r, p in zip(records, preds):
+        hits.setdefault(r.get("type", "all"), []).append(exact_match(p, r["answers"]))
+    total = [h for v in hits.values() for h in v]
+    return {"em": sum(total) / len(total), "n": len(total),
+            "em_by_type": {k: sum(v) / len(v) for k, v in sorted(hits.items())},
+            "examples": [{"q": r["question"], "gold": r["answers"][0], "pred": p} for r, p in
+                         list(zip(records, preds))[:3]]}
+
+
+# ---- checkpointing --------------------------------------------------------------------------------
+def _atomic_save(obj, path: Path) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_state(out: Path, model, optimizer, stage: int, step: int, plans: dict, run_args: dict,
+               tokens_seen: int, max_bytes: int) -> str:
+    """Write ``train_state.pt``, small enough to carry between machines (``max_bytes``), and say how.
+
+    "exact": fp32 weights + AdamW moments + RNG states when that fits (resume continues exactly).
+    Otherwise "bf16": bf16 weights only (the moments would triple the size); the exact state then
+    also goes to ``train_state_full.pt``, which a resume on the same disk prefers.
+    """
+    n = count_parameters(model)
+    meta = {"version": 1, "stage": stage, "step": step, "config": model.config.to_dict(),
+            # the schedule is lr_factor(step, steps, warmup) of the stage: its position is (stage, step)
+            "scheduler": {"stage": stage, "step": step, "kind": "per-stage warmup + cosine"},
+            "plans": {k: asdict(v) for k, v in plans.items()}, "args": run_args, "tokens_seen": tokens_seen}
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    exact = {**meta, "precision": "exact", "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "rng": rng}
+    if 12 * n + (1 << 20) <= max_bytes:
+        _atomic_save(exact, out / STATE_FILE)
+        (out / FULL_STATE_FILE).unlink(missing_ok=True)
+        return "exact"
+    _atomic_save(exact, out / FULL_STATE_FILE)
+    weights = {k: v.detach().to("cpu", torch.bfloat16) if v.is_floating_point() else v.cpu()
+               for k, v in model.state_dict().items()}
+    _atomic_save({**meta, "precision": "bf16", "model": weights}, out / STATE_FILE)
+    return "bf16"
+
+
+def load_state(out: Path) -> dict:
+    """``train_state.pt``, or the exact ``train_state_full.pt`` written with it when there is one."""
+    state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
+    full = out / FULL_STATE_FILE
+    if state["precision"] != "exact" and full.is_file():
+        exact = torch.load(full, map_location="cpu", weights_only=False)
+        position = lambda st: (st["stage"], st["step"], st["tokens_seen"])  # noqa: E731
+        if position(exact) == position(state):
+            return exact
+    return state
+
+
+def restore_rng(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def save_model(out: Path, model, tokenizer, meta: dict) -> Path:
+    """``out/model``: an HF checkpoint (safetensors) + tokenizer that ``redknot.LLM`` loads.
+    fp32 when it fits in 40 MB (DESIGN.md §5), bf16 otherwise."""
+    path = out / MODEL_DIR
+    dtype = torch.float32 if count_parameters(model) * 4 <= MAX_MODEL_BYTES else torch.bfloat16
+    export = copy.deepcopy(model).to(device="cpu", dtype=dtype)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per save would drown the log
+    export.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    (path / "training.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return path
+
+
+# ---- logging --------------------------------------------------------------------------------------
+class Log:
+    """One line per event to stdout and one JSON object per event to ``train_log.jsonl``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, text: str, **record) -> None:
+        print(text, flush=True)
+        if record:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+
+# ---- the run --------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, help="run directory (tokenizer, state, log, model/)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    p.add_argument("--stages", default="easy:512,qa:2048,qa:4096",
+                   help="curriculum, KIND:CONTEXT_TOKENS in order; KIND is easy or qa")
+    p.add_argument("--steps-per-stage", type=int, nargs="+", default=[1000],
+                   help="optimizer steps of each stage (one value for all, or one per stage)")
+    p.add_argument("--batch-tokens", type=int, default=131072, help="tokens per optimizer step (packed rows)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup", type=int, default=100, help="warmup steps at the start of each stage")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--lm-weight", type=float, default=0.1, help="weight of the non-answer (text) loss")
+    p.add_argument("--questions-per-context", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default: by --size)")
+    p.add_argument("--tokenizer-contexts", type=int, default=None,
+                   help="contexts of text the tokenizer trains on (default: by --size)")
+    p.add_argument("--eval-every", type=int, default=250, help="held-out EM every N steps (and at stage ends)")
+    p.add_argument("--eval-n", type=int, default=128, help="held-out questions per evaluation")
+    p.add_argument("--save-every", type=int, default=250, help="write OUT/train_state.pt every N steps")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--attn", choices=("sdpa", "flex"), default="sdpa",
+                   help="sdpa: masked SDPA (robust); flex: FlexAttention block mask (skips masked blocks, GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
+    p.add_argument("--workers", type=int, default=None,
+                   help="data-building processes (default: all cores but two on GPU, 0 = in-process on CPU)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds: stop cleanly (state + model saved) before this much wall time has passed")
+    p.add_argument("--stop-after-steps", type=int, default=None, help="stop after N steps in this invocation")
+    p.add_argument("--state-mb", type=float, default=60.0,
+                   help="size limit of OUT/train_state.pt, so it can be carried between machines: exact (fp32 "
+                        "weights + optimizer) when that fits, else bf16 weights (+ an exact train_state_full.pt)")
+
+
+def _steps(args, stages: list[Stage]) -> list[int]:
+    s = list(args.steps_per_stage)
+    if len(s) == 1:
+        s = s * len(stages)
+    if len(s) != len(stages) or any(n <= 0 for n in s):
+        raise ValueError(f"--steps-per-stage: give one positive count, or one per stage ({len(stages)})")
+    return s
+
+
+def _loader(dataset: StageBatches, start: int, workers: int, pin: bool):
+    kw = dict(num_workers=workers, pin_memory=pin)
+    if workers:
+        kw.update(prefetch_factor=4)
+    return torch.utils.data.DataLoader(dataset, batch_size=None, sampler=range(start, len(dataset)), **kw)
+
+
+def _fast_math(device: torch.device) -> None:
+    # TF32 for the fp32 matmuls outside autocast (the optimizer's are elementwise): the same switch
+    # as torch.backends.cuda.matmul.allow_tf32 = True, through the API that newer torch prefers
+    torch.set_float32_matmul_precision("high")
+    if device.type == "cuda":
+        torch.backends.cudnn.allow_tf32 = True
+
+
+class Trainer:
+    """One invocation of a training run: set up (new, or resumed from ``train_state.pt``), then run
+    the stages until the curriculum is done or the invocation has to stop (time budget, SIGTERM,
+    ``--stop-after-steps``), always leaving a state to resume from and a loadable model."""
+
+    def __init__(self, args):
+        self.t_start = time.time()
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = Log(self.out / LOG_FILE)
+        self.stages = parse_stages(args.stages)
+        self.steps = _steps(args, self.stages)
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        _fast_math(self.device)
+        state = self._read_state()
+        size = SIZES[args.size]
+        self.tokenizer = load_or_train_tokenizer(self.out, args.vocab_size or size["vocab_size"],
+                                                 args.tokenizer_contexts or (24 if args.size == "tiny" else 400),
+                                                 self.log)
+        if state is not None:
+            from transformers import LlamaConfig
+
+            config = LlamaConfig.from_dict(state["config"])
+            config._attn_implementation = _HF_ATTN[args.attn]
+        else:
+            config = make_config(args.size, self.tokenizer, args.attn)
+        self.model = build_model(config, args.seed).to(self.device)
+        self.optimizer = make_optimizer(self.model, args.lr, args.weight_decay, self.device)
+        self.stage_i, self.step, self.tokens_seen, self.plans = 0, 0, 0, {}
+        self.invocation_steps, self.rewarm_until = 0, 0
+        if state is not None:
+            self._restore(state)
+        self.fwd = torch.compile(self.model) if args.compile else self.model
+        # Building a batch is Python work (corpus generation + tokenization; ~5 s of one core for an
+        # easy batch of 128K tokens), so on GPU every spare core builds batches ahead of the loop.
+        self.workers = args.workers if args.workers is not None else (
+            max(1, (os.cpu_count() or 2) - 2) if self.device.type == "cuda" else 0)
+        self.last_em, self.stop_signal = None, None
+        self.seconds = {"save": 30.0, "eval": 0.0, "step": 0.0}  # what a clean stop must leave time for
+        self.run_args = {"stages": [asdict(st) for st in self.stages], "steps": self.steps, "size": args.size,
+                         "seed": args.seed, "lr": args.lr, "batch_tokens": args.batch_tokens,
+                         "lm_weight": args.lm_weight, "questions_per_context": args.questions_per_context}
+        n, c = count_parameters(self.model), config
+        self.log(f"model: {args.size}, {n / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, hidden "
+                 f"{c.hidden_size}, {c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {c.head_dim}, "
+                 f"vocab {c.vocab_size}; device {self.device}, attention {args.attn}, {self.workers} data workers",
+                 event="start", params=n, size=args.size, device=str(self.device), resumed=state is not None)
+
+    # -- state --
+    def _read_state(self) -> dict | None:
+        path = self.out / STATE_FILE
+        if not path.is_file():
+            if self.args.resume:
+                self.log(f"--resume: no {path} yet, starting a new run")
+            return None
+        if not self.args.resume:
+            raise SystemExit(f"{path} exists: pass --resume to continue it, or use a new --out")
+        state = load_state(self.out)
+        saved = [Stage(**st) for st in state["args"]["stages"]]
+        if saved[:len(self.stages)] != self.stages[:len(saved)]:  # a resumed run may only add stages
+            raise SystemExit(f"--stages {self.args.stages} does not match the saved run's "
+                             f"{','.join(st.name for st in saved)}")
+        self.args.size = state["args"]["size"]  # the architecture is the saved one
+        return state
+
+    def _restore(self, state: dict) -> None:
+        self.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()})
+        if state["precision"] == "exact":
+            self.optimizer.load_state_dict(state["optimizer"])
+            restore_rng(state["rng"])
+        else:  # fresh AdamW moments: ramp the learning rate up again while Adam re-estimates them
+            self.rewarm_until = self.invocation_steps + REWARMUP_STEPS
+        self.stage_i, self.step, self.tokens_seen = state["stage"], state["step"], state["tokens_seen"]
+        self.plans = {k: StagePlan(**v) for k, v in state["plans"].items()}
+        self.log(f"resumed {self.out}: stage {self.stage_i + 1}/{len(self.stages)}, step {self.step} "
+                 f"({state['precision']} state{'' if state['precision'] == 'exact' else ', lr re-warmup'})",
+                 event="resume", stage=self.stage_i, step=self.step, precision=state["precision"])
+
+    def checkpoint(self, write_model: bool = False) -> None:
+        t0 = time.time()
+        save_state(self.out, self.model, self.optimizer, self.stage_i, self.step, self.plans, self.run_args,
+                   self.tokens_seen, int(self.args.state_mb * 1e6))
+        if write_model:
+            save_model(self.out, self.model, self.tokenizer,
+                       {"run": self.run_args, "stage": self.stage_i, "step": self.step,
+                        "tokens_seen": self.tokens_seen, "heldout": self.last_em})
+        self.seconds["save"] = max(self.seconds["save"], 2 * (time.time() - t0))
+
+    # -- the loop --
+    def run(self) -> int:
+        previous = _on_sigterm(lambda *_: setattr(self, "stop_signal", "SIGTERM"))
+        try:
+            while self.stage_i < len(self.stages):
+                if not self._train_stage():
+                    return 0
+        finally:
+            _on_sigterm(previous)
+        self.log(f"done: {len(self.stages)} stages, {self.tokens_seen:,} tokens, {time.time() - self.t_start:.0f}s; "
+                 f"model in {self.out / MODEL_DIR}", event="done", tokens_seen=self.tokens_seen,
+                 model=str(self.out / MODEL_DIR), heldout=self.last_em)
+        return 0
+
+    def _plan(self) -> StagePlan:
+        key, stage = str(self.stage_i), self.stages[self.stage_i]
+        if key not in self.plans:
+            self.plans[key] = plan_stage(self.tokenizer, stage, self.stage_i, self.args.batch_tokens,
+                                         self.args.questions_per_context, 2048 if self.args.attn == "flex" else 0)
+        plan = self.plans[key]
+        if self.step == 0:
+            self.log(f"stage {self.stage_i + 1}/{len(self.stages)} {stage.name}: {self.steps[self.stage_i]} steps, "
+                     f"{plan.rows} rows of {plan.row_len} tokens, contexts ~{plan.mean_context_tokens} tokens "
+                     f"(tokens/word {plan.tokens_per_word})", event="stage", stage=self.stage_i,
+                     stage_name=stage.name, plan=asdict(plan))
+        return plan
+
+    def _train_stage(self) -> bool:
+        """Train the current stage to its end (True) or until the invocation must stop (False)."""
+        plan, stage, steps = self._plan(), self.stages[self.stage_i], self.steps[self.stage_i]
+        data = StageBatches(self.tokenizer, stage, self.stage_i, self.args.seed, plan.rows, plan.row_len,
+                            self.args.questions_per_context, plan.tokens_per_word, plan.est_group_tokens, steps)
+        self._window = (time.time(), 0, [])  # since the last log line: start, tokens, losses
+        for batch in _loader(data, self.step, self.workers, self.device.type == "cuda"):
+            self._train_step(batch, plan)
+            if self.step == steps:
+                break
+            if self.args.eval_every and self.step % self.args.eval_every == 0:
+                self.heldout()
+            if self.args.save_every and self.step % self.args.save_every == 0:
+                self.checkpoint()
+            why = self._stop_reason()
+            if why:
+                return self._stop(why)
+        self.heldout()
+        self.stage_i, self.step = self.stage_i + 1, 0
+        self.checkpoint(write_model=True)
+        if self.stage_i < len(self.stages) and self._stop_reason():
+            return self._stop(self._stop_reason())
+        return True
+
+    def _train_step(self, batch: dict, plan: StagePlan) -> None:
+        t0, args, steps = time.time(), self.args, self.steps[self.stage_i]
+        for g in self.optimizer.param_groups:
+            g["lr"] = args.lr * lr_factor(self.step, steps, args.warmup) * min(
+                1.0, (self.invocation_steps + 1) / max(1, self.rewarm_until))
+        stats = batch.pop("stats").tolist()  # real tokens, questions, contexts
+        losses = train_step(self.fwd, self.optimizer, to_device(batch, self.device), args.lm_weight, args.attn,
+                            self.device)
+        self.step += 1
+        self.invocation_steps += 1
+        self.tokens_seen += stats[0]
+        start, tokens, acc = self._window
+        tokens += stats[0]
+        acc.append(torch.stack(losses))
+        self._window = (start, tokens, acc)
+        if self.step % args.log_every and self.step != steps and self.invocation_steps != 1:
+            return
+        loss, answer, text, first = torch.stack(acc).mean(0).tolist()  # the one host sync per log line
+        dt = time.time() - start
+        fill, lr = stats[0] / (plan.rows * plan.row_len), self.optimizer.param_groups[0]["lr"]
+        self.seconds["step"] = max(self.seconds["step"], 2 * (time.time() - t0))
+        self.log(f"[{self.stages[self.stage_i].name}] step {self.step}/{steps} loss {loss:.4f} (answer {answer:.4f}, "
+                 f"first {first:.3f}, text {text:.4f}) lr {lr:.2e} {tokens / dt:,.0f} tok/s fill {fill:.0%} "
+                 f"q/step {stats[1]}", event="train", stage=self.stage_i, stage_name=self.stages[self.stage_i].name,
+                 step=self.step, loss=loss, answer_loss=answer, first_token_loss=first, text_loss=text, lr=lr,
+                 tokens_per_s=tokens / dt, fill=fill,
+                 questions=stats[1], tokens_seen=self.tokens_seen)
+        self._window = (time.time(), 0, [])
+
+    def heldout(self) -> None:
+        """Held-out EM of the current stage (greedy, SQuAD-normalised), overall and per type."""
+        t0, s_i = time.time(), self.stage_i
+        stage = self.stages[s_i]
+        # the training distribution (same questions per context), on contexts no training batch draws
+        qpc = self.args.questions_per_context
+        records = stage_records(stage, HELDOUT_SEED + s_i, math.ceil(self.args.eval_n / qpc), qpc,
+                                self.plans[str(s_i)].tokens_per_word)[:self.args.eval_n]
+        res = evaluate(self.model, self.tokenizer, records, self.device)
+        self.last_em = {"stage": stage.name, **{k: res[k] for k in ("em", "em_by_type", "n")}}
+        self.seconds["eval"] = time.time() - t0
+        by_type = " ".join(f"{k} {v:.3f}" for k, v in res["em_by_type"].items())
+        self.log(f"  eval {stage.name} step {self.step}: EM {res['em']:.3f} ({by_type}) n={res['n']} "
+                 f"[{self.seconds['eval']:.1f}s] e.g. {res['examples'][0]}", event="eval", stage=s_i,
+                 stage_name=stage.name, step=self.step, em=res["em"], em_by_type=res["em_by_type"], n=res["n"],
+                 examples=res["examples"])
+
+    # -- stopping --
+    def _stop_reason(self) -> str | None:
+        if self.stop_signal:
+            return self.stop_signal
+        if self.args.stop_after_steps and self.invocation_steps >= self.args.stop_after_steps:
+            return "--stop-after-steps"
+        if self.args.time_budget is not None:
+            # the next step may bring an evaluation, and the stop a save: leave time for both
+            left = self.args.time_budget - (time.time() - self.t_start)
+            if left < sum(self.seconds.values()):
+                return "time budget"
+        return None
+
+    def _stop(self, why: str) -> bool:
+        self.checkpoint(write_model=True)
+        self.log(f"stopped ({why}) at stage {self.stage_i + 1}/{len(self.stages)} step {self.step}: "
+                 f"rerun with --resume", event="stop", reason=why, stage=self.stage_i, step=self.step,
+                 tokens_seen=self.tokens_seen)
+        return False
+
+
+def _on_sigterm(handler):
+    """Install a SIGTERM handler (main thread only) and return the previous one."""
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        return None if handler is None else signal.SIG_DFL
+
+
+def run(args) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # data workers fork after the tokenizer is used
+    return Trainer(args).run()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="redknot testbed train", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,158 @@
+"""The testbed training script on CPU: packed layout == the served prompt, the model can fit a batch,
+a short curriculum logs loss and held-out EM, resumes exactly, and its model loads in redknot."""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from redknot.reuse.prompt import build_prompt
+from redknot.testbed import train as T
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return T.train_tokenizer(512, contexts=8)
+
+
+def _args(out, *extra):
+    p = argparse.ArgumentParser()
+    T.add_arguments(p)
+    return p.parse_args(["--out", str(out), "--size", "tiny", "--stages", "easy:128,qa:256", "--steps-per-stage", "3",
+                         "--batch-tokens", "1024", "--questions-per-context", "2", "--eval-every", "2", "--eval-n", "4",
+                         "--log-every", "1", "--tokenizer-contexts", "8", "--vocab-size", "512", "--lr", "3e-3",
+                         "--device", "cpu", *extra])
+
+
+def _log(out):
+    return [json.loads(line) for line in (out / T.LOG_FILE).read_text().splitlines()]
+
+
+def test_parse_stages_and_em():
+    assert T.parse_stages("easy:512, qa:2048") == [T.Stage("easy", 512), T.Stage("qa", 2048)]
+    for bad in ("hard:512", "qa", "qa:0", "qa:2k"):
+        with pytest.raises(ValueError, match="--stages"):
+            T.parse_stages(bad)
+    assert T.exact_match("The Varna.", ["varna"]) and not T.exact_match("Varna Port", ["Varna"])
+
+
+def test_packed_layout_is_the_served_prompt(tokenizer):
+    """Each QA block, sharing its context with the others in one row, gets the same logits as the
+    prompt redknot serves for that question alone; labels of the answer span are answer + </s>."""
+    records = T.stage_records(T.Stage("easy", 128), seed=5, contexts=2, questions_per_context=3)
+    groups = T.group_records(records)
+    assert [len(g) for g in groups] == [3, 3]
+    rows = T.Rows(1, 1024, tokenizer.pad_token_id)
+    packed = [T.tokenize_group(tokenizer, g) for g in groups]
+    assert all(rows.add(g) for g in packed) and rows.questions == 6
+    batch = {k: torch.as_tensor(v) for k, v in rows.arrays().items() if k != "stats"}
+    model = T.build_model(T.make_config("tiny", tokenizer), seed=0).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       attention_mask=T.dense_mask(batch["seg"], batch["qa"])).logits[0]
+    offset = 0
+    for g, recs in zip(packed, groups):
+        offset += len(g.context)
+        for (q, a), r in zip(g.blocks, recs):
+            served = build_prompt(tokenizer, r["question"], r["documents"]).token_ids
+            assert served == g.context + q
+            assert a == tokenizer.encode(r["answers"][0], add_special_tokens=False) + [tokenizer.eos_token_id]
+            with torch.no_grad():
+                alone = model(input_ids=torch.tensor([served + a])).logits[0, len(g.context):]
+            n = len(q) + len(a)
+            torch.testing.assert_close(logits[offset:offset + n], alone, atol=1e-4, rtol=1e-4)
+            span = batch["answer"][0, offset:offset + n]
+            assert batch["labels"][0, offset:offset + n][span].tolist() == a
+            offset += n
+    # padding and the last token of each block carry no label; every context token but the last
+    # predicts its successor
+    assert (batch["labels"][0, offset:] == -100).all()
+    assert batch["labels"][0, :len(packed[0].context) - 1].tolist() == packed[0].context[1:]
+
+
+def test_dense_and_block_mask_follow_one_rule():
+    seg = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, -1]])
+    qa = torch.tensor([[0, 0, 1, 2, 2, 0, 1, 1, 0]])
+    m = T.dense_mask(seg, qa)[0, 0]
+    assert m[3].tolist() == [True, True, False, True, False, False, False, False, False]  # block 2 skips block 1
+    assert m[7].tolist() == [False] * 5 + [True] * 3 + [False]                            # group 1 only
+    assert m[8].tolist() == [False] * 8 + [True]                                          # padding sees itself
+
+
+def test_model_fits_a_repeated_batch(tokenizer):
+    stage = T.Stage("easy", 128)
+    batch = T.build_batch(tokenizer, stage, 0, step=0, seed=0, rows=1, row_len=512, questions_per_context=4,
+                          tokens_per_word=2.8, est_group_tokens=200)
+    batch = T.to_device({k: v for k, v in batch.items() if k != "stats"}, CPU)
+    model = T.build_model(T.make_config("tiny", tokenizer), seed=0)
+    opt = T.make_optimizer(model, 3e-3, 0.0, CPU)
+    losses = [T.train_step(model, opt, batch, 0.1, "sdpa", CPU)[1].item() for _ in range(20)]  # answer CE
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+def test_curriculum_logs_resumes_exactly_and_loads_in_redknot(tmp_path):
+    from redknot import LLM, SamplingParams
+
+    # one run straight through ...
+    straight = tmp_path / "straight"
+    assert T.run(_args(straight)) == 0
+    log = _log(straight)
+    train = [r for r in log if r["event"] == "train"]
+    evals = [r for r in log if r["event"] == "eval"]
+    assert [r["stage_name"] for r in log if r["event"] == "stage"] == ["easy:128", "qa:256"]
+    assert all(r["loss"] > 0 and r["answer_loss"] > 0 and r["first_token_loss"] > 0 and r["tokens_per_s"] > 0
+               for r in train)
+    assert {(r["stage"], r["step"]) for r in evals} >= {(0, 2), (0, 3), (1, 2), (1, 3)}
+    assert all(0 <= r["em"] <= 1 and r["em_by_type"] for r in evals)
+    assert set(evals[-1]["em_by_type"]) <= {"single_hop", "multi_hop", "cross_doc"}
+
+    # ... and one stopped by its time budget (after its first step), resumed for one more step,
+    # then resumed to the end: it continues where it stopped, not from 0, and ends with the same weights
+    resumed = tmp_path / "resumed"
+    assert T.run(_args(resumed, "--time-budget", "0")) == 0
+    assert [r["reason"] for r in _log(resumed) if r["event"] == "stop"] == ["time budget"]
+    assert (resumed / T.MODEL_DIR / "config.json").is_file()
+    with pytest.raises(SystemExit, match="--resume"):
+        T.run(_args(resumed))
+    assert T.run(_args(resumed, "--resume", "--stop-after-steps", "1")) == 0
+    state = torch.load(resumed / T.STATE_FILE, weights_only=False)
+    assert (state["stage"], state["step"]) == (0, 2)
+    assert T.run(_args(resumed, "--resume")) == 0
+    log = _log(resumed)
+    resumes = [i for i, r in enumerate(log) if r["event"] == "resume"]
+    assert [log[i]["step"] for i in resumes] == [1, 2]
+    assert [r["step"] for r in log[resumes[0]:] if r["event"] == "train"][:3] == [2, 3, 1]
+    final_a = torch.load(straight / T.STATE_FILE, weights_only=False)
+    final_b = torch.load(resumed / T.STATE_FILE, weights_only=False)
+    assert (final_b["stage"], final_b["step"]) == (2, 0)
+    for k, v in final_a["model"].items():
+        torch.testing.assert_close(final_b["model"][k], v, rtol=0, atol=0, msg=k)
+
+    # the exported model is a checkpoint redknot serves
+    model_dir = resumed / T.MODEL_DIR
+    assert (model_dir / "model.safetensors").stat().st_size < 60 << 20
+    llm = LLM(model=model_dir, device="cpu")
+    docs = ["Osis Greby was born in Pyvik.", "The mayor of Pyvik is Ama Tel."]
+    out = llm.generate(["Who is the mayor of Pyvik?"], SamplingParams(max_tokens=4, temperature=0),
+                       documents=[docs])
+    assert 1 <= len(out[0].outputs[0].token_ids) <= 4 and isinstance(out[0].outputs[0].text, str)
+    assert out[0].prompt_token_ids == build_prompt(llm.tokenizer, "Who is the mayor of Pyvik?", docs).token_ids
+
+
+def test_state_over_its_size_limit_is_bf16_weights_plus_an_exact_full_state(tmp_path):
+    out = tmp_path / "run"
+    assert T.run(_args(out, "--state-mb", "1", "--stop-after-steps", "1")) == 0  # tiny's exact state is ~1.6 MB
+    compact = torch.load(out / T.STATE_FILE, weights_only=False)
+    assert compact["precision"] == "bf16" and "optimizer" not in compact
+    assert all(v.dtype == torch.bfloat16 for v in compact["model"].values() if v.is_floating_point())
+    assert (out / T.STATE_FILE).stat().st_size < 1e6 and (out / T.FULL_STATE_FILE).is_file()
+    # on the same disk the exact state is used; carried alone, the bf16 one resumes with a re-warmup
+    assert T.load_state(out)["precision"] == "exact"
+    (out / T.FULL_STATE_FILE).unlink()
+    assert T.run(_args(out, "--resume", "--state-mb", "1", "--stop-after-steps", "1")) == 0
+    resume = [r for r in _log(out) if r["event"] == "resume"]
+    assert [(r["precision"], r["step"]) for r in resume] == [("bf16", 1)]
+    assert torch.load(out / T.STATE_FILE, weights_only=False)["step"] == 2
