@@ -60,12 +60,12 @@ def _write(path, lines):
 
 
 @pytest.mark.parametrize("bad, message", [
-    ("{not json", "not valid JSON"),
-    (json.dumps({"id": "x", "documents": [], "question": "q", "answers": ["a"]}), "missing field(s) type"),
+    ("{not json", "malformed JSON"),
+    (json.dumps({"id": "x", "documents": [], "question": "q", "answers": ["a"]}), "missing field(s) ['type']"),
     (json.dumps({"id": "x", "documents": "doc", "question": "q", "answers": ["a"], "type": "t"}),
-     "'documents' has type str"),
+     "'documents' must be list"),
     (json.dumps({"id": "x", "documents": ["d"], "question": "q", "answers": [], "type": "t"}), "'answers' is empty"),
-    (json.dumps([1, 2]), "a record is a JSON object"),
+    (json.dumps([1, 2]), "expected a JSON object"),
 ])
 def test_malformed_data_names_file_and_line(tmp_path, bad, message):
     path = _write(tmp_path / "data.jsonl", [json.dumps(RECORDS[0]), "", bad])
@@ -166,5 +166,5 @@ def test_dense_flops_match_the_recovery_forward(setup):
 def test_malformed_data_fails_before_the_model_loads(setup, tmp_path):
     _, heads, _, _ = setup
     bad = _write(tmp_path / "bad.jsonl", [json.dumps(RECORDS[0]), json.dumps({"id": "x", "question": "q"})])
-    with pytest.raises(ValueError, match=re.escape(f"{bad}:2: missing field(s) documents, answers, type")):
+    with pytest.raises(ValueError, match=re.escape(f"{bad}:2: missing field(s) ['documents', 'answers', 'type']")):
         quality.run(_args(model=tmp_path / "no-such-model", data=bad, methods="dense", out=tmp_path / "r.json"))

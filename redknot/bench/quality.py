@@ -21,6 +21,8 @@ import string
 import sys
 from pathlib import Path
 
+from ..testbed.data import read_jsonl
+
 import torch
 
 REFERENCE = "dense"
@@ -29,7 +31,6 @@ TOPK = 10
 NEEDS_HEAD_CONFIG = ("headsparse", "redknot", "redknot_kv")
 # Per-record quantities that are averaged, overall and per question type.
 SCORES = ("em", "f1", "top1_agreement", "top10_overlap", "logit_cos")
-REQUIRED_FIELDS = {"id": (str, int), "documents": list, "question": str, "answers": list, "type": str}
 
 
 # ---- SQuAD answer scoring -----------------------------------------------------------------------
@@ -102,43 +103,11 @@ def dense_prefill_flops(cfg, n_tokens: int) -> int:
 
 # ---- data ---------------------------------------------------------------------------------------
 def load_records(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Read and validate a jsonl file; errors name file:line. Blank lines are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}")
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            if limit is not None and len(records) >= limit:
-                break  # later lines are neither read nor validated
-            records.append(_parse_record(line, f"{path}:{lineno}"))
+    """Read and validate a jsonl file (errors name file:line); blank lines are skipped."""
+    records = read_jsonl(path, limit)
     if not records:
         raise ValueError(f"{path}: no records")
     return records
-
-
-def _parse_record(line: str, where: str) -> dict:
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(rec, dict):
-        raise ValueError(f"{where}: a record is a JSON object, got {type(rec).__name__}")
-    missing = [k for k in REQUIRED_FIELDS if k not in rec]
-    if missing:
-        raise ValueError(f"{where}: missing field(s) {', '.join(missing)} "
-                         f"(a record needs {', '.join(REQUIRED_FIELDS)})")
-    for key, kind in REQUIRED_FIELDS.items():
-        if not isinstance(rec[key], kind) or isinstance(rec[key], bool):
-            raise ValueError(f"{where}: field {key!r} has type {type(rec[key]).__name__}")
-    for key in ("documents", "answers"):
-        if not all(isinstance(x, str) for x in rec[key]):
-            raise ValueError(f"{where}: field {key!r} must be a list of strings")
-    if not rec["answers"]:
-        raise ValueError(f"{where}: field 'answers' is empty")
-    return rec
 
 
 # ---- evaluation ---------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from pathlib import Path
 TYPES = ("single_hop", "multi_hop", "cross_doc")
 MIN_DOC_WORDS, MAX_DOC_WORDS = 150, 400
 TARGET_DOC_WORDS = 270  # documents per context ~ words budget / this
-REQUIRED_FIELDS = {"id": str, "documents": list, "question": str, "answers": list, "type": str}
+REQUIRED_FIELDS = {"id": (str, int), "documents": list, "question": str, "answers": list, "type": str}
 
 # ---- names --------------------------------------------------------------------------------------
 ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t",
@@ -790,11 +790,14 @@ def check_record(rec, where: str = "record") -> dict:
     if missing:
         raise RecordError(f"{where}: missing field(s) {missing}; a record needs {list(REQUIRED_FIELDS)}")
     for k, typ in REQUIRED_FIELDS.items():
-        if not isinstance(rec[k], typ):
-            raise RecordError(f"{where}: field {k!r} must be {typ.__name__}, got {type(rec[k]).__name__}")
+        if not isinstance(rec[k], typ) or isinstance(rec[k], bool):
+            names = " or ".join(t.__name__ for t in (typ if isinstance(typ, tuple) else (typ,)))
+            raise RecordError(f"{where}: field {k!r} must be {names}, got {type(rec[k]).__name__}")
     for k in ("documents", "answers"):
         if not all(isinstance(x, str) for x in rec[k]):
             raise RecordError(f"{where}: field {k!r} must be a list of strings")
+    if not rec["answers"]:
+        raise RecordError(f"{where}: field 'answers' is empty")
     return rec
 
 
@@ -809,8 +812,9 @@ def write_jsonl(records, path) -> Path:
     return path
 
 
-def read_jsonl(path) -> list[dict]:
-    """Records of a JSON-lines file; blank lines are skipped; errors name ``file:line``."""
+def read_jsonl(path, limit: int | None = None) -> list[dict]:
+    """Records of a JSON-lines file (the first ``limit``; later lines are not read); blank lines are
+    skipped; errors name ``file:line``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such record file")
@@ -819,6 +823,8 @@ def read_jsonl(path) -> list[dict]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if limit is not None and len(records) >= limit:
+                break
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
