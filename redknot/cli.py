@@ -48,11 +48,12 @@ def format_head_config(cfg) -> str:
     return "\n".join(lines)
 
 
-def _bench_kernel(args) -> int:
-    from .bench import kernel
-
-    kernel.run(args)
-    return 0
+def _exit_code(run):
+    """Commands whose run() returns a result dict (benchmarks) exit 0; the others return the code."""
+    def call(args) -> int:
+        out = run(args)
+        return out if isinstance(out, int) else 0
+    return call
 
 
 def _demo(args) -> int:
@@ -85,49 +86,27 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("file")
     show.set_defaults(func=_config_show)
 
-    b = sub.add_parser("bench", help="benchmarks (GPU)")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    k = bsub.add_parser("kernel", help="SegPagedAttention vs FA-2, FlexAttention and SDPA")
-    from .bench import kernel as bench_kernel
-
-    bench_kernel.add_arguments(k)
-    k.set_defaults(func=_bench_kernel)
-
-    t = bsub.add_parser("ttft", help="time to first token of every method on RAG layouts (GPU, random weights)")
-    from .bench import ttft as bench_ttft
-
-    bench_ttft.add_arguments(t)
-    t.set_defaults(func=lambda a: (bench_ttft.run(a), 0)[1])
-
-    sv = sub.add_parser("serve", help="OpenAI-compatible server with continuous batching")
-    from .serve import cli as serve_cli
-
-    serve_cli.add_arguments(sv)
-    sv.set_defaults(func=serve_cli.run)
-
-    pr = sub.add_parser("profile", help="classify every (layer, KV head) of a model and write a head config")
+    from .bench import kernel, quality, serve as bench_serve, ttft
     from .profile import cli as profile_cli
-
-    profile_cli.add_arguments(pr)
-    pr.set_defaults(func=profile_cli.run)
-
-    q = bsub.add_parser("quality", help="EM/F1 and first-token agreement with dense of every method")
-    from .bench import quality as bench_quality
-
-    bench_quality.add_arguments(q)
-    q.set_defaults(func=lambda a: (bench_quality.run(a), 0)[1])
-
-    bs = bsub.add_parser("serve", help="concurrent streaming clients against redknot serve, per method")
-    from .bench import serve as bench_serve
-
-    bench_serve.add_arguments(bs)
-    bs.set_defaults(func=lambda a: (bench_serve.run(a), 0)[1])
-
-    tb = sub.add_parser("testbed", help="synthetic multi-document QA corpus and the testbed model")
+    from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli
 
-    testbed_cli.add_arguments(tb)
-    tb.set_defaults(func=testbed_cli.run)
+    b = sub.add_parser("bench", help="benchmarks (GPU) and the quality harness")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    # (subparsers, name, help, module with add_arguments/run)
+    commands = [
+        (bsub, "kernel", "SegPagedAttention vs FA-2, FlexAttention and SDPA", kernel),
+        (bsub, "ttft", "time to first token of every method on RAG layouts (GPU, random weights)", ttft),
+        (bsub, "quality", "EM/F1 and first-token agreement with dense of every method", quality),
+        (bsub, "serve", "concurrent streaming clients against redknot serve, per method", bench_serve),
+        (sub, "serve", "OpenAI-compatible server with continuous batching", serve_cli),
+        (sub, "profile", "classify every (layer, KV head) of a model and write a head config", profile_cli),
+        (sub, "testbed", "synthetic multi-document QA corpus and the testbed model", testbed_cli),
+    ]
+    for subs, name, help_, module in commands:
+        cmd = subs.add_parser(name, help=help_)
+        module.add_arguments(cmd)
+        cmd.set_defaults(func=_exit_code(module.run))
 
     d = sub.add_parser("demo", help="generate on a tiny checkpoint with dense and per-head (SegPaged) attention")
     d.add_argument("--model", default=None, help="HF checkpoint directory (default: a tiny random one)")

@@ -191,8 +191,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
                     if req.include_usage:
                         yield chunk(None, usage_=usage(last))
                 except Exception as e:  # the stream has started: report in-band
-                    log.exception("chat stream failed")
-                    yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+                    yield _stream_error("chat stream failed", e)
                 finally:
                     await gen.aclose()
                 yield "data: [DONE]\n\n"
@@ -225,8 +224,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
                     if req.include_usage:
                         yield chunk(None, usage(last))
                 except Exception as e:
-                    log.exception("completion stream failed")
-                    yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+                    yield _stream_error("completion stream failed", e)
                 finally:
                     await gen.aclose()
                 yield "data: [DONE]\n\n"
@@ -306,6 +304,12 @@ async def _unless_disconnected(request: Request, awaitable):
             task.cancel()
             with suppress(BaseException):
                 await task
+
+
+def _stream_error(what: str, e: Exception) -> str:
+    """An error after the stream has started is reported in-band, as OpenAI does."""
+    log.exception(what)
+    return _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
 
 
 # ---- metrics ----------------------------------------------------------------------------------
