@@ -26,6 +26,23 @@ def _config_show(args) -> int:
     return 0
 
 
+def _config_make(args) -> int:
+    from .config import HeadConfig
+
+    if args.source:
+        cfg = HeadConfig.from_json(args.source).with_local_windows(args.window)
+    else:
+        missing = [f"--{k.replace('_', '-')}" for k in ("layers", "kv_heads", "window") if getattr(args, k) is None]
+        if missing:
+            raise ValueError(f"--pattern {args.pattern} needs {' '.join(missing)}")
+        cfg = HeadConfig.pattern(args.pattern, args.layers, args.kv_heads, args.global_ratio, args.window,
+                                 args.sink, args.seed)
+    cfg.to_json(args.out)
+    print(format_head_config(cfg))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def format_head_config(cfg) -> str:
     """Per-layer class counts, windows and sinks as a table."""
     lines = []
@@ -85,8 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
     show = csub.add_parser("show", help="per-layer class counts and windows of a head config JSON")
     show.add_argument("file")
     show.set_defaults(func=_config_show)
+    make = csub.add_parser("make", help="a baseline head config (random / first-layers / per-layer), or the "
+                                        "global heads of another config with every other head local")
+    make.add_argument("--out", required=True)
+    make.add_argument("--pattern", choices=("random", "first-layers", "per-layer"), default="random")
+    make.add_argument("--from", dest="source", default=None,
+                      help="keep this config's global heads; the others become local (--window, or their own)")
+    make.add_argument("--layers", type=int, default=None)
+    make.add_argument("--kv-heads", type=int, default=None)
+    make.add_argument("--global-ratio", type=float, default=0.15)
+    make.add_argument("--window", type=int, default=None)
+    make.add_argument("--sink", type=int, default=4)
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(func=_config_make)
 
-    from .bench import kernel, quality, serve as bench_serve, ttft
+    from .bench import kernel, profile_time, quality, serve as bench_serve, ttft
     from .profile import cli as profile_cli
     from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli
@@ -99,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         (bsub, "ttft", "time to first token of every method on RAG layouts (GPU, random weights)", ttft),
         (bsub, "quality", "EM/F1 and first-token agreement with dense of every method", quality),
         (bsub, "serve", "concurrent streaming clients against redknot serve, per method", bench_serve),
+        (bsub, "profile", "time the head profiler on a random-weight architecture (GPU)", profile_time),
         (sub, "serve", "OpenAI-compatible server with continuous batching", serve_cli),
         (sub, "profile", "classify every (layer, KV head) of a model and write a head config", profile_cli),
         (sub, "testbed", "synthetic multi-document QA corpus and the testbed model", testbed_cli),
@@ -108,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
         module.add_arguments(cmd)
         cmd.set_defaults(func=_exit_code(module.run))
 
-    d = sub.add_parser("demo", help="generate on a tiny checkpoint with dense and per-head (SegPaged) attention")
-    d.add_argument("--model", default=None, help="HF checkpoint directory (default: a tiny random one)")
+    d = sub.add_parser("demo", help="RAG requests with shared documents in different orders through every method")
+    d.add_argument("--model", default=None, help="HF checkpoint directory with heads.json (default: the bundled "
+                                                 "testbed model)")
     d.add_argument("--device", default=None)
     d.set_defaults(func=_demo)
     return p

@@ -63,6 +63,50 @@ class HeadConfig:
         return cls(classes, windows, sinks, metadata={"method": f"synthetic g={global_ratio} W={window} seed={seed}"})
 
     @classmethod
+    def from_global_mask(cls, is_global, window: int | list[list[int]], sink: int = DEFAULT_SINK,
+                         metadata: dict | None = None) -> "HeadConfig":
+        """Global where ``is_global[l][h]``, local elsewhere with ``window`` (one value, or per head)."""
+        rows = [[bool(g) for g in row] for row in is_global]
+        per_head = window if isinstance(window, list) else [[window] * len(row) for row in rows]
+        return cls([["global" if g else "local" for g in row] for row in rows],
+                   [[-1 if g else int(w) for g, w in zip(row, wrow)] for row, wrow in zip(rows, per_head)],
+                   [[sink] * len(row) for row in rows], metadata=dict(metadata or {}))
+
+    @classmethod
+    def pattern(cls, name: str, num_layers: int, num_kv_heads: int, global_ratio: float, window: int,
+                sink: int = DEFAULT_SINK, seed: int = 0) -> "HeadConfig":
+        """Baseline head plans with round(global_ratio x all heads) global heads:
+
+        ``random``: chosen uniformly among all (layer, head) pairs (seeded); ``first-layers``: the
+        first heads in layer order (whole early layers global, the upstream Mistral pattern);
+        ``per-layer``: the same number in every layer at seeded positions (``synthetic``)."""
+        if name == "per-layer":
+            return cls.synthetic(num_layers, num_kv_heads, global_ratio, window, sink, seed)
+        total = num_layers * num_kv_heads
+        n = round(global_ratio * total)
+        if name == "random":
+            chosen = set(random.Random(seed).sample(range(total), n))
+        elif name == "first-layers":
+            chosen = set(range(n))
+        else:
+            raise ValueError(f"head pattern {name!r}: use random, first-layers or per-layer")
+        mask = [[l * num_kv_heads + h in chosen for h in range(num_kv_heads)] for l in range(num_layers)]
+        return cls.from_global_mask(mask, window, sink, {"method": f"pattern {name} g={global_ratio} W={window}"
+                                                                   + (f" seed={seed}" if name == "random" else "")})
+
+    def with_local_windows(self, window: int | None = None) -> "HeadConfig":
+        """The same full-context heads (global, dense, and retrieval, which see everything when no
+        selection is given); every other head local, with ``window`` or its own."""
+        full = [[c in ("global", "dense", "retrieval") for c in row] for row in self.effective_classes()]
+        own = self.windows
+        if window is None and any(w <= 0 for row, frow in zip(own, full) for w, f in zip(row, frow) if not f):
+            raise HeadConfigError("a head that becomes local has no window of its own: pass a window")
+        return HeadConfig.from_global_mask(full, own if window is None else window, DEFAULT_SINK, {
+            **{k: v for k, v in self.metadata.items() if k != "profiling"},
+            "derived": f"global heads of {self.metadata.get('method', 'a head config')}; other heads local"
+                       + (f" with W={window}" if window is not None else " with their own windows")})
+
+    @classmethod
     def from_json(cls, path: str | Path) -> "HeadConfig":
         return cls.from_dict(_read_json(path, "head config"), source=str(path))
 

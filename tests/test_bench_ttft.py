@@ -18,3 +18,19 @@ def test_ttft_bench_runs_every_method_and_plots(tmp_path):
     reuse = next(r for r in rows if r["method"] == "full_reuse")
     assert reuse["flop_reduction"] > 2 and reuse["cached_tokens"] == 16 + 4 * 64
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hf_baseline_computes_the_same_attention_as_ours():
+    """HF's MistralConfig defaults to a 4096-token sliding window; the baseline must not inherit it,
+    or HF dense would compute windowed (masked) attention while ours computes full causal."""
+    import torch
+
+    from redknot.bench.ttft import _hf_model
+    from redknot.models.config import ModelConfig
+
+    arch = {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "max_position_embeddings": 8192}
+    hf = _hf_model(arch, torch.device("cpu"), torch.float32)
+    assert hf.config.sliding_window is None
+    assert ModelConfig.from_dict(arch).sliding_windows in ([], [None])

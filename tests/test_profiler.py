@@ -8,7 +8,7 @@ import torch
 from redknot.config import HeadConfig
 from redknot.models import load_model
 from redknot.profile import (CalibrationError, Sample, attention_stats, builtin_records, coverage_window,
-                             load_calibration, measure_heads, n_global_target, select_heads)
+                             load_calibration, measure_heads, n_global_target, select_heads, window_error)
 from redknot.profile import cli as profile_cli
 
 SPEC = dict(num_hidden_layers=3, num_key_value_heads=4, num_attention_heads=8)
@@ -63,6 +63,36 @@ def test_attention_stats_local_uniform_and_spike():
     sink_only = stats(_rows(n, lambda p: [1.0 if j < sink else 0.0 for j in range(p + 1)]))
     assert sink_only["edge"][0, q].max() < 1e-6 and sink_only["retrieval"][0, q].max() < 1e-6
     assert coverage_window(sink_only["covered"][0, q].mean(0), 0.95, 16) == 16  # the sink is always kept
+
+
+def test_window_error_is_what_a_local_head_loses():
+    n, d = 64, 8
+    values = torch.randn(1, n, d, generator=torch.Generator().manual_seed(0))
+    q_pos = torch.tensor([n - 1])
+    local = torch.zeros(1, 1, n)
+    local[..., -4:] = 0.25                    # inside the window: nothing changes
+    far = torch.zeros(1, 1, n)
+    far[..., 10] = 0.9
+    far[..., -1] = 0.1                        # 90% on one distant token: the output changes
+    same = torch.zeros(1, 1, n)
+    same[..., 10] = 0.5
+    same[..., -1] = 0.5
+    vals_same = values.clone()
+    vals_same[:, 10] = vals_same[:, -1]       # far mass on a value equal to a near one: no loss
+    kw = dict(sink=2, window=8)
+    assert window_error(local, q_pos, values, **kw).item() < 1e-10
+    assert window_error(far, q_pos, values, **kw).item() > 0.5
+    assert window_error(same, q_pos, vals_same, **kw).item() < 1e-10
+    assert attention_stats(same, q_pos, 2, 8, 8, 8, 4)["edge"].item() == pytest.approx(0.5)  # edge mass says 0.5
+
+
+def test_question_weight_selects_by_the_question_s_loss():
+    edge = np.linspace(0.0, 0.9, 12).reshape(3, 4)
+    m = _metrics(edge)
+    m["question_window_error"] = edge[::-1].copy()  # the layers in the opposite order
+    top = lambda classes: [(l, h) for l, row in enumerate(classes) for h, c in enumerate(row) if c == "global"]  # noqa: E731
+    assert top(select_heads(m, target_global=0.25, min_global_edge=None, question_weight=0.0)[0]) == [(2, 1), (2, 2), (2, 3)]
+    assert top(select_heads(m, target_global=0.25, min_global_edge=None, question_weight=1.0)[0]) == [(0, 1), (0, 2), (0, 3)]
 
 
 def test_coverage_window_rounds_up_to_pages():

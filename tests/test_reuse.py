@@ -184,3 +184,24 @@ def test_recovery_through_the_triton_kernel(llm, monkeypatch):
     torch_logits["redknot_exact"] = torch_logits.pop("dense")  # exact through the kernel == dense
     for m, ref in torch_logits.items():
         assert cos(llm.first_token_logits(QUESTION, documents=DOCS, method=m), ref) >= 0.99999
+
+
+def test_conversation_prompt_puts_history_before_the_documents(llm):
+    tok = llm.tokenizer
+    question = [{"role": "user", "content": QUESTION}]
+    with_system = [{"role": "system", "content": "Be brief."}] + question
+    plain, conv = build_prompt(tok, QUESTION, DOCS), build_prompt(tok, question, DOCS)
+    assert plain == conv  # a one-message conversation is the plain question
+    sys_prompt = build_prompt(tok, with_system, DOCS)
+    assert sys_prompt.chunks == plain.chunks and sys_prompt.suffix == plain.suffix
+    assert len(sys_prompt.prefix) > len(plain.prefix)
+    rendered = tok.apply_chat_template(with_system[:1] + [{"role": "user", "content": "X"}], tokenize=False,
+                                       add_generation_prompt=True)
+    assert tok.decode(list(sys_prompt.prefix)) == rendered.split("X")[0]
+    # the API takes the conversation as one prompt, for every method
+    out = llm.generate(with_system, SamplingParams(max_tokens=3, temperature=0), documents=DOCS, method="full_reuse")
+    assert len(out) == 1 and out[0].prompt_token_ids == sys_prompt.token_ids
+    with pytest.raises(ValueError, match="last message"):
+        build_prompt(tok, with_system + [{"role": "assistant", "content": "Hi"}], DOCS)
+    with pytest.raises(ValueError, match="chat template"):
+        build_prompt(tok, with_system, DOCS, use_chat_template=False)

@@ -104,6 +104,25 @@ def test_chat_matches_llm(server):
     assert chunks[-1].usage.prompt_tokens == n_prompt
 
 
+def test_system_message_with_documents(server):
+    """A system message (and earlier turns) render before the documents, in the same place for every
+    method; the answer equals LLM.generate with the same conversation, and the chunks are reused."""
+    from redknot.reuse.prompt import build_prompt
+
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Who founded Varna?"}]
+    docs = DOCS[:2]
+    cp = build_prompt(server.ref.tokenizer, messages, docs)
+    sys_ids = server.ref.tokenizer.encode("You answer briefly.", add_special_tokens=False)
+    assert any(cp.prefix[i:i + len(sys_ids)] == tuple(sys_ids) for i in range(len(cp.prefix)))  # before the documents
+    for attempt in range(2):
+        text, n_prompt = expected(server.ref, messages, 8, documents=docs, method="full_reuse")
+        r = server.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                                  extra_body={"documents": docs, "method": "full_reuse",
+                                                              "ignore_eos": True})
+        assert r.choices[0].message.content == text and r.usage.prompt_tokens == n_prompt == len(cp.token_ids)
+    assert r.usage.prompt_tokens_details.cached_tokens > 0  # second request: chunks from the store
+
+
 def test_documents_reuse_chunks(server):
     docs = [d + " (reuse test)" for d in DOCS]  # not cached by any other test
     c, cached = server.client, []
@@ -178,7 +197,8 @@ def test_bad_requests_get_openai_errors(server):
         (400, dict(json={**good, "method": "magic"})),
         (400, dict(json={**good, "n": 2})),
         (400, dict(json={**good, "stream": True, "n": 2})),
-        (400, dict(json={**good, "documents": ["a doc"], "messages": good["messages"] * 2})),
+        (400, dict(json={**good, "documents": ["a doc"],
+                         "messages": good["messages"] + [{"role": "assistant", "content": "Hi."}]})),
         (400, dict(json={**good, "documents": "a doc"})),
         (400, dict(json={**good, "temperature": -1})),
         (503, dict(json={**good, "max_tokens": 700, "method": "headsparse"})),  # needs > 128 pages

@@ -33,7 +33,8 @@ def _log(out):
 
 def test_parse_stages_and_em():
     assert T.parse_stages("easy:512, qa:2048") == [T.Stage("easy", 512), T.Stage("qa", 2048)]
-    for bad in ("hard:512", "qa", "qa:0", "qa:2k"):
+    assert T.parse_stages("easy:64/2") == [T.Stage("easy", 64, 2)] and T.Stage("easy", 64, 2).name == "easy:64/2"
+    for bad in ("hard:512", "qa", "qa:0", "qa:2k", "easy:64/", "easy:64/0", "easy:64/x"):
         with pytest.raises(ValueError, match="--stages"):
             T.parse_stages(bad)
     assert T.exact_match("The Varna.", ["varna"]) and not T.exact_match("Varna Port", ["Varna"])
@@ -156,3 +157,43 @@ def test_state_over_its_size_limit_is_bf16_weights_plus_an_exact_full_state(tmp_
     resume = [r for r in _log(out) if r["event"] == "resume"]
     assert [(r["precision"], r["step"]) for r in resume] == [("bf16", 1)]
     assert torch.load(out / T.STATE_FILE, weights_only=False)["step"] == 2
+
+
+def test_advance_em_ends_a_stage_early_and_export_writes_the_model(tmp_path):
+    out = tmp_path / "run"
+    # EM >= 0 always holds: every stage ends at its first evaluation (step 2 of 3)
+    assert T.run(_args(out, "--advance-em", "0")) == 0
+    log = _log(out)
+    assert [(r["stage"], r["step"]) for r in log if r["event"] == "advance"] == [(0, 2), (1, 2)]
+    assert [(r["stage"], r["step"]) for r in log if r["event"] == "eval"] == [(0, 2), (1, 2)]  # not twice
+    assert not [r for r in log if r["event"] == "train" and r["step"] == 3]
+
+    # a carried-back state alone (no model/): --export writes the checkpoint without training
+    import shutil
+
+    shutil.rmtree(out / T.MODEL_DIR)
+    assert T.run(_args(out, "--export", "--stages", "qa:999")) == 0  # the saved curriculum wins
+    meta = json.loads((out / T.MODEL_DIR / "training.json").read_text())
+    assert meta["stage"] == 2 and meta["heldout"]["stage_name"] == "qa:256"
+    assert meta["run"]["stages"] == [{"kind": "easy", "context_tokens": 128, "questions": None},
+                                     {"kind": "qa", "context_tokens": 256, "questions": None}]
+    assert (out / T.MODEL_DIR / "model.safetensors").is_file()
+    with pytest.raises(SystemExit, match="no .*train_state.pt"):
+        T.run(_args(tmp_path / "empty", "--export"))
+
+
+def test_stage_questions_and_init_weights(tmp_path):
+    first = tmp_path / "first"
+    assert T.run(_args(first, "--stop-after-steps", "1")) == 0
+    # a new run from those weights, with a stage of its own questions per context
+    second = tmp_path / "second"
+    assert T.run(_args(second, "--stages", "easy:64/1", "--steps-per-stage", "1",
+                       "--init-weights", str(first / T.STATE_FILE))) == 0
+    log = _log(second)
+    assert [r["event"] for r in log][:2] == ["init", "start"]
+    stage = [r for r in log if r["event"] == "stage"][0]
+    assert stage["stage_name"] == "easy:64/1"
+    assert [r["n"] for r in log if r["event"] == "eval"] == [4]
+    init = torch.load(first / T.STATE_FILE, weights_only=False)["model"]
+    model = T.build_model(T.make_config("tiny", T.load_or_train_tokenizer(second, 512, 8)), seed=1)
+    model.load_state_dict(init)  # same architecture: the second run really started from these weights

@@ -190,11 +190,12 @@ def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, prog
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..engine import METHODS
 
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
     p.add_argument("--data", required=True, help="jsonl: id, documents, question, answers, type per line")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of: {', '.join(METHODS)}")
     p.add_argument("--head-config", default=None,
-                   help=f"head config JSON (needed by {', '.join(NEEDS_HEAD_CONFIG)})")
+                   help=f"head config JSON (needed by {', '.join(NEEDS_HEAD_CONFIG)}; default: heads.json "
+                        f"beside the checkpoint)")
     p.add_argument("--sparse-ffn", default=None, help="sparse FFN JSON (default: built-in tiers)")
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--limit", type=int, default=None, help="first N records only")
@@ -220,6 +221,11 @@ def parse_methods(spec: str, head_config) -> list[str]:
 def run(args) -> dict:
     from ..engine import LLM
 
+    from ..testbed import model_path
+
+    args.model = Path(args.model) if args.model else model_path()
+    if args.head_config is None and (args.model / "heads.json").is_file():
+        args.head_config = args.model / "heads.json"
     methods = parse_methods(args.methods, args.head_config)
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")

@@ -81,6 +81,8 @@ async def _client(client, model, jobs, results, max_tokens, method):
                 cached = details.cached_tokens if details else 0
         results.append({"ttft_s": first, "completion_tokens": n_tok, "cached_tokens": cached,
                         "latency_s": time.perf_counter() - t0})
+        if len(results) % 8 == 0:  # progress, so a stalled run shows where it stalled
+            print(f"  {method}: {len(results)} requests done", flush=True)
 
 
 async def _load(base, model, method, jobs_per_client, max_tokens):
@@ -112,7 +114,12 @@ def run(args) -> dict:
     jobs = [(f"Question {i}: which documents mention the salt trade?", rng.sample(pool, args.docs_per_request))
             for i in range(args.requests)]
     per_client = [jobs[c::args.clients] for c in range(args.clients)]
+    # the clients talk to 127.0.0.1: never through a proxy the environment may name
+    for var in ("NO_PROXY", "no_proxy"):
+        os.environ[var] = ",".join(filter(None, [os.environ.get(var), "127.0.0.1", "localhost"]))
+    t0 = time.perf_counter()
     llm = _llm(args, dev)
+    print(f"model and engine ready in {time.perf_counter() - t0:.1f} s", flush=True)
     out = args.out or os.path.join(os.environ.get("OUT", "."), "serve.json")
     result = {"benchmark": "serve", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
@@ -121,6 +128,7 @@ def run(args) -> dict:
     for method in args.methods.split(","):
         llm.chunk_store.clear()
         server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs), "bench")
+        print(f"{method}: server up at {server.base}, {args.requests} requests from {args.clients} clients", flush=True)
         try:
             results, wall, errors = asyncio.run(_load(server.base, "bench", method, per_client, args.max_tokens))
         finally:

@@ -101,6 +101,9 @@ def _hf_model(arch: dict, dev, dtype):
     cls = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "llama": transformers.LlamaConfig}[arch["model_type"]]
     kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta")}
+    # HF's MistralConfig defaults to a 4096-token sliding window; ours reads none from the arch: the
+    # baseline must compute the same attention (full causal) as our dense
+    kw.setdefault("sliding_window", None)
     hf_cfg = cls(**kw, rope_parameters={"rope_type": "default", "rope_theta": arch.get("rope_theta", 1e4)})
     with torch.device(dev):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")

@@ -12,7 +12,7 @@ from ..config import HeadConfig, SparseFFNConfig
 from ..models import ModelConfig, build_model, load_model, resolve_dtype
 from ..models.fingerprint import model_fingerprint
 from ..reuse.methods import REUSE_METHODS, PrefillResult, ReuseEngine, ReuseOptions
-from ..reuse.prompt import build_prompt
+from ..reuse.prompt import build_prompt, is_conversation
 from .backends import AttentionBackend, DenseBackend
 from .runner import ModelRunner
 from .sampling import SamplingParams, sample
@@ -65,7 +65,10 @@ class LLM:
         if model is None:
             from ..testbed import model_path
             model = model_path()
+        if head_config is None and not isinstance(model, ModelConfig) and (Path(model) / "heads.json").is_file():
+            head_config = Path(model) / "heads.json"  # a checkpoint may carry its head config (the bundled one does)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model_dir = None if isinstance(model, ModelConfig) else Path(model)
         if isinstance(model, ModelConfig):
             self.config = model
             self.model = build_model(model, resolve_dtype(dtype, model, self.device), self.device)
@@ -103,7 +106,8 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  documents=None, method: str | None = None) -> list[RequestOutput]:
         """``documents``: one list of documents (strings or token-id lists) per prompt, or None."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        single = (isinstance(prompts, str) or is_conversation(prompts)
+                  or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)))
         prompts = [prompts] if single else list(prompts)
         if documents is not None and single and (not documents or not isinstance(documents[0], list)
                                                  or (documents[0] and isinstance(documents[0][0], int))):
@@ -191,7 +195,7 @@ class LLM:
         return self.last_prefill
 
     def _prompt_ids(self, prompt, documents) -> list[int]:
-        if documents is None:
+        if documents is None and not is_conversation(prompt):
             return self._encode(prompt)
         return self._check_ids(build_prompt(self.tokenizer, prompt, documents).token_ids)
 

@@ -2,11 +2,11 @@
 
 from .calib import CalibrationError, builtin_records, load_calibration
 from .profiler import (Sample, attention_stats, coverage_window, make_samples, measure_heads, n_global_target,
-                       profile_heads, select_heads)
+                       profile_heads, select_heads, window_error)
 
 __all__ = ["CalibrationError", "Sample", "attention_stats", "builtin_records", "coverage_window",
            "load_calibration", "make_samples", "measure_heads", "n_global_target", "plot_heads", "profile_heads",
-           "select_heads"]
+           "select_heads", "window_error"]
 
 
 def plot_heads(*args, **kwargs):

@@ -14,7 +14,7 @@ def _none_or_float(text: str) -> float | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
     p.add_argument("--out", required=True, help="head config JSON to write (upstream schema)")
     p.add_argument("--plot", default=None, help="PNG heat map of classes and windows")
     p.add_argument("--target-global", type=float, default=0.15,
@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="heads with less edge mass are never global, even below the target ('none': off)")
     p.add_argument("--force-global-edge", type=_none_or_float, default=None,
                    help="heads with at least this edge mass are global, even above the target")
+    p.add_argument("--question-weight", type=float, default=0.5,
+                   help="weight in the global-head score of the edge mass of the question's own queries (the rest: "
+                        "prefix sensitivity and edge mass of all queries)")
     p.add_argument("--max-tokens", type=int, default=4096, help="calibration prompts are cut to this length")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -52,12 +55,17 @@ def run(args) -> int:
         raise ValueError(f"--samples={args.samples} must be >= 1")
     # Read the calibration before the (slow) model load, so a bad file fails fast.
     records = load_calibration(args.calib, args.samples) if args.calib else builtin_records(args.samples)
+    if args.model is None:
+        from ..testbed import model_path
+
+        args.model = model_path()
     model, cfg = load_model(args.model, args.dtype, args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     plan = profile_heads(model, cfg, tokenizer, records, target_global=args.target_global, coverage=args.coverage,
                          page_size=args.page_size, dense_prefix_layers=args.dense_prefix_layers, sink=args.sink,
                          ref_window=args.ref_window, retrieval_threshold=args.retrieval_threshold,
                          min_global_edge=args.min_global_edge, force_global_edge=args.force_global_edge,
+                         question_weight=args.question_weight,
                          max_tokens=args.max_tokens, model_name=Path(args.model).resolve().name,
                          progress=not args.no_progress)
     plan.to_json(args.out)

@@ -35,7 +35,8 @@ from ..config import DEFAULT_SINK, HeadConfig
 # Score elements per query block ([Hq, rows, keys] fp32): bounds memory at long context.
 BLOCK_ELEMS = 2**24
 _EPS = 1e-12
-METRICS = ("prefix_sensitivity", "prefix_sensitivity_e2e", "edge_mass", "coverage_window", "retrieval_score")
+METRICS = ("prefix_sensitivity", "prefix_sensitivity_e2e", "edge_mass", "question_edge_mass",
+           "question_window_error", "coverage_window", "retrieval_score")
 
 
 @dataclass
@@ -110,6 +111,20 @@ def attention_stats(probs: torch.Tensor, q_pos: torch.Tensor, sink: int, ref_win
     return {"edge": edge, "retrieval": top, "covered": covered}
 
 
+def window_error(probs: torch.Tensor, q_pos: torch.Tensor, values: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """Relative squared change of each query's attention output [H, R] if the head saw only sink +
+    ``window`` (probabilities renormalised over what stays): ||o - o_local||^2 / ||o||^2.
+    ``probs`` [H, R, N], ``values`` [H, N, D]. What a local head would actually lose, where edge mass
+    only says how much attention leaves the window (diffuse far attention can cost little)."""
+    n = probs.shape[-1]
+    j = torch.arange(n, device=probs.device)
+    keep = (j[None, :] < sink) | (q_pos.to(probs.device).long()[:, None] - j[None, :] < window)  # [R, N]
+    local = probs.float() * keep
+    local = local / local.sum(-1, keepdim=True).clamp_min(_EPS)
+    o, o_local = probs.float() @ values.float(), local @ values.float()
+    return ((o - o_local).pow(2).sum(-1) / o.pow(2).sum(-1).clamp_min(_EPS)).double()
+
+
 def coverage_window(covered_frac, coverage: float, page_size: int) -> np.ndarray:
     """Smallest window (a multiple of page_size) whose covered mass share [..., B] reaches
     ``coverage``; the widest bucket when none does."""
@@ -122,15 +137,18 @@ def coverage_window(covered_frac, coverage: float, page_size: int) -> np.ndarray
 class _Accumulator:
     """Sums of the per-query metrics of one layer over measured queries (per query head)."""
 
-    def __init__(self, n_heads, n_buckets, device, **spec):
+    def __init__(self, n_heads, n_buckets, device, window_error: bool = False, **spec):
         self.spec = dict(spec, n_buckets=n_buckets)
+        self.window_error = torch.zeros(n_heads, dtype=torch.float64, device=device) if window_error else None
         self.edge = torch.zeros(n_heads, dtype=torch.float64, device=device)
         self.retrieval = torch.zeros_like(self.edge)
         self.covered = torch.zeros(n_heads, n_buckets, dtype=torch.float64, device=device)
         self.queries = 0
 
-    def add(self, probs, q_pos):
+    def add(self, probs, q_pos, values=None):
         st = attention_stats(probs, q_pos, **self.spec)
+        if self.window_error is not None:
+            self.window_error += window_error(probs, q_pos, values, self.spec["sink"], self.spec["ref_window"]).sum(1)
         self.edge += st["edge"].sum(1).double()
         self.retrieval += st["retrieval"].sum(1).double()
         self.covered += st["covered"].sum(1).double()
@@ -138,11 +156,10 @@ class _Accumulator:
 
 
 # ---- the forward by hand ------------------------------------------------------------------------
-def _attend(q, q_start, k, v, scale, native_window=None, stats=None, measure_from=None,
-            block_elems=BLOCK_ELEMS):
+def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=BLOCK_ELEMS):
     """Causal attention of q [R, Hq, D] at positions q_start.. over k/v [N, Hkv, D] at 0..N-1,
-    in fp32, one block of query rows at a time. Queries at positions >= measure_from feed
-    ``stats`` (an _Accumulator). Returns o [R, Hq, D] in v's dtype."""
+    in fp32, one block of query rows at a time. ``stats``: (_Accumulator, first position) pairs;
+    queries at positions >= the first position feed the accumulator. Returns o [R, Hq, D] in v's dtype."""
     r_total, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -161,10 +178,11 @@ def _attend(q, q_start, k, v, scale, native_window=None, stats=None, measure_fro
         scores = torch.einsum("rhgd,hnd->hgrn", qb, kf[:, :n]) * scale
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [Hkv, g, rows, n]
         out[r0:r1] = torch.einsum("hgrn,hnd->rhgd", probs, vf[:, :n]).reshape(r1 - r0, hq, d).to(v.dtype)
-        if stats is not None:
+        for acc, measure_from in stats:
             i0 = max(0, measure_from - (q_start + r0))  # rows are sorted by position
             if i0 < r1 - r0:
-                stats.add(probs[:, :, i0:].reshape(hq, r1 - r0 - i0, n), pos[i0:])
+                values = vf[:, :n].repeat_interleave(g, 0) if acc.window_error is not None else None
+                acc.add(probs[:, :, i0:].reshape(hq, r1 - r0 - i0, n), pos[i0:], values)
     return out
 
 
@@ -203,6 +221,9 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
     native = list(cfg.sliding_windows or []) + [None] * n_layers
     acc = [_Accumulator(hq, n_buckets, dev, sink=sink, ref_window=ref_window, page_size=page_size,
                         retrieval_k=retrieval_k) for _ in range(n_layers)]
+    # the question's own queries (the suffix): what a RAG prompt needs to reach back into the documents
+    acc_q = [_Accumulator(hq, n_buckets, dev, window_error=True, sink=sink, ref_window=ref_window,
+                          page_size=page_size, retrieval_k=retrieval_k) for _ in range(n_layers)]
     sens = torch.zeros(n_layers, hkv, dtype=torch.float64, device=dev)
     sens_e2e = torch.zeros_like(sens)
     for s in tqdm(samples, desc="profiling heads", unit="sample", disable=not progress):
@@ -215,7 +236,8 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
             scale, win = attn.head_dim**-0.5, native[l]
             q, k, v = attn.qkv(layer.input_layernorm(h), pos)
             qa, ka, va = attn.qkv(layer.input_layernorm(h_alt), pos_alt)
-            o = _attend(q, 0, k, v, scale, win, acc[l], measure_from, block_elems)
+            o = _attend(q, 0, k, v, scale, win, [(acc[l], measure_from), (acc_q[l], max(c1, measure_from))],
+                        block_elems)
             o_alt = _attend(qa, 0, ka, va, scale, win, block_elems=block_elems)
             # the chunk's own q/k/v, the other document's K/V before it
             o_mix = _attend(q[c0:c1], c0, torch.cat([ka[:c0], k[c0:c1]]), torch.cat([va[:c0], v[c0:c1]]),
@@ -227,14 +249,16 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
     if queries == 0:
         raise ValueError(f"no calibration prompt is longer than sink + reference window = {measure_from} tokens")
 
-    def pooled(x):  # per query head sums -> per KV head means over the group's queries
-        return (x.view(hkv, g, *x.shape[1:]).sum(1) / (g * queries)).cpu().numpy()
+    def pooled(x, n=queries):  # per query head sums -> per KV head means over the group's queries
+        return (x.view(hkv, g, *x.shape[1:]).sum(1) / (g * max(1, n))).cpu().numpy()
 
     covered = np.stack([pooled(a.covered) for a in acc])  # [L, Hkv, B]
     return {
         "prefix_sensitivity": (sens / len(samples)).cpu().numpy(),
         "prefix_sensitivity_e2e": (sens_e2e / len(samples)).cpu().numpy(),
         "edge_mass": np.stack([pooled(a.edge) for a in acc]),
+        "question_edge_mass": np.stack([pooled(a.edge, a.queries) for a in acc_q]),
+        "question_window_error": np.stack([pooled(a.window_error, a.queries) for a in acc_q]),
         "coverage_window": coverage_window(covered, coverage, page_size),
         "retrieval_score": np.stack([pooled(a.retrieval) for a in acc]),
         "measured_queries": queries,
@@ -252,12 +276,15 @@ def n_global_target(target_global: float, n_eligible: int) -> int:
 def select_heads(metrics: dict, *, target_global: float = 0.15, dense_prefix_layers: int = 0, page_size: int = 64,
                  ref_window: int = 256, retrieval_threshold: float | None = 0.25,
                  min_global_edge: float | None = 0.02, force_global_edge: float | None = None,
-                 sensitivity_weight: float = 0.5) -> tuple[list[list[str]], list[list[int]], np.ndarray, dict]:
+                 sensitivity_weight: float = 0.5, question_weight: float = 0.0
+                 ) -> tuple[list[list[str]], list[list[int]], np.ndarray, dict]:
     """Classes, windows, combined score [L, Hkv] and a summary of the selection.
 
     Eligible heads are those outside the first ``dense_prefix_layers`` layers (these are written as
-    global and forced dense). score = w * sensitivity / max(sensitivity) + (1 - w) * edge / max(edge)
-    over the eligible heads. The round(target * eligible) highest-scoring heads are global, except
+    global and forced dense). score = (1 - qw) * (w * sensitivity / max(sensitivity) + (1 - w) *
+    edge / max(edge)) + qw * question_error / max(question_error) over the eligible heads, where
+    question_error is how much the attention output of the question's own queries changes if the
+    head sees only sink + reference window (qw = ``question_weight``). The round(target * eligible) highest-scoring heads are global, except
     heads whose edge mass is below ``min_global_edge`` (nothing outside their window to read:
     fewer globals than the target); heads with edge mass >= ``force_global_edge`` are global
     regardless (more globals than the target). Of the others, heads with retrieval score >=
@@ -274,7 +301,11 @@ def select_heads(metrics: dict, *, target_global: float = 0.15, dense_prefix_lay
         top = x[eligible].max() if eligible.any() else 0.0
         return x / top if top > 0 else np.zeros_like(x)
 
-    score = np.where(eligible, sensitivity_weight * normed(sens) + (1 - sensitivity_weight) * normed(edge), np.nan)
+    base = sensitivity_weight * normed(sens) + (1 - sensitivity_weight) * normed(edge)
+    if question_weight:
+        qerr = np.asarray(metrics["question_window_error"], dtype=np.float64)
+        base = (1 - question_weight) * base + question_weight * normed(qerr)
+    score = np.where(eligible, base, np.nan)
     order = np.argsort(-np.nan_to_num(score, nan=-np.inf), axis=None, kind="stable")  # ties: lower (layer, head)
     n_target = n_global_target(target_global, int(eligible.sum()))
     candidates = eligible.copy()
@@ -305,12 +336,13 @@ def profile_heads(model, cfg, tokenizer, records: list[dict], *, target_global: 
                   sink: int = DEFAULT_SINK, ref_window: int = 256, retrieval_k: int = 8,
                   retrieval_threshold: float | None = 0.25, min_global_edge: float | None = 0.02,
                   force_global_edge: float | None = None, sensitivity_weight: float = 0.5,
+                  question_weight: float = 0.5,
                   max_tokens: int = 4096, block_elems: int = BLOCK_ELEMS, model_name: str | None = None,
                   progress: bool = True) -> HeadConfig:
     """Profile ``model`` (a redknot LlamaForCausalLM, ``cfg`` its ModelConfig) on calibration
     ``records`` and return the head plan; its metadata["profiling"] holds metrics and parameters."""
     _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, sink, ref_window, retrieval_k,
-                  sensitivity_weight, max_tokens)
+                  sensitivity_weight, max_tokens, question_weight)
     max_tokens = min(max_tokens, cfg.max_position_embeddings)
     samples = make_samples(tokenizer, records, max_tokens)
     metrics = measure_heads(model, cfg, samples, sink=sink, ref_window=ref_window, page_size=page_size,
@@ -318,12 +350,13 @@ def profile_heads(model, cfg, tokenizer, records: list[dict], *, target_global: 
     classes, windows, score, summary = select_heads(
         metrics, target_global=target_global, dense_prefix_layers=dense_prefix_layers, page_size=page_size,
         ref_window=ref_window, retrieval_threshold=retrieval_threshold, min_global_edge=min_global_edge,
-        force_global_edge=force_global_edge, sensitivity_weight=sensitivity_weight)
+        force_global_edge=force_global_edge, sensitivity_weight=sensitivity_weight, question_weight=question_weight)
     name = model_name or cfg.model_type
     params = dict(target_global=target_global, coverage=coverage, page_size=page_size,
                   dense_prefix_layers=dense_prefix_layers, sink=sink, ref_window=ref_window,
                   retrieval_k=retrieval_k, retrieval_threshold=retrieval_threshold, min_global_edge=min_global_edge,
-                  force_global_edge=force_global_edge, sensitivity_weight=sensitivity_weight, max_tokens=max_tokens)
+                  force_global_edge=force_global_edge, sensitivity_weight=sensitivity_weight,
+                  question_weight=question_weight, max_tokens=max_tokens)
     profiling = {
         "model": name, "samples": len(samples), "tokens": metrics["tokens"], "longest_prompt": metrics["longest"],
         "measured_queries": metrics["measured_queries"], "parameters": params, "selection": summary,
@@ -336,7 +369,7 @@ def profile_heads(model, cfg, tokenizer, records: list[dict], *, target_global: 
 
 
 def _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, sink, ref_window, retrieval_k,
-                  sensitivity_weight, max_tokens):
+                  sensitivity_weight, max_tokens, question_weight=0.0):
     checks = [
         ("target_global", target_global, 0 <= target_global <= 1, "in [0, 1]"),
         ("coverage", coverage, 0 < coverage <= 1, "in (0, 1]"),
@@ -347,6 +380,7 @@ def _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, 
         ("ref_window", ref_window, ref_window >= 1, ">= 1"),
         ("retrieval_k", retrieval_k, retrieval_k >= 1, ">= 1"),
         ("sensitivity_weight", sensitivity_weight, 0 <= sensitivity_weight <= 1, "in [0, 1]"),
+        ("question_weight", question_weight, 0 <= question_weight <= 1, "in [0, 1]"),
         ("max_tokens", max_tokens, max_tokens >= 16, ">= 16"),
     ]
     for name, value, ok, want in checks:

@@ -8,6 +8,10 @@ is rendered around a placeholder, the text before it is the prefix, the question
 after it is the suffix. Each document string is tokenized with a trailing blank line so
 documents read as paragraphs. Without a chat template the prefix is the BOS token (if any) and
 the suffix is the prompt. Token-id lists are taken as they are.
+
+The prompt may also be a conversation (a list of ``{"role", "content"}`` messages) whose last
+message is the user's question: the earlier messages (a system message, earlier turns) render
+into the prefix, so a system prompt comes before the documents and chunks are cached after it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,21 @@ class ChunkedPrompt:
         return self.suffix_start + len(self.suffix)
 
 
+def is_conversation(prompt) -> bool:
+    """A list of chat messages (dicts), as opposed to a string or a list of token ids."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def _render_around(tokenizer, history: list[dict], question: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(prefix, suffix) ids: the template rendered with ``history`` then a user turn whose content is a
+    placeholder; the text before it is the prefix, the question plus the text after it the suffix."""
+    rendered = tokenizer.apply_chat_template(history + [{"role": "user", "content": _PLACEHOLDER}], tokenize=False,
+                                             add_generation_prompt=True)
+    head, tail = rendered.split(_PLACEHOLDER)
+    return (tuple(tokenizer.encode(head, add_special_tokens=False)),
+            tuple(tokenizer.encode(question + tail, add_special_tokens=False)))
+
+
 def _ids(x, what: str) -> tuple[int, ...]:
     if not isinstance(x, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
         raise TypeError(f"{what} must be a string or a list of token ids")
@@ -61,13 +80,17 @@ def build_prompt(tokenizer, prompt, documents, use_chat_template: bool | None = 
     if isinstance(documents, (str, bytes)) or not isinstance(documents, (list, tuple)):
         raise TypeError("documents must be a list of strings or token-id lists")
     chat = getattr(tokenizer, "chat_template", None) is not None if use_chat_template is None else use_chat_template
-    if isinstance(prompt, str):
+    if is_conversation(prompt):
+        if not chat:
+            raise ValueError("a conversation prompt needs a tokenizer with a chat template")
+        *history, last = prompt
+        if last.get("role") != "user" or not isinstance(last.get("content"), str):
+            raise ValueError("the last message of a conversation with documents must be a user message with text "
+                             "content: it is the question, and the documents go before it in the same turn")
+        prefix, suffix = _render_around(tokenizer, list(history), last["content"])
+    elif isinstance(prompt, str):
         if chat:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": _PLACEHOLDER}], tokenize=False,
-                                                     add_generation_prompt=True)
-            head, tail = rendered.split(_PLACEHOLDER)
-            prefix = tuple(tokenizer.encode(head, add_special_tokens=False))
-            suffix = tuple(tokenizer.encode(prompt + tail, add_special_tokens=False))
+            prefix, suffix = _render_around(tokenizer, [], prompt)
         else:
             bos = tokenizer.bos_token_id
             prefix = (bos,) if bos is not None and tokenizer.encode("a")[:1] == [bos] else ()

@@ -254,15 +254,14 @@ def _chat_prompt(llm, req: ChatCompletionRequest):
     """(prompt, documents) for the engine: the rendered conversation as token ids, or, with
     documents, the question string (the engine puts the documents before it in the user turn)."""
     messages = req.messages
-    if req.documents is not None:
-        if len(messages) != 1 or messages[0].role != "user":
-            raise APIError(400, "with documents, messages must be exactly one user message: its content is the "
-                                "question, and the documents go before it in the same user turn (system messages "
-                                "and earlier turns cannot be combined with documents yet)", param="messages")
-        return messages[0].text, req.documents
     if getattr(llm.tokenizer, "chat_template", None) is None:
         raise APIError(400, "the model has no chat template; use /v1/completions", param="messages")
     conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+    if req.documents is not None:
+        if messages[-1].role != "user":
+            raise APIError(400, "with documents, the last message must be the user's: its content is the question, "
+                                "and the documents go before it in the same user turn", param="messages")
+        return conversation, req.documents  # earlier messages (system, turns) render before the documents
     try:
         ids = llm.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
                                                 return_dict=False)

@@ -24,7 +24,7 @@ class BackgroundServer:
         deadline = time.time() + 30
         while True:
             try:
-                if httpx.get(f"{self.base}/health", timeout=1).status_code == 200:
+                if httpx.get(f"{self.base}/health", timeout=1, trust_env=False).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

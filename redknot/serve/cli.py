@@ -6,7 +6,7 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
     p.add_argument("--head-config", default=None, help="head config JSON (needed by headsparse and redknot*)")
     p.add_argument("--method", default="dense", help="default method of requests that name none")
     p.add_argument("--host", default="127.0.0.1")
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, head_config=args.head_config, method=args.method, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size)
     engine = AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs)
-    app = build_app(engine, args.served_model_name or args.model)
+    app = build_app(engine, args.served_model_name or str(llm.model_dir.name if args.model is None else args.model))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -11,17 +11,20 @@ over the whole sequence) learned to *copy an entity of the right type* but not k
 its exact match sat at ≈ 1/candidates, i.e. it guessed among the names of the asked-for type in
 the context. Hence:
 
-* **Curriculum.** An ``easy`` stage first (key → value adjacent, few distractors, short context) so
-  the lookup circuit (match the key, copy what follows it) forms where it is easy to find, then
-  ``qa`` stages at growing context lengths (``--stages easy:512,qa:2048,qa:4096``).
+* **Curriculum.** ``easy`` stages first (key → value adjacent, one-sentence facts) so the lookup
+  circuit (match the key, copy what follows it) forms where it is easy to find, then ``qa`` stages at
+  growing context lengths. The number of same-type candidates is what makes lookup hard to find: a
+  run that started at ``easy:512`` (~60 facts) learned to copy names but not to pick the asked one in
+  1,500 steps, so the curriculum starts with 4 facts and 2 questions (``easy:64/2``: one distractor
+  per question) and doubles from there; ``--advance-em`` moves on once a stage is learned.
 * **Dense supervision.** Every context carries ``--questions-per-context`` (default 8) questions.
   They share the context in one packed sequence: each QA block sits after the context, sees the
   context and itself but no other block (block attention mask), and its positions continue from
   the end of the context. That is *exactly* the prompt redknot serves
   (``build_prompt(tokenizer, question, documents).token_ids`` + answer + ``</s>``) for every
   question, at the cost of computing the context once.
-* **Answer-weighted loss.** ``loss = mean CE(answer tokens and </s>) + lm_weight · mean CE(other
-  tokens)``, each term averaged on its own: answers are ~1–2% of the tokens, so one plain token
+* **Answer-weighted loss.** ``loss = mean CE(answer tokens and </s>) + first_weight · mean CE(first
+  answer tokens) + lm_weight · mean CE(other tokens)``, each term averaged on its own: answers are ~1–2% of the tokens, so one plain token
   average would be dominated by the text. ``lm_weight`` (0.1) keeps the model learning the text.
   The log also shows the CE of each answer's *first* token, where the lookup happens: a model that
   only guesses an entity of the right type stays near log(candidates) there.
@@ -63,9 +66,7 @@ import json
 import math
 import os
 import random
-import re
 import signal
-import string
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -74,6 +75,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..bench.quality import exact_match
 from ..reuse.prompt import build_prompt
 
 # Architectures. "small" is the shipped model: ≈19.4M parameters, ≈39 MB in bf16 (DESIGN.md §5 asks
@@ -101,19 +103,23 @@ REWARMUP_STEPS = 50  # after a resume without optimizer moments: Adam re-estimat
 class Stage:
     kind: str              # "easy" or "qa"
     context_tokens: int
+    questions: int | None = None  # questions per context; None: --questions-per-context
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{self.context_tokens}"
+        return f"{self.kind}:{self.context_tokens}" + (f"/{self.questions}" if self.questions else "")
 
 
 def parse_stages(spec: str) -> list[Stage]:
     stages = []
     for part in spec.split(","):
-        kind, _, ctx = part.strip().partition(":")
-        if kind not in ("easy", "qa") or not ctx.isdigit() or int(ctx) <= 0:
-            raise ValueError(f"--stages: {part!r} is not KIND:CONTEXT_TOKENS with KIND easy or qa (e.g. qa:2048)")
-        stages.append(Stage(kind, int(ctx)))
+        kind, _, rest = part.strip().partition(":")
+        ctx, slash, questions = rest.partition("/")
+        if (kind not in ("easy", "qa") or not ctx.isdigit() or int(ctx) <= 0
+                or (slash and (not questions.isdigit() or int(questions) <= 0))):
+            raise ValueError(f"--stages: {part!r} is not KIND:CONTEXT_TOKENS[/QUESTIONS] with KIND easy or qa "
+                             f"(e.g. qa:2048 or easy:64/2)")
+        stages.append(Stage(kind, int(ctx), int(questions) if questions else None))
     return stages
 
 
@@ -410,8 +416,9 @@ def attention_mask(seg, qa, attn: str):
     return block_mask(seg, qa) if attn == "flex" else dense_mask(seg, qa)
 
 
-def forward_loss(model, batch: dict, lm_weight: float, attn: str = "sdpa"):
-    """Answer-weighted loss: mean CE over answer labels + lm_weight x mean CE over the other labels.
+def forward_loss(model, batch: dict, lm_weight: float, attn: str = "sdpa", first_weight: float = 0.0):
+    """Answer-weighted loss: mean CE over answer labels + first_weight x mean CE over each answer's
+    first token + lm_weight x mean CE over the other labels.
 
     Also returns, detached, the answer and text CE and the CE of each answer's *first* token: that is
     where the lookup happens (the rest is mostly copying a name once it has started), and a model that
@@ -424,7 +431,8 @@ def forward_loss(model, batch: dict, lm_weight: float, attn: str = "sdpa"):
     text = (labels != -100) & ~answer
     first = answer & ~F.pad(answer[:, :-1], (1, 0))
     ans_loss, lm_loss, first_loss = ((ce * m).sum() / m.sum().clamp(min=1) for m in (answer, text, first))
-    return ans_loss + lm_weight * lm_loss, ans_loss.detach(), lm_loss.detach(), first_loss.detach()
+    loss = ans_loss + first_weight * first_loss + lm_weight * lm_loss
+    return loss, ans_loss.detach(), lm_loss.detach(), first_loss.detach()
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -444,9 +452,9 @@ def make_optimizer(model, lr: float, weight_decay: float, device: torch.device):
 
 
 def train_step(model, optimizer, batch: dict, lm_weight: float, attn: str, device: torch.device,
-               clip: float = 1.0):
+               clip: float = 1.0, first_weight: float = 0.0):
     with autocast(device):
-        loss, *metrics = forward_loss(model, batch, lm_weight, attn)
+        loss, *metrics = forward_loss(model, batch, lm_weight, attn, first_weight)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
@@ -465,17 +473,6 @@ def lr_factor(step: int, steps: int, warmup: int, min_ratio: float = 0.1) -> flo
 
 
 # ---- evaluation -----------------------------------------------------------------------------------
-def normalize_answer(s: str) -> str:
-    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
-    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
-    s = re.sub(r"\b(a|an|the)\b", " ", s)
-    return " ".join(s.split())
-
-
-def exact_match(prediction: str, answers: list[str]) -> bool:
-    return any(normalize_answer(prediction) == normalize_answer(a) for a in answers)
-
-
 @torch.no_grad()
 def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, device: torch.device,
                    batch_tokens: int = 65536) -> list[str]:
@@ -619,7 +616,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="run directory (tokenizer, state, log, model/)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     p.add_argument("--stages", default="easy:512,qa:2048,qa:4096",
-                   help="curriculum, KIND:CONTEXT_TOKENS in order; KIND is easy or qa")
+                   help="curriculum, KIND:CONTEXT_TOKENS[/QUESTIONS] in order; KIND is easy or qa; QUESTIONS "
+                        "per context overrides --questions-per-context for the stage")
     p.add_argument("--steps-per-stage", type=int, nargs="+", default=[1000],
                    help="optimizer steps of each stage (one value for all, or one per stage)")
     p.add_argument("--batch-tokens", type=int, default=131072, help="tokens per optimizer step (packed rows)")
@@ -627,6 +625,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=100, help="warmup steps at the start of each stage")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--lm-weight", type=float, default=0.1, help="weight of the non-answer (text) loss")
+    p.add_argument("--first-weight", type=float, default=1.0,
+                   help="extra weight of each answer's first token, where the lookup happens")
+    p.add_argument("--init-weights", default=None,
+                   help="start a new run from these weights (a train_state.pt of the same architecture)")
     p.add_argument("--questions-per-context", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -635,6 +637,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="contexts of text the tokenizer trains on (default: by --size)")
     p.add_argument("--eval-every", type=int, default=250, help="held-out EM every N steps (and at stage ends)")
     p.add_argument("--eval-n", type=int, default=128, help="held-out questions per evaluation")
+    p.add_argument("--advance-em", type=float, default=None,
+                   help="end a stage early once its held-out EM reaches this (the step counts are then maxima)")
+    p.add_argument("--export", action="store_true",
+                   help="only write OUT/model from OUT/train_state.pt (e.g. a state carried back from the GPU)")
     p.add_argument("--save-every", type=int, default=250, help="write OUT/train_state.pt every N steps")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -708,6 +714,11 @@ class Trainer:
         self.invocation_steps, self.rewarm_until = 0, 0
         if state is not None:
             self._restore(state)
+        elif args.init_weights:
+            init = torch.load(args.init_weights, map_location="cpu", weights_only=False)
+            self.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init["model"].items()})
+            self.log(f"initialised from {args.init_weights} (stage {init['stage'] + 1}, step {init['step']})",
+                     event="init", path=str(args.init_weights))
         self.fwd = torch.compile(self.model) if args.compile else self.model
         # Building a batch is Python work (corpus generation + tokenization; ~5 s of one core for an
         # easy batch of 128K tokens), so on GPU every spare core builds batches ahead of the loop.
@@ -717,7 +728,8 @@ class Trainer:
         self.seconds = {"save": 30.0, "eval": 0.0, "step": 0.0}  # what a clean stop must leave time for
         self.run_args = {"stages": [asdict(st) for st in self.stages], "steps": self.steps, "size": args.size,
                          "seed": args.seed, "lr": args.lr, "batch_tokens": args.batch_tokens,
-                         "lm_weight": args.lm_weight, "questions_per_context": args.questions_per_context}
+                         "lm_weight": args.lm_weight, "first_weight": args.first_weight,
+                         "questions_per_context": args.questions_per_context, "init_weights": args.init_weights}
         n, c = count_parameters(self.model), config
         self.log(f"model: {args.size}, {n / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, hidden "
                  f"{c.hidden_size}, {c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {c.head_dim}, "
@@ -728,13 +740,18 @@ class Trainer:
     def _read_state(self) -> dict | None:
         path = self.out / STATE_FILE
         if not path.is_file():
+            if self.args.export:
+                raise SystemExit(f"--export: no {path}")
             if self.args.resume:
                 self.log(f"--resume: no {path} yet, starting a new run")
             return None
-        if not self.args.resume:
+        if not (self.args.resume or self.args.export):
             raise SystemExit(f"{path} exists: pass --resume to continue it, or use a new --out")
         state = load_state(self.out)
         saved = [Stage(**st) for st in state["args"]["stages"]]
+        if self.args.export:  # the saved run's curriculum and settings, whatever the command line says
+            self.stages, self.steps = saved, list(state["args"]["steps"])
+            self.saved_args = state["args"]
         if saved[:len(self.stages)] != self.stages[:len(saved)]:  # a resumed run may only add stages
             raise SystemExit(f"--stages {self.args.stages} does not match the saved run's "
                              f"{','.join(st.name for st in saved)}")
@@ -765,7 +782,23 @@ class Trainer:
         self.seconds["save"] = max(self.seconds["save"], 2 * (time.time() - t0))
 
     # -- the loop --
+    def export(self) -> int:
+        """Write ``OUT/model`` from the restored state and stop (no training step)."""
+        path = save_model(self.out, self.model, self.tokenizer,
+                          {"run": self.saved_args, "stage": self.stage_i, "step": self.step,
+                           "tokens_seen": self.tokens_seen, "heldout": self._last_logged_em()})
+        self.log(f"exported stage {self.stage_i + 1} step {self.step} -> {path}")
+        return 0
+
+    def _last_logged_em(self) -> dict | None:
+        path = self.out / LOG_FILE
+        evals = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+        evals = [e for e in evals if e.get("event") == "eval"]
+        return {k: evals[-1][k] for k in ("stage_name", "step", "em", "em_by_type", "n")} if evals else None
+
     def run(self) -> int:
+        if self.args.export:
+            return self.export()
         previous = _on_sigterm(lambda *_: setattr(self, "stop_signal", "SIGTERM"))
         try:
             while self.stage_i < len(self.stages):
@@ -782,7 +815,7 @@ class Trainer:
         key, stage = str(self.stage_i), self.stages[self.stage_i]
         if key not in self.plans:
             self.plans[key] = plan_stage(self.tokenizer, stage, self.stage_i, self.args.batch_tokens,
-                                         self.args.questions_per_context, 2048 if self.args.attn == "flex" else 0)
+                                         self._questions(stage), 2048 if self.args.attn == "flex" else 0)
         plan = self.plans[key]
         if self.step == 0:
             self.log(f"stage {self.stage_i + 1}/{len(self.stages)} {stage.name}: {self.steps[self.stage_i]} steps, "
@@ -795,20 +828,29 @@ class Trainer:
         """Train the current stage to its end (True) or until the invocation must stop (False)."""
         plan, stage, steps = self._plan(), self.stages[self.stage_i], self.steps[self.stage_i]
         data = StageBatches(self.tokenizer, stage, self.stage_i, self.args.seed, plan.rows, plan.row_len,
-                            self.args.questions_per_context, plan.tokens_per_word, plan.est_group_tokens, steps)
+                            self._questions(stage), plan.tokens_per_word, plan.est_group_tokens, steps)
         self._window = (time.time(), 0, [])  # since the last log line: start, tokens, losses
+        evaluated = False
         for batch in _loader(data, self.step, self.workers, self.device.type == "cuda"):
             self._train_step(batch, plan)
+            evaluated = False
             if self.step == steps:
                 break
             if self.args.eval_every and self.step % self.args.eval_every == 0:
                 self.heldout()
+                evaluated = True
+                if self._learned():
+                    break
             if self.args.save_every and self.step % self.args.save_every == 0:
                 self.checkpoint()
             why = self._stop_reason()
             if why:
                 return self._stop(why)
-        self.heldout()
+        if not evaluated:
+            self.heldout()
+        if self.step < steps:
+            self.log(f"stage {stage.name} learned at step {self.step}/{steps}: held-out EM {self.last_em['em']:.3f} "
+                     f">= --advance-em {self.args.advance_em}", event="advance", stage=self.stage_i, step=self.step)
         self.stage_i, self.step = self.stage_i + 1, 0
         self.checkpoint(write_model=True)
         if self.stage_i < len(self.stages) and self._stop_reason():
@@ -822,7 +864,7 @@ class Trainer:
                 1.0, (self.invocation_steps + 1) / max(1, self.rewarm_until))
         stats = batch.pop("stats").tolist()  # real tokens, questions, contexts
         losses = train_step(self.fwd, self.optimizer, to_device(batch, self.device), args.lm_weight, args.attn,
-                            self.device)
+                            self.device, first_weight=args.first_weight)
         self.step += 1
         self.invocation_steps += 1
         self.tokens_seen += stats[0]
@@ -844,12 +886,18 @@ class Trainer:
                  questions=stats[1], tokens_seen=self.tokens_seen)
         self._window = (time.time(), 0, [])
 
+    def _questions(self, stage: Stage) -> int:
+        return stage.questions or self.args.questions_per_context
+
+    def _learned(self) -> bool:
+        return self.args.advance_em is not None and self.last_em["em"] >= self.args.advance_em
+
     def heldout(self) -> None:
         """Held-out EM of the current stage (greedy, SQuAD-normalised), overall and per type."""
         t0, s_i = time.time(), self.stage_i
         stage = self.stages[s_i]
         # the training distribution (same questions per context), on contexts no training batch draws
-        qpc = self.args.questions_per_context
+        qpc = self._questions(stage)
         records = stage_records(stage, HELDOUT_SEED + s_i, math.ceil(self.args.eval_n / qpc), qpc,
                                 self.plans[str(s_i)].tokens_per_word)[:self.args.eval_n]
         res = evaluate(self.model, self.tokenizer, records, self.device)
