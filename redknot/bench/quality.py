@@ -238,7 +238,8 @@ def run(args) -> dict:
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "torch": torch.__version__,
-        "n_records": len(records),
+        "n_records": len(records), "head_config": None if args.head_config is None else str(args.head_config),
+        "head_plan": llm.head_config.class_counts() if llm.head_config else None, "sparse_ffn": vars(llm.sparse_ffn),
     })
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

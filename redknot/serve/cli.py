@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=64, help="tokens per SegPaged page")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
-    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model, or redknot-testbed)")
     p.add_argument("--log-level", default="info")
 
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, head_config=args.head_config, method=args.method, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size)
     engine = AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs)
-    app = build_app(engine, args.served_model_name or str(llm.model_dir.name if args.model is None else args.model))
+    app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"))
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
