@@ -54,13 +54,11 @@ class HeadConfig:
         """Round(global_ratio * heads) global heads per layer at seeded positions, the rest local."""
         rng = random.Random(seed)
         n_global = round(global_ratio * num_kv_heads)
-        classes, windows, sinks = [], [], []
+        mask = []
         for _ in range(num_layers):
             glob = set(rng.sample(range(num_kv_heads), n_global))
-            classes.append(["global" if h in glob else "local" for h in range(num_kv_heads)])
-            windows.append([-1 if h in glob else window for h in range(num_kv_heads)])
-            sinks.append([sink] * num_kv_heads)
-        return cls(classes, windows, sinks, metadata={"method": f"synthetic g={global_ratio} W={window} seed={seed}"})
+            mask.append([h in glob for h in range(num_kv_heads)])
+        return cls.from_global_mask(mask, window, sink, {"method": f"synthetic g={global_ratio} W={window} seed={seed}"})
 
     @classmethod
     def from_global_mask(cls, is_global, window: int | list[list[int]], sink: int = DEFAULT_SINK,
