@@ -205,3 +205,30 @@ def test_conversation_prompt_puts_history_before_the_documents(llm):
         build_prompt(tok, with_system + [{"role": "assistant", "content": "Hi"}], DOCS)
     with pytest.raises(ValueError, match="chat template"):
         build_prompt(tok, with_system, DOCS, use_chat_template=False)
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("n,skip,full", [(70, 0, [1, 1]), (70, 0, [1, 0]), (130, 9, [0, 1]), (130, 9, [1, 1]),
+                                         (96, 40, [1, 0])])
+def test_causal_sdpa_path_equals_the_masked_reference(kernel, n, skip, full, monkeypatch):
+    """Full-context heads go through one causal SDPA when (nearly) every position is a query,
+    also when a few leading positions are not queries (cached prefix) and beside windowed heads."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+    from redknot.reuse import recovery
+
+    monkeypatch.setattr(recovery, "KERNEL", kernel)
+    g, d = 2, 16
+    hkv = len(full)
+    torch.manual_seed(n + skip)
+    pos = torch.arange(skip, n)
+    q = torch.randn(pos.numel(), hkv * g, d)
+    keys = recovery.kv_buffer(n, hkv, d, torch.float32, "cpu").normal_()
+    values = recovery.kv_buffer(n, hkv, d, torch.float32, "cpu").normal_()
+    is_full = torch.tensor(full, dtype=torch.bool)
+    window = torch.where(is_full, 1 << 30, 24)
+    sink = torch.where(is_full, 0, 4)
+    j = torch.arange(n)[None, None, :]
+    ref = recovery._attend_masked(q, pos, keys, values, j, window[:, None, None], sink[:, None, None], d**-0.5, g)
+    out, _ = recovery._attend(q, pos, keys, values, window, sink, d**-0.5, 0, full=is_full)
+    assert (out - ref).abs().max() < 1e-5

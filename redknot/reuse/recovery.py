@@ -99,7 +99,7 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
         keys[cur], values[cur] = k, v
         window, sink = policy.visibility(l)
         o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
-                          policy.observe(l))
+                          policy.observe(l), full=window.cpu() >= n)
         info["mass"] = mass
         attn_out = attn.o_proj(o.reshape(t, -1))
         info["out_norm"] = attn_out.float().norm(dim=-1)
@@ -129,18 +129,23 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
     return Recovered(logits, out_k, out_v, flops)
 
 
-def _attend(q, q_pos, keys, values, window, sink, scale, n_obs):
+def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None):
     """q [R, Hq, D] at positions q_pos over keys/values [N, Hkv, D] under (window, sink) per KV head.
 
     Returns o [R, Hq, D] and, for the last n_obs queries, the attention mass each key receives
-    (summed over those queries and all heads; float32 [N]) or None. On a GPU the SegPaged kernel
-    runs (the buffers viewed as pages); elsewhere a masked SDPA per block of queries."""
+    (summed over those queries and all heads; float32 [N]) or None. ``full`` (bool [Hkv], on the
+    host) marks heads that see their whole causal past: when (nearly) every position is a query
+    they go through one causal SDPA (flash attention on a GPU). The other heads run the SegPaged
+    kernel on a GPU (the buffers viewed as pages), a masked SDPA elsewhere."""
     r, hq, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
     g = hq // hkv
     j = torch.arange(n, device=q.device)[None, None, :]
     w, s = window[:, None, None], sink[:, None, None]
-    if KERNEL == "triton" or (KERNEL == "auto" and q.is_cuda):
+    paged = KERNEL == "triton" or (KERNEL == "auto" and q.is_cuda)
+    if full is not None and bool(full.any()) and r * _CAUSAL_MIN_SHARE[1] >= n * _CAUSAL_MIN_SHARE[0]:
+        out = _attend_split(q, q_pos, keys, values, window, sink, scale, full, paged)
+    elif paged:
         out = _attend_paged(q, q_pos, keys, values, window, sink, scale)
     else:
         out = _attend_masked(q, q_pos, keys, values, j, w, s, scale, g)
@@ -153,6 +158,48 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs):
         probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
         mass = probs.sum(dim=(0, 1, 2))
     return out, mass
+
+
+# The causal SDPA path computes every position as a query (missing rows are zero-padded), so it
+# is taken only when at least this share (4/5) of the positions are queries anyway.
+_CAUSAL_MIN_SHARE = (4, 5)
+
+
+def _attend_split(q, q_pos, keys, values, window, sink, scale, full, paged):
+    """Full-context heads: one causal SDPA; the others: the kernel (or masked SDPA) on their own."""
+    r, hq, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    g = hq // hkv
+    dev = q.device
+    kv_full = full.nonzero().flatten().to(dev)
+    q_full = (kv_full[:, None] * g + torch.arange(g, device=dev)).flatten()
+    everyone = kv_full.numel() == hkv
+    qf = q if everyone else q[:, q_full]
+    kf, vf = (keys, values) if everyone else (keys[:, kv_full], values[:, kv_full])
+    if r < n:  # queries at some positions only: pad the rest with zeros, keep only real rows
+        padded = qf.new_zeros(n, qf.shape[1], d)
+        padded[q_pos] = qf
+        qf = padded
+    o = F.scaled_dot_product_attention(qf.transpose(0, 1)[None], kf.transpose(0, 1)[None],
+                                       vf.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                       enable_gqa=True)[0].transpose(0, 1)
+    if r < n:
+        o = o[q_pos]
+    if everyone:
+        return o
+    out = torch.empty_like(q)
+    out[:, q_full] = o
+    kv_rest = (~full).nonzero().flatten().to(dev)
+    q_rest = (kv_rest[:, None] * g + torch.arange(g, device=dev)).flatten()
+    qr = q[:, q_rest].contiguous()
+    if paged:
+        o = _attend_paged(qr, q_pos, keys, values, window[kv_rest], sink[kv_rest], scale, heads=kv_rest)
+    else:
+        j = torch.arange(n, device=dev)[None, None, :]
+        o = _attend_masked(qr, q_pos, keys[:, kv_rest], values[:, kv_rest], j,
+                           window[kv_rest][:, None, None], sink[kv_rest][:, None, None], scale, g)
+    out[:, q_rest] = o
+    return out
 
 
 PAGE = 64
@@ -177,12 +224,15 @@ def _paged_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pages, table
 
 
-def _attend_paged(q, q_pos, keys, values, window, sink, scale):
-    """The SegPaged prefill kernel reading the request's K/V buffers in place."""
+def _attend_paged(q, q_pos, keys, values, window, sink, scale, heads=None):
+    """The SegPaged prefill kernel reading the request's K/V buffers in place (only the KV heads
+    ``heads`` when given: q then holds just their query heads)."""
     from ..kernels import segpaged_attention
 
     k_pages, table = _paged_view(keys)
     v_pages, _ = _paged_view(values)
+    if heads is not None:
+        table = table[:, heads].contiguous()
     cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     return segpaged_attention(q, k_pages, v_pages, table, cu, cu.new_tensor([keys.shape[0]]), window, sink,
                               scale, max_q_len=q.shape[0], q_pos=q_pos)
