@@ -3,6 +3,7 @@ a short curriculum logs loss and held-out EM, resumes exactly, and its model loa
 
 import argparse
 import json
+import shutil
 
 import pytest
 import torch
@@ -197,3 +198,25 @@ def test_stage_questions_and_init_weights(tmp_path):
     init = torch.load(first / T.STATE_FILE, weights_only=False)["model"]
     model = T.build_model(T.make_config("tiny", T.load_or_train_tokenizer(second, 512, 8)), seed=1)
     model.load_state_dict(init)  # same architecture: the second run really started from these weights
+
+
+def test_init_weights_from_a_checkpoint_directory(tmp_path):
+    """A new run can start from an exported HF checkpoint (e.g. the bundled model): its weights,
+    architecture and tokenizer; a checkpoint of another architecture is refused."""
+    first = tmp_path / "first"
+    assert T.run(_args(first, "--stop-after-steps", "1")) == 0
+    assert T.run(_args(first, "--export")) == 0
+    second = tmp_path / "second"
+    assert T.run(_args(second, "--stages", "easy:64/1", "--steps-per-stage", "1", "--stop-after-steps", "1",
+                       "--init-weights", str(first / T.MODEL_DIR))) == 0
+    assert (second / T.TOKENIZER_FILE).read_bytes() == (first / T.MODEL_DIR / T.TOKENIZER_FILE).read_bytes()
+    assert _log(second)[0]["event"] == "init"
+    broken = tmp_path / "broken"
+    shutil.copytree(first / T.MODEL_DIR, broken)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(broken / "model.safetensors")
+    weights["extra.weight"] = torch.zeros(1)
+    save_file(weights, broken / "model.safetensors")
+    with pytest.raises(SystemExit, match="not this architecture"):
+        T.run(_args(tmp_path / "third", "--init-weights", str(broken)))

@@ -66,6 +66,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -628,7 +629,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--first-weight", type=float, default=1.0,
                    help="extra weight of each answer's first token, where the lookup happens")
     p.add_argument("--init-weights", default=None,
-                   help="start a new run from these weights (a train_state.pt of the same architecture)")
+                   help="start a new run from these weights: a train_state.pt of the same architecture, or an "
+                        "HF checkpoint directory (e.g. the bundled model; its tokenizer and architecture too)")
     p.add_argument("--questions-per-context", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -697,6 +699,12 @@ class Trainer:
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         _fast_math(self.device)
         state = self._read_state()
+        init_dir = Path(args.init_weights) if state is None and args.init_weights else None
+        init_dir = init_dir if init_dir is not None and init_dir.is_dir() else None
+        if init_dir is not None and not (self.out / TOKENIZER_FILE).is_file():  # its vocabulary, not a new one
+            for f in (TOKENIZER_FILE, "tokenizer_config.json", "chat_template.jinja"):
+                if (init_dir / f).is_file():
+                    shutil.copy(init_dir / f, self.out / f)
         size = SIZES[args.size]
         self.tokenizer = load_or_train_tokenizer(self.out, args.vocab_size or size["vocab_size"],
                                                  args.tokenizer_contexts or (24 if args.size == "tiny" else 400),
@@ -706,6 +714,11 @@ class Trainer:
 
             config = LlamaConfig.from_dict(state["config"])
             config._attn_implementation = _HF_ATTN[args.attn]
+        elif init_dir is not None:  # the checkpoint's own architecture
+            from transformers import LlamaConfig
+
+            config = LlamaConfig.from_pretrained(init_dir)
+            config._attn_implementation = _HF_ATTN[args.attn]
         else:
             config = make_config(args.size, self.tokenizer, args.attn)
         self.model = build_model(config, args.seed).to(self.device)
@@ -714,6 +727,15 @@ class Trainer:
         self.invocation_steps, self.rewarm_until = 0, 0
         if state is not None:
             self._restore(state)
+        elif init_dir is not None:
+            from safetensors.torch import load_file
+
+            weights = load_file(init_dir / "model.safetensors")
+            missing, unexpected = self.model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+            if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is not stored
+                raise SystemExit(f"--init-weights {init_dir}: not this architecture "
+                                 f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+            self.log(f"initialised from the checkpoint {init_dir}", event="init", path=str(init_dir))
         elif args.init_weights:
             init = torch.load(args.init_weights, map_location="cpu", weights_only=False)
             self.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init["model"].items()})
