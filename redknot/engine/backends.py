@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..context import Context, get_context
 from ..models.config import ModelConfig
@@ -36,6 +37,36 @@ class AttentionBackend:
     def import_kv(self, seq_id: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         """Take a prefill computed elsewhere (the reuse engine): per layer [N, Hkv, D] K/V."""
         raise NotImplementedError
+
+
+# Query rows per block of the windowed path: bounds its [Hq, rows, keys] mask and scores.
+_WINDOW_QUERY_BLOCK = 1024
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None,
+                     scale: float) -> torch.Tensor:
+    """q [1, Hq, Tq, D] at positions [q_start, q_start + Tq) over k, v [1, Hkv, N, D] (N = q_start + Tq),
+    causal and, if ``window``, within the last ``window`` positions. Memory stays O(N): no N x N mask,
+    so a chunked prefill of a long prompt runs in fused kernels (flash / memory-efficient on a GPU)."""
+    t, n = q.shape[2], k.shape[2]
+    if window is None or window >= n:
+        if q_start == 0 or t == 1:  # a lone last query sees every key: no mask at all (decode)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q_start == 0 and t > 1, scale=scale,
+                                                  enable_gqa=True)
+        g = q.shape[1] // k.shape[1]  # the lower-right causal bias has no GQA form: expand K/V heads
+        return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1),
+                                              attn_mask=causal_lower_right(t, n), scale=scale)
+    out = torch.empty_like(q)
+    for r0 in range(0, t, _WINDOW_QUERY_BLOCK):  # a block's keys: only those its queries can see
+        r1 = min(t, r0 + _WINDOW_QUERY_BLOCK)
+        k0 = max(0, q_start + r0 - window + 1)
+        qpos = torch.arange(q_start + r0, q_start + r1, device=q.device)[:, None]
+        kpos = torch.arange(k0, q_start + r1, device=q.device)[None, :]
+        mask = (kpos <= qpos) & (qpos - kpos < window)
+        out[:, :, r0:r1] = F.scaled_dot_product_attention(q[:, :, r0:r1], k[:, :, k0:q_start + r1],
+                                                          v[:, :, k0:q_start + r1], attn_mask=mask,
+                                                          scale=scale, enable_gqa=True)
+    return out
 
 
 class DenseBackend(AttentionBackend):
@@ -81,15 +112,7 @@ class DenseBackend(AttentionBackend):
             kv[1, n - q_len : n] = v[start:end]
             qb = q[start:end].transpose(0, 1)[None]  # [1, Hq, Tq, D]
             kb, vb = kv[0, :n].transpose(0, 1)[None], kv[1, :n].transpose(0, 1)[None]
-            if q_len == n and window is None:
-                o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale, enable_gqa=True)
-            else:
-                qpos = torch.arange(n - q_len, n, device=q.device)[:, None]
-                kpos = torch.arange(n, device=q.device)[None, :]
-                mask = kpos <= qpos
-                if window is not None:
-                    mask &= qpos - kpos < window
-                o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=self.scale, enable_gqa=True)
+            o = causal_attention(qb, kb, vb, n - q_len, window, self.scale)
             out[start:end] = o[0].transpose(0, 1)
             start = end
         return out

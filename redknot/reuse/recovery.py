@@ -81,6 +81,7 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
     flops = FlopReport()
     body = model.model
     h = body.embed_tokens(token_ids[cur])
+    run = _run(cur)
     out_k, out_v = [], []
     for l, layer in enumerate(body.layers):
         attn = layer.self_attn
@@ -96,7 +97,10 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
             was = cached[cur]  # deviation of recomputed values from their cached version (CacheBlend)
             info["v_deviation"] = torch.where(
                 was, (v.float() - values[cur].float()).norm(dim=(-1, -2)), torch.zeros((), device=dev))
-        keys[cur], values[cur] = k, v
+        if run is not None:  # contiguous positions: a slice copy, not a scatter
+            keys[run[0]:run[1]], values[run[0]:run[1]] = k, v
+        else:
+            keys[cur], values[cur] = k, v
         window, sink = policy.visibility(l)
         o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
                           policy.observe(l), full=window.cpu() >= n)
@@ -121,12 +125,21 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
             if not bool(cached[cur[dropped]].all()):
                 raise ValueError(f"layer {l}: the policy dropped positions that have no cached K/V")
             h, cur = h[keep], cur[keep]
+            run = _run(cur)
     if cur.numel() == 0 or int(cur[-1]) != n - 1:
         raise ValueError("recovery policy must compute the last position through every layer")
     logits = model.logits(body.norm(h[-1:]))[0]
     flops.add_lm_head(cfg)
     # Layers after a drop hold cached K/V for dropped positions: already in `keys` via clone.
     return Recovered(logits, out_k, out_v, flops)
+
+
+def _run(pos: torch.Tensor) -> tuple[int, int] | None:
+    """(start, end) when the sorted positions are one contiguous range, else None."""
+    if pos.numel() == 0:
+        return None
+    lo, hi = (int(x) for x in pos[[0, -1]].tolist())
+    return (lo, hi + 1) if hi + 1 - lo == pos.numel() else None
 
 
 def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None):
