@@ -23,9 +23,11 @@ def resolve_dtype(dtype, cfg: ModelConfig | None, device: torch.device) -> torch
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        if device.type == "cpu" or cfg is None or not cfg.torch_dtype:
+        if device.type == "cpu":
             return torch.float32  # half precision matmuls are slow on CPU
-        dtype = cfg.torch_dtype
+        # on an accelerator: the checkpoint's half precision, else bf16 (as vLLM serves fp32
+        # checkpoints in 16 bits); fp32 there needs dtype="float32" explicitly
+        dtype = cfg.torch_dtype if cfg is not None and cfg.torch_dtype in ("bfloat16", "float16") else "bfloat16"
     names = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
              "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
              "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
