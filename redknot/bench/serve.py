@@ -67,7 +67,7 @@ def _llm(args, dev):
 async def _client(client, model, jobs, results, max_tokens, method):
     for question, docs in jobs:
         t0 = time.perf_counter()
-        first, n_tok, cached = None, 0, 0
+        first, n_tok, cached, prompt = None, 0, 0, 0
         stream = await client.completions.create(
             model=model, prompt=question, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True},
@@ -76,10 +76,10 @@ async def _client(client, model, jobs, results, max_tokens, method):
             if chunk.choices and first is None:
                 first = time.perf_counter() - t0
             if chunk.usage is not None:
-                n_tok = chunk.usage.completion_tokens
+                n_tok, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
                 details = chunk.usage.prompt_tokens_details
                 cached = details.cached_tokens if details else 0
-        results.append({"ttft_s": first, "completion_tokens": n_tok, "cached_tokens": cached,
+        results.append({"ttft_s": first, "completion_tokens": n_tok, "prompt_tokens": prompt, "cached_tokens": cached,
                         "latency_s": time.perf_counter() - t0})
         if len(results) % 8 == 0:  # progress, so a stalled run shows where it stalled
             print(f"  {method}: {len(results)} requests done", flush=True)
@@ -139,6 +139,7 @@ def run(args) -> dict:
                "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
                "ttft_mean_s": statistics.mean(ttfts) if ttfts else float("nan"),
                "throughput_tok_s": tokens / wall, "requests_per_s": len(results) / wall,
+               "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in results) if results else 0,
                "cached_tokens_mean": statistics.mean(r["cached_tokens"] for r in results) if results else 0}
         result["methods"][method] = row
         print(json.dumps({"method": method, **row}), flush=True)

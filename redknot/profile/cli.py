@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--question-weight", type=float, default=0.5,
                    help="weight in the global-head score of the edge mass of the question's own queries (the rest: "
                         "prefix sensitivity and edge mass of all queries)")
+    p.add_argument("--ablation-weight", type=float, default=0.0,
+                   help="weight of the measured effect of making each head local on the answer's first token "
+                        "(KL at the prompt's last position; one forward per head and sample; 1.0: that alone)")
     p.add_argument("--max-tokens", type=int, default=4096, help="calibration prompts are cut to this length")
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
@@ -65,7 +68,7 @@ def run(args) -> int:
                          page_size=args.page_size, dense_prefix_layers=args.dense_prefix_layers, sink=args.sink,
                          ref_window=args.ref_window, retrieval_threshold=args.retrieval_threshold,
                          min_global_edge=args.min_global_edge, force_global_edge=args.force_global_edge,
-                         question_weight=args.question_weight,
+                         question_weight=args.question_weight, ablation_weight=args.ablation_weight,
                          max_tokens=args.max_tokens, model_name=Path(args.model).resolve().name,
                          progress=not args.no_progress)
     plan.to_json(args.out)

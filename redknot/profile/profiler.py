@@ -37,6 +37,8 @@ BLOCK_ELEMS = 2**24
 _EPS = 1e-12
 METRICS = ("prefix_sensitivity", "prefix_sensitivity_e2e", "edge_mass", "question_edge_mass",
            "question_window_error", "coverage_window", "retrieval_score")
+# Measured only when asked (one forward per head and sample): see ablation_kl.
+OPTIONAL_METRICS = ("ablation_kl",)
 
 
 @dataclass
@@ -267,6 +269,45 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
     }
 
 
+@torch.inference_mode()
+def ablation_kl(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK, window: int = 256,
+                progress: bool = True) -> np.ndarray:
+    """Per (layer, KV head): KL(p || p_h) of the next-token distribution at each prompt's last
+    position (where the answer starts), p with every head full-context and p_h with head h alone
+    limited to sink + window, averaged over the samples. This is the head's effect on what the
+    model answers, which the attention statistics above only approximate; it costs one forward
+    per head and sample, so it is opt-in (``ablation_weight``)."""
+    from tqdm.auto import tqdm
+
+    from ..config import GLOBAL_WINDOW
+    from ..reuse.methods import FixedSet
+    from ..reuse.recovery import recover
+
+    dev = next(model.parameters()).device
+    n_layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+    full_w = torch.full((n_layers, hkv), GLOBAL_WINDOW, dtype=torch.int64)
+    if cfg.sliding_windows:
+        for l, w in enumerate(cfg.sliding_windows):
+            if w:
+                full_w[l] = w
+    full_s = torch.zeros_like(full_w)
+    kl = np.zeros((n_layers, hkv))
+    runs = tqdm(total=len(samples) * n_layers * hkv, desc="ablating heads", unit="forward", disable=not progress)
+    for s in samples:
+        ids = s.ids.to(dev)
+        pos = torch.arange(ids.numel(), device=dev)
+        ref = recover(model, ids, FixedSet(pos, full_w, full_s)).logits.log_softmax(-1)
+        for l in range(n_layers):
+            for h in range(hkv):
+                w, sk = full_w.clone(), full_s.clone()
+                w[l, h], sk[l, h] = min(window, int(full_w[l, h])), sink
+                out = recover(model, ids, FixedSet(pos, w, sk)).logits.log_softmax(-1)
+                kl[l, h] += float((ref.exp() * (ref - out)).sum())
+                runs.update()
+    runs.close()
+    return kl / len(samples)
+
+
 # ---- selection ----------------------------------------------------------------------------------
 def n_global_target(target_global: float, n_eligible: int) -> int:
     """round(target * eligible heads), halves rounded up."""
@@ -276,7 +317,7 @@ def n_global_target(target_global: float, n_eligible: int) -> int:
 def select_heads(metrics: dict, *, target_global: float = 0.15, dense_prefix_layers: int = 0, page_size: int = 64,
                  ref_window: int = 256, retrieval_threshold: float | None = 0.25,
                  min_global_edge: float | None = 0.02, force_global_edge: float | None = None,
-                 sensitivity_weight: float = 0.5, question_weight: float = 0.0
+                 sensitivity_weight: float = 0.5, question_weight: float = 0.0, ablation_weight: float = 0.0
                  ) -> tuple[list[list[str]], list[list[int]], np.ndarray, dict]:
     """Classes, windows, combined score [L, Hkv] and a summary of the selection.
 
@@ -284,7 +325,9 @@ def select_heads(metrics: dict, *, target_global: float = 0.15, dense_prefix_lay
     global and forced dense). score = (1 - qw) * (w * sensitivity / max(sensitivity) + (1 - w) *
     edge / max(edge)) + qw * question_error / max(question_error) over the eligible heads, where
     question_error is how much the attention output of the question's own queries changes if the
-    head sees only sink + reference window (qw = ``question_weight``). The round(target * eligible) highest-scoring heads are global, except
+    head sees only sink + reference window (qw = ``question_weight``); with ``ablation_weight`` aw > 0
+    that score becomes (1 - aw) * score + aw * ablation_kl / max(ablation_kl) (the head's measured
+    effect on the answer's first token). The round(target * eligible) highest-scoring heads are global, except
     heads whose edge mass is below ``min_global_edge`` (nothing outside their window to read:
     fewer globals than the target); heads with edge mass >= ``force_global_edge`` are global
     regardless (more globals than the target). Of the others, heads with retrieval score >=
@@ -305,6 +348,10 @@ def select_heads(metrics: dict, *, target_global: float = 0.15, dense_prefix_lay
     if question_weight:
         qerr = np.asarray(metrics["question_window_error"], dtype=np.float64)
         base = (1 - question_weight) * base + question_weight * normed(qerr)
+    if ablation_weight:
+        if "ablation_kl" not in metrics:
+            raise ValueError("ablation_weight > 0 needs the ablation_kl metric (measure it with ablation_kl)")
+        base = (1 - ablation_weight) * base + ablation_weight * normed(np.asarray(metrics["ablation_kl"], np.float64))
     score = np.where(eligible, base, np.nan)
     order = np.argsort(-np.nan_to_num(score, nan=-np.inf), axis=None, kind="stable")  # ties: lower (layer, head)
     n_target = n_global_target(target_global, int(eligible.sum()))
@@ -336,31 +383,34 @@ def profile_heads(model, cfg, tokenizer, records: list[dict], *, target_global: 
                   sink: int = DEFAULT_SINK, ref_window: int = 256, retrieval_k: int = 8,
                   retrieval_threshold: float | None = 0.25, min_global_edge: float | None = 0.02,
                   force_global_edge: float | None = None, sensitivity_weight: float = 0.5,
-                  question_weight: float = 0.5,
+                  question_weight: float = 0.5, ablation_weight: float = 0.0,
                   max_tokens: int = 4096, block_elems: int = BLOCK_ELEMS, model_name: str | None = None,
                   progress: bool = True) -> HeadConfig:
     """Profile ``model`` (a redknot LlamaForCausalLM, ``cfg`` its ModelConfig) on calibration
     ``records`` and return the head plan; its metadata["profiling"] holds metrics and parameters."""
     _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, sink, ref_window, retrieval_k,
-                  sensitivity_weight, max_tokens, question_weight)
+                  sensitivity_weight, max_tokens, question_weight, ablation_weight)
     max_tokens = min(max_tokens, cfg.max_position_embeddings)
     samples = make_samples(tokenizer, records, max_tokens)
     metrics = measure_heads(model, cfg, samples, sink=sink, ref_window=ref_window, page_size=page_size,
                             coverage=coverage, retrieval_k=retrieval_k, block_elems=block_elems, progress=progress)
+    if ablation_weight:
+        metrics["ablation_kl"] = ablation_kl(model, cfg, samples, sink=sink, window=ref_window, progress=progress)
     classes, windows, score, summary = select_heads(
         metrics, target_global=target_global, dense_prefix_layers=dense_prefix_layers, page_size=page_size,
         ref_window=ref_window, retrieval_threshold=retrieval_threshold, min_global_edge=min_global_edge,
-        force_global_edge=force_global_edge, sensitivity_weight=sensitivity_weight, question_weight=question_weight)
+        force_global_edge=force_global_edge, sensitivity_weight=sensitivity_weight, question_weight=question_weight,
+        ablation_weight=ablation_weight)
     name = model_name or cfg.model_type
     params = dict(target_global=target_global, coverage=coverage, page_size=page_size,
                   dense_prefix_layers=dense_prefix_layers, sink=sink, ref_window=ref_window,
                   retrieval_k=retrieval_k, retrieval_threshold=retrieval_threshold, min_global_edge=min_global_edge,
                   force_global_edge=force_global_edge, sensitivity_weight=sensitivity_weight,
-                  question_weight=question_weight, max_tokens=max_tokens)
+                  question_weight=question_weight, ablation_weight=ablation_weight, max_tokens=max_tokens)
     profiling = {
         "model": name, "samples": len(samples), "tokens": metrics["tokens"], "longest_prompt": metrics["longest"],
         "measured_queries": metrics["measured_queries"], "parameters": params, "selection": summary,
-        "metrics": {m: np.round(metrics[m], 5).tolist() for m in METRICS},
+        "metrics": {m: np.round(metrics[m], 5).tolist() for m in METRICS + OPTIONAL_METRICS if m in metrics},
         "score": [[None if np.isnan(x) else round(float(x), 5) for x in row] for row in score],
     }
     return HeadConfig(classes, windows, [[sink] * cfg.num_key_value_heads for _ in classes],
@@ -369,7 +419,7 @@ def profile_heads(model, cfg, tokenizer, records: list[dict], *, target_global: 
 
 
 def _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, sink, ref_window, retrieval_k,
-                  sensitivity_weight, max_tokens, question_weight=0.0):
+                  sensitivity_weight, max_tokens, question_weight=0.0, ablation_weight=0.0):
     checks = [
         ("target_global", target_global, 0 <= target_global <= 1, "in [0, 1]"),
         ("coverage", coverage, 0 < coverage <= 1, "in (0, 1]"),
@@ -381,6 +431,7 @@ def _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, 
         ("retrieval_k", retrieval_k, retrieval_k >= 1, ">= 1"),
         ("sensitivity_weight", sensitivity_weight, 0 <= sensitivity_weight <= 1, "in [0, 1]"),
         ("question_weight", question_weight, 0 <= question_weight <= 1, "in [0, 1]"),
+        ("ablation_weight", ablation_weight, 0 <= ablation_weight <= 1, "in [0, 1]"),
         ("max_tokens", max_tokens, max_tokens >= 16, ">= 16"),
     ]
     for name, value, ok, want in checks:
