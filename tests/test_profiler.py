@@ -270,3 +270,32 @@ def test_bad_calibration_fails_before_loading_the_model(tmp_path, capsys):
     assert profile_cli.main(args) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl:1: 'documents' must be a non-empty list" in err and "no-model" not in err
+
+
+def test_ablation_measures_each_head_s_effect_on_the_answer(ckpt, tmp_path):
+    """Making a head local changes the last position's prediction only as much as the head reads
+    beyond its window: nothing for a head that is local already, more for one reading everything."""
+    from redknot.profile.profiler import ablation_kl
+
+    n, special = 320, 7
+    ids = torch.randint(10, 300, (n,), generator=torch.Generator().manual_seed(1))
+    ids[ids == special] = 11
+    ids[0], ids[4] = 1, special
+    model, cfg = _forced_heads_model(ckpt, special)
+    kl = ablation_kl(model, cfg, [Sample(ids, ids, (200, n))], sink=4, window=PAGE, progress=False)
+    assert kl.shape == (3, 4) and (kl >= -1e-6).all()
+    local, uniform = 0, 1
+    assert kl[0][uniform] > 0 and kl[0][local] < kl[0][uniform] / 100
+    with pytest.raises(ValueError, match="ablation_kl"):
+        select_heads(_metrics(np.ones((3, 4))), ablation_weight=1.0)
+    # the CLI: the score is the ablation alone, recorded in the plan's metadata
+    args = _args(ckpt, tmp_path, "--samples", "2", "--target-global", "0.25", "--min-global-edge", "none",
+                 "--ablation-weight", "1.0")
+    assert profile_cli.run(args) == 0
+    plan = HeadConfig.from_json(tmp_path / "heads.json").validate_model(3, 4)
+    prof = plan.metadata["profiling"]
+    measured = np.array(prof["metrics"]["ablation_kl"])
+    assert measured.shape == (3, 4) and prof["parameters"]["ablation_weight"] == 1.0
+    top3 = set(np.argsort(-measured, axis=None)[:3].tolist())
+    glob = {l * 4 + h for l, row in enumerate(plan.classes) for h, c in enumerate(row) if c == "global"}
+    assert glob == top3
