@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -217,6 +218,23 @@ def test_bad_requests_get_openai_errors(server):
     with pytest.raises(openai.NotFoundError):
         server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
     r = httpx.post(url, json=good)  # the server keeps serving
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert wait_pool_free(server.pool)
+
+
+def test_out_of_memory_is_a_503_and_the_server_keeps_serving(server, monkeypatch):
+    url = f"{server.base}/v1/chat/completions"
+    good = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4,
+            "method": "headsparse"}
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB (simulated)")
+
+    monkeypatch.setattr(server.llm, "_prefill", oom)
+    r = httpx.post(url, json=good)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "out_of_memory", r.text
+    monkeypatch.undo()
+    r = httpx.post(url, json=good)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert wait_pool_free(server.pool)
 

@@ -188,6 +188,8 @@ class AsyncLLMEngine:
         try:
             fn(*args)
         except Exception as e:  # a failing request must not take the engine down
+            if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
+                torch.cuda.empty_cache()  # give the failed request's activations back before the next one
             self._fail(req, e)
 
     def _prefill(self, req: _Request) -> None:

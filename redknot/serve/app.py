@@ -16,6 +16,7 @@ import logging
 from contextlib import suppress
 from typing import AsyncIterator
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -128,6 +129,9 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             raise APIError(400, str(e)) from None
         except EngineOverloaded as e:
             raise APIError(503, str(e), type="server_overloaded", code="engine_overloaded") from None
+        except torch.OutOfMemoryError:  # the request's pages are freed; retrying later can succeed
+            raise APIError(503, "out of accelerator memory for this request's prefill; retry later or "
+                                "send a shorter prompt", type="server_overloaded", code="out_of_memory") from None
         except _ClientGone:
             await gen.aclose()
             raise
