@@ -35,7 +35,11 @@ def _log(out):
 def test_parse_stages_and_em():
     assert T.parse_stages("easy:512, qa:2048") == [T.Stage("easy", 512), T.Stage("qa", 2048)]
     assert T.parse_stages("easy:64/2") == [T.Stage("easy", 64, 2)] and T.Stage("easy", 64, 2).name == "easy:64/2"
-    for bad in ("hard:512", "qa", "qa:0", "qa:2k", "easy:64/", "easy:64/0", "easy:64/x"):
+    mixed = T.parse_stages("qa:2048+8192/4")[0]
+    assert mixed == T.Stage("qa", 8192, 4, (2048,)) and mixed.name == "qa:8192+2048/4"
+    assert T.Stage(**{**mixed.__dict__, "mix": [2048]}) == mixed  # as a saved state gives it back
+    for bad in ("hard:512", "qa", "qa:0", "qa:2k", "easy:64/", "easy:64/0", "easy:64/x", "qa:2048+2048",
+                "qa:2048+", "qa:+512"):
         with pytest.raises(ValueError, match="--stages"):
             T.parse_stages(bad)
     assert T.exact_match("The Varna.", ["varna"]) and not T.exact_match("Varna Port", ["Varna"])
@@ -220,3 +224,20 @@ def test_init_weights_from_a_checkpoint_directory(tmp_path):
     save_file(weights, broken / "model.safetensors")
     with pytest.raises(SystemExit, match="not this architecture"):
         T.run(_args(tmp_path / "third", "--init-weights", str(broken)))
+
+
+def test_mixed_length_stage_trains_and_resumes(tmp_path):
+    """A stage of several context lengths draws each into the same batches (equal token shares),
+    and a resumed run recognises it."""
+    stage = T.parse_stages("qa:512+128")[0]
+    recs = T.stage_records(stage, seed=5, contexts=10)
+    from redknot.testbed.data import generate_records
+
+    # 10 contexts, equal token shares of 512 and 128: 2 long (the stage's seed), 8 short (their own)
+    assert recs == generate_records(5, 2, context_tokens=512) + generate_records(5 + T._MIX_SEED_STRIDE, 8,
+                                                                                 context_tokens=128)
+    out = tmp_path / "mix"
+    assert T.run(_args(out, "--stages", "qa:512+128", "--stop-after-steps", "1")) == 0
+    assert T.run(_args(out, "--stages", "qa:512+128", "--resume", "--stop-after-steps", "1")) == 0
+    names = [r.get("stage_name") for r in _log(out) if r["event"] == "stage"]
+    assert names and set(names) == {"qa:512+128"}

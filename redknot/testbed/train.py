@@ -69,7 +69,7 @@ import random
 import shutil
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -97,18 +97,27 @@ _TRAIN_SEED_BASE = 1 << 40    # training batches draw seeds far above every fixe
 MAX_MODEL_BYTES = 40 << 20    # fp32 if the checkpoint fits in this, else bf16
 STATE_FILE, LOG_FILE, MODEL_DIR, TOKENIZER_FILE = "train_state.pt", "train_log.jsonl", "model", "tokenizer.json"
 FULL_STATE_FILE = "train_state_full.pt"  # the exact state, beside a lossy train_state.pt
+_MIX_SEED_STRIDE = 1_000_003  # seed offset of a mixed stage's k-th context length
 REWARMUP_STEPS = 50  # after a resume without optimizer moments: Adam re-estimates them (β2 = 0.95 ≈ 20 steps)
 
 
 @dataclass(frozen=True)
 class Stage:
     kind: str              # "easy" or "qa"
-    context_tokens: int
+    context_tokens: int    # the longest context of the stage (rows are sized for it)
     questions: int | None = None  # questions per context; None: --questions-per-context
+    mix: tuple[int, ...] = ()     # shorter context lengths drawn into the same batches
+
+    def __post_init__(self):
+        object.__setattr__(self, "mix", tuple(self.mix))  # a saved state gives a list
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return (self.context_tokens,) + self.mix
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{self.context_tokens}" + (f"/{self.questions}" if self.questions else "")
+        return f"{self.kind}:{'+'.join(map(str, self.lengths))}" + (f"/{self.questions}" if self.questions else "")
 
 
 def parse_stages(spec: str) -> list[Stage]:
@@ -116,11 +125,14 @@ def parse_stages(spec: str) -> list[Stage]:
     for part in spec.split(","):
         kind, _, rest = part.strip().partition(":")
         ctx, slash, questions = rest.partition("/")
-        if (kind not in ("easy", "qa") or not ctx.isdigit() or int(ctx) <= 0
+        lengths = ctx.split("+")
+        if (kind not in ("easy", "qa") or not all(x.isdigit() and int(x) > 0 for x in lengths)
+                or len(set(lengths)) != len(lengths)
                 or (slash and (not questions.isdigit() or int(questions) <= 0))):
-            raise ValueError(f"--stages: {part!r} is not KIND:CONTEXT_TOKENS[/QUESTIONS] with KIND easy or qa "
-                             f"(e.g. qa:2048 or easy:64/2)")
-        stages.append(Stage(kind, int(ctx), int(questions) if questions else None))
+            raise ValueError(f"--stages: {part!r} is not KIND:CONTEXT_TOKENS[+CONTEXT_TOKENS...][/QUESTIONS] with "
+                             f"KIND easy or qa and distinct lengths (e.g. qa:2048, easy:64/2 or qa:8192+2048)")
+        lengths = sorted(map(int, lengths), reverse=True)
+        stages.append(Stage(kind, lengths[0], int(questions) if questions else None, tuple(lengths[1:])))
     return stages
 
 
@@ -131,8 +143,18 @@ def stage_records(stage: Stage, seed: int, contexts: int, questions_per_context:
     from .data import easy_records, generate_records
 
     fn = easy_records if stage.kind == "easy" else generate_records
-    return fn(seed, contexts, context_tokens=stage.context_tokens, questions_per_context=questions_per_context,
-              tokens_per_word=tokens_per_word)
+    if not stage.mix:
+        return fn(seed, contexts, context_tokens=stage.context_tokens, questions_per_context=questions_per_context,
+                  tokens_per_word=tokens_per_word)
+    # a mixed stage: every length gets about the same share of the tokens (so more short contexts),
+    # each from its own seed; the first length keeps the stage's seed
+    inv = [1 / n for n in stage.lengths]
+    records = []
+    for k, n in enumerate(stage.lengths):
+        count = max(1, round(contexts * inv[k] / sum(inv)))
+        records += fn(seed + k * _MIX_SEED_STRIDE, count, context_tokens=n,
+                      questions_per_context=questions_per_context, tokens_per_word=tokens_per_word)
+    return records
 
 
 def group_records(records: list[dict]) -> list[list[dict]]:
@@ -366,14 +388,14 @@ def plan_stage(tokenizer, stage: Stage, stage_index: int, batch_tokens: int, que
     between groups, so it takes long rows (``min_row`` 2048) that pack short contexts with less padding."""
     seed = HELDOUT_SEED + 100 + stage_index  # neither a held-out nor a training seed
 
-    def probe(questions: int, tpw: float) -> list[Group]:
-        records = stage_records(stage, seed, probe_contexts, questions, tpw)
+    def probe(st: Stage, questions: int, tpw: float) -> list[Group]:
+        records = stage_records(st, seed, probe_contexts, questions, tpw)
         return [tokenize_group(tokenizer, g) for g in group_records(records)]
 
-    tpw = 1.3
-    mean_ctx = sum(len(g.context) for g in probe(1, tpw)) / probe_contexts
+    tpw = 1.3  # calibrated on the longest length alone (a mixed stage's mean context is shorter)
+    mean_ctx = sum(len(g.context) for g in probe(replace(stage, mix=()), 1, tpw)) / probe_contexts
     tpw = round(tpw * mean_ctx / stage.context_tokens, 3)
-    groups = probe(questions_per_context, tpw)
+    groups = probe(stage, questions_per_context, tpw)
     lens = [len(g.context) + sum(len(q) + len(a) for q, a in g.blocks) for g in groups]
     row_len = _round_up(max(max(lens) * 1.05, min(min_row, batch_tokens)), 128)
     return StagePlan(rows=max(1, batch_tokens // row_len), row_len=row_len, tokens_per_word=tpw,
@@ -618,7 +640,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
     p.add_argument("--stages", default="easy:512,qa:2048,qa:4096",
                    help="curriculum, KIND:CONTEXT_TOKENS[/QUESTIONS] in order; KIND is easy or qa; QUESTIONS "
-                        "per context overrides --questions-per-context for the stage")
+                        "per context overrides --questions-per-context for the stage; several lengths joined "
+                        "by + (qa:8192+2048) share every batch, each with an equal share of the tokens")
     p.add_argument("--steps-per-stage", type=int, nargs="+", default=[1000],
                    help="optimizer steps of each stage (one value for all, or one per stage)")
     p.add_argument("--batch-tokens", type=int, default=131072, help="tokens per optimizer step (packed rows)")
