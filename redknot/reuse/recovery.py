@@ -185,7 +185,7 @@ def _attend_split(q, q_pos, keys, values, window, sink, scale, full, paged):
     g = hq // hkv
     dev = q.device
     kv_full = full.nonzero().flatten().to(dev)
-    q_full = (kv_full[:, None] * g + torch.arange(g, device=dev)).flatten()
+    q_full = _query_heads(kv_full, g)
     everyone = kv_full.numel() == hkv
     qf = q if everyone else q[:, q_full]
     kf, vf = (keys, values) if everyone else (keys[:, kv_full], values[:, kv_full])
@@ -203,7 +203,7 @@ def _attend_split(q, q_pos, keys, values, window, sink, scale, full, paged):
     out = torch.empty_like(q)
     out[:, q_full] = o
     kv_rest = (~full).nonzero().flatten().to(dev)
-    q_rest = (kv_rest[:, None] * g + torch.arange(g, device=dev)).flatten()
+    q_rest = _query_heads(kv_rest, g)
     qr = q[:, q_rest].contiguous()
     if paged:
         o = _attend_paged(qr, q_pos, keys, values, window[kv_rest], sink[kv_rest], scale, heads=kv_rest)
@@ -213,6 +213,11 @@ def _attend_split(q, q_pos, keys, values, window, sink, scale, full, paged):
                            window[kv_rest][:, None, None], sink[kv_rest][:, None, None], scale, g)
     out[:, q_rest] = o
     return out
+
+
+def _query_heads(kv_heads: torch.Tensor, g: int) -> torch.Tensor:
+    """The query heads of these KV heads (g per KV head, consecutive)."""
+    return (kv_heads[:, None] * g + torch.arange(g, device=kv_heads.device)).flatten()
 
 
 PAGE = 64
