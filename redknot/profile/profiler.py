@@ -279,18 +279,13 @@ def ablation_kl(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK, 
     per head and sample, so it is opt-in (``ablation_weight``)."""
     from tqdm.auto import tqdm
 
-    from ..config import GLOBAL_WINDOW
     from ..reuse.methods import FixedSet
     from ..reuse.recovery import recover
 
     dev = next(model.parameters()).device
     n_layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
-    full_w = torch.full((n_layers, hkv), GLOBAL_WINDOW, dtype=torch.int64)
-    if cfg.sliding_windows:
-        for l, w in enumerate(cfg.sliding_windows):
-            if w:
-                full_w[l] = w
-    full_s = torch.zeros_like(full_w)
+    window_all, sink_all = HeadConfig.all_global(n_layers, hkv).visibility(cfg.sliding_windows)
+    full_w, full_s = torch.as_tensor(window_all), torch.as_tensor(sink_all)
     kl = np.zeros((n_layers, hkv))
     runs = tqdm(total=len(samples) * n_layers * hkv, desc="ablating heads", unit="forward", disable=not progress)
     for s in samples:
