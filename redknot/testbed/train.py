@@ -115,6 +115,13 @@ class Stage:
     def lengths(self) -> tuple[int, ...]:
         return (self.context_tokens,) + self.mix
 
+    def as_dict(self) -> dict:
+        """For the saved state: ``mix`` only when the stage has one (earlier states have none)."""
+        d = asdict(self)
+        if not self.mix:
+            del d["mix"]
+        return d
+
     @property
     def name(self) -> str:
         return f"{self.kind}:{'+'.join(map(str, self.lengths))}" + (f"/{self.questions}" if self.questions else "")
@@ -771,7 +778,7 @@ class Trainer:
             max(1, (os.cpu_count() or 2) - 2) if self.device.type == "cuda" else 0)
         self.last_em, self.stop_signal = None, None
         self.seconds = {"save": 30.0, "eval": 0.0, "step": 0.0}  # what a clean stop must leave time for
-        self.run_args = {"stages": [asdict(st) for st in self.stages], "steps": self.steps, "size": args.size,
+        self.run_args = {"stages": [st.as_dict() for st in self.stages], "steps": self.steps, "size": args.size,
                          "seed": args.seed, "lr": args.lr, "batch_tokens": args.batch_tokens,
                          "lm_weight": args.lm_weight, "first_weight": args.first_weight,
                          "questions_per_context": args.questions_per_context, "init_weights": args.init_weights}
