@@ -19,7 +19,7 @@ def test_bundled_model_and_head_config_ship_and_load(llm):
     path = model_path()
     assert (path / "model.safetensors").stat().st_size <= 60 << 20
     assert llm.model_dir == path and llm.head_config is not None
-    assert llm.head_config.num_layers == llm.config.num_hidden_layers == 8
+    assert llm.head_config.num_layers == llm.config.num_hidden_layers == 12
     assert llm.config.num_key_value_heads >= 4 and llm.config.max_position_embeddings >= 8192
     assert head_config_path() == path / "heads.json"
     n = sum(p.numel() for p in llm.model.parameters())

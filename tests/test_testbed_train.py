@@ -241,3 +241,47 @@ def test_mixed_length_stage_trains_and_resumes(tmp_path):
     assert T.run(_args(out, "--stages", "qa:512+128", "--resume", "--stop-after-steps", "1")) == 0
     names = [r.get("stage_name") for r in _log(out) if r["event"] == "stage"]
     assert names and set(names) == {"qa:512+128"}
+
+
+def test_grow_layers_keeps_the_function_and_trains(tmp_path):
+    """--grow-layers deepens a checkpoint: at the start the deeper model gives the same logits, and
+    it trains from there; without a checkpoint to grow it is an error."""
+    first = tmp_path / "first"
+    assert T.run(_args(first, "--stop-after-steps", "1")) == 0
+    assert T.run(_args(first, "--export")) == 0
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    src = first / T.MODEL_DIR
+    weights = load_file(src / "model.safetensors")
+    config = LlamaConfig.from_pretrained(src)
+    small = T.build_model(config, seed=0)
+    small.load_state_dict(weights, strict=False)
+    grown_weights = T.grow_depth(weights, config.num_hidden_layers, 5)
+    config5 = LlamaConfig.from_pretrained(src)
+    config5.num_hidden_layers = 5
+    grown = T.build_model(config5, seed=0)
+    missing, unexpected = grown.load_state_dict(grown_weights, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    ids = torch.randint(0, config.vocab_size, (2, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(grown(ids).logits, small(ids).logits, rtol=1e-5, atol=1e-5)
+    # the copies are real layers (their input projections copied), only their outputs zeroed
+    # 2 -> 5: [0, copy of 0, 1, copy of 1, copy of 1]; copies keep their inputs, only outputs are zeroed
+    for new, old, copy in ((0, 0, False), (1, 0, True), (2, 1, False), (3, 1, True), (4, 1, True)):
+        q = grown_weights[f"model.layers.{new}.self_attn.q_proj.weight"]
+        assert torch.equal(q, weights[f"model.layers.{old}.self_attn.q_proj.weight"])
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            w = grown_weights[f"model.layers.{new}.{name}"]
+            assert (w.abs().sum() == 0) == copy
+    with pytest.raises(ValueError, match="already has"):
+        T.grow_depth(weights, config.num_hidden_layers, 1)
+
+    second = tmp_path / "second"
+    assert T.run(_args(second, "--stages", "easy:64/1", "--steps-per-stage", "2", "--init-weights", str(src),
+                       "--grow-layers", "5")) == 0
+    assert LlamaConfig.from_pretrained(second / T.MODEL_DIR).num_hidden_layers == 5
+    init = _log(second)[0]
+    assert (init["event"], init["layers"], init["grown_from"]) == ("init", 5, 2)
+    with pytest.raises(SystemExit, match="--init-weights"):
+        T.run(_args(tmp_path / "third", "--grow-layers", "5"))

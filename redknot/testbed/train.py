@@ -79,9 +79,9 @@ import torch.nn.functional as F
 from ..bench.quality import exact_match
 from ..reuse.prompt import build_prompt
 
-# Architectures. "small" is the shipped model: ≈19.4M parameters, ≈39 MB in bf16 (DESIGN.md §5 asks
-# ≤ 40 MB); 8 query / 4 KV heads of dim 64 so the head profiler has a real GQA layout to classify.
-# "tiny" exists for tests on CPU.
+# Architectures. "small": ≈19.4M parameters, ≈39 MB in bf16; 8 query / 4 KV heads of dim 64 so the
+# head profiler has a real GQA layout to classify. The shipped model is "small" grown to 12 layers
+# (--grow-layers 12: ≈28M parameters, 56 MB in bf16, under the issue's 60 MB). "tiny" is for CPU tests.
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=16, vocab_size=512),
@@ -241,6 +241,31 @@ def build_model(config, seed: int):
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                             attn_implementation=config._attn_implementation)
+
+
+def grow_depth(weights: dict, layers: int, new_layers: int) -> dict:
+    """A checkpoint's weights deepened from ``layers`` to ``new_layers`` decoder layers without changing
+    what it computes (block expansion, as LLaMA Pro): the new layers are spread evenly, each a copy
+    of the layer before it with its attention output and FFN down projections zeroed, so it adds
+    nothing to the residual stream until training moves those projections."""
+    if new_layers < layers:
+        raise ValueError(f"--grow-layers {new_layers}: the checkpoint already has {layers} layers")
+    extra = new_layers - layers
+    source, zeroed = [], []  # new layer -> the old layer it copies; the copies (outputs zeroed)
+    for i in range(layers):
+        source.append(i)
+        for _ in range((i + 1) * extra // layers - i * extra // layers):  # copies after layer i
+            source.append(i)
+            zeroed.append(len(source) - 1)
+    out = {k: v for k, v in weights.items() if not k.startswith("model.layers.")}
+    for new, old in enumerate(source):
+        prefix = f"model.layers.{old}."
+        for k, v in weights.items():
+            if k.startswith(prefix):
+                name = k[len(prefix):]
+                zero = new in zeroed and name in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+                out[f"model.layers.{new}.{name}"] = torch.zeros_like(v) if zero else v.clone()
+    return out
 
 
 def count_parameters(model) -> int:
@@ -661,6 +686,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init-weights", default=None,
                    help="start a new run from these weights: a train_state.pt of the same architecture, or an "
                         "HF checkpoint directory (e.g. the bundled model; its tokenizer and architecture too)")
+    p.add_argument("--grow-layers", type=int, default=None,
+                   help="with --init-weights DIR: deepen the checkpoint to this many layers, computing the same "
+                        "function at the start (new layers spread evenly, their output projections zeroed)")
     p.add_argument("--questions-per-context", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
@@ -731,6 +759,8 @@ class Trainer:
         state = self._read_state()
         init_dir = Path(args.init_weights) if state is None and args.init_weights else None
         init_dir = init_dir if init_dir is not None and init_dir.is_dir() else None
+        if args.grow_layers and state is None and init_dir is None:
+            raise SystemExit("--grow-layers deepens a checkpoint: give it with --init-weights DIR")
         if init_dir is not None and not (self.out / TOKENIZER_FILE).is_file():  # its vocabulary, not a new one
             for f in (TOKENIZER_FILE, "tokenizer_config.json", "chat_template.jinja"):
                 if (init_dir / f).is_file():
@@ -749,6 +779,9 @@ class Trainer:
 
             config = LlamaConfig.from_pretrained(init_dir)
             config._attn_implementation = _HF_ATTN[args.attn]
+            init_layers = config.num_hidden_layers
+            if args.grow_layers:
+                config.num_hidden_layers = args.grow_layers
         else:
             config = make_config(args.size, self.tokenizer, args.attn)
         self.model = build_model(config, args.seed).to(self.device)
@@ -761,11 +794,15 @@ class Trainer:
             from safetensors.torch import load_file
 
             weights = load_file(init_dir / "model.safetensors")
+            if args.grow_layers:
+                weights = grow_depth(weights, init_layers, args.grow_layers)
             missing, unexpected = self.model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
             if unexpected or set(missing) - {"lm_head.weight"}:  # a tied head is not stored
                 raise SystemExit(f"--init-weights {init_dir}: not this architecture "
                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-            self.log(f"initialised from the checkpoint {init_dir}", event="init", path=str(init_dir))
+            grown = f", grown from {init_layers} to {args.grow_layers} layers" if args.grow_layers else ""
+            self.log(f"initialised from the checkpoint {init_dir}{grown}", event="init", path=str(init_dir),
+                     layers=config.num_hidden_layers, grown_from=init_layers if args.grow_layers else None)
         elif args.init_weights:
             init = torch.load(args.init_weights, map_location="cpu", weights_only=False)
             self.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init["model"].items()})
@@ -782,6 +819,8 @@ class Trainer:
                          "seed": args.seed, "lr": args.lr, "batch_tokens": args.batch_tokens,
                          "lm_weight": args.lm_weight, "first_weight": args.first_weight,
                          "questions_per_context": args.questions_per_context, "init_weights": args.init_weights}
+        if args.grow_layers:
+            self.run_args["grow_layers"] = args.grow_layers
         n, c = count_parameters(self.model), config
         self.log(f"model: {args.size}, {n / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, hidden "
                  f"{c.hidden_size}, {c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {c.head_dim}, "
