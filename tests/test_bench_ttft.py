@@ -34,3 +34,23 @@ def test_hf_baseline_computes_the_same_attention_as_ours():
     hf = _hf_model(arch, torch.device("cpu"), torch.float32)
     assert hf.config.sliding_window is None
     assert ModelConfig.from_dict(arch).sliding_windows in ([], [None])
+
+
+def test_ttft_profile_names_the_recovery_phases(tmp_path):
+    """--profile: every row gets phase times from the recovery forward's ranges, and torch's table."""
+    out, folder = tmp_path / "ttft.json", tmp_path / "prof"
+    assert main(["bench", "ttft", "--archs", "tiny", "--layouts", "4x64", "--repeats", "1", "--device", "cpu",
+                 "--head-configs", "g50-w16", "--methods", "hf_dense,dense,redknot", "--out", str(out),
+                 "--profile", str(folder)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    for m in ("dense", "redknot"):
+        phases = rows[m]["profile"]["phases_ms"]
+        assert {"recover.qkv", "recover.attention", "recover.o_proj"} <= set(phases)
+        assert all(v > 0 for v in phases.values())
+    assert "recover.ffn" in rows["dense"]["profile"]["phases_ms"]
+    assert "recover.select" in rows["redknot"]["profile"]["phases_ms"]  # its policy picks FFN rows
+    assert not any(k.startswith("recover.") for k in rows["hf_dense"]["profile"]["phases_ms"])
+    assert rows["hf_dense"]["profile"]["top_ops"]
+    tables = sorted(p.name for p in folder.iterdir())
+    assert tables == sorted(f"tiny_g50-w16_4x64_{m}.txt" for m in ("hf_dense", "dense", "redknot"))
+    assert "recover.attention" in (folder / "tiny_g50-w16_4x64_redknot.txt").read_text()

@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-s", type=float, default=500)
     p.add_argument("--device", default=None)
     p.add_argument("--plot", default=None, help="PNG: TTFT against context length per method")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also run each timed call once under torch.profiler: per-phase times in the JSON rows, "
+                        "torch's op table per row in DIR")
     p.add_argument("--out", default=None)
 
 
@@ -74,6 +77,29 @@ def _timed(fn, dev, repeats):
         _sync(dev)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def _profile_row(row: dict, method: str, hf, engine, prompt, dev, folder: str) -> None:
+    """One more call of the row's method under torch.profiler: phase times into the row, torch's op
+    table into FOLDER."""
+    from .trace import format_summary, profile_call
+
+    if method == "hf_dense":
+        ids = torch.tensor([prompt.token_ids], device=dev)
+
+        def fn():
+            with torch.inference_mode():
+                hf(ids, logits_to_keep=1, use_cache=True)
+    else:
+        def fn():
+            engine.prefill(prompt, method)
+    summary, table = profile_call(fn, dev)
+    row["profile"] = summary
+    os.makedirs(folder, exist_ok=True)
+    name = "_".join(str(row[k]) for k in ("arch", "head_config", "layout", "method"))
+    with open(os.path.join(folder, f"{name}.txt"), "w") as f:
+        f.write(f"{name}: {row['tokens']} tokens\n{format_summary(summary)}\n\n{table}\n")
+    print(f"{name}: {format_summary(summary)}", flush=True)
 
 
 def _head_config(name: str, cfg: ModelConfig, anchor: str | None) -> HeadConfig:
@@ -167,6 +193,8 @@ def run(args) -> dict:
                             row["tokens_computed_layer0"] = r.recovered.flops.tokens[0]
                             row["cached_tokens"] = r.cached_tokens
                             del res, r
+                        if args.profile:
+                            _profile_row(row, m, hf, engine, prompt, dev, args.profile)
                     except Exception as e:  # OOM or a baseline failing must not end the run
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     if m == "dense" and "ttft_s" in row:

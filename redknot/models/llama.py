@@ -6,12 +6,28 @@ backend in use (see ``redknot.engine.backends``); the model only computes q, k, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
 from .rope import RotaryEmbedding
+
+# q/k norm + RoPE: "auto" fuses them into one Triton kernel on CUDA (redknot.kernels.rope), "torch"
+# keeps the unfused reference everywhere.
+NORM_ROPE = "auto"
+
+
+@functools.cache
+def _norm_rope():
+    """The fused kernel, or None where triton is missing (the torch path then runs)."""
+    try:
+        from ..kernels.rope import norm_rope
+    except ImportError:
+        return None
+    return norm_rope
 
 
 class RMSNorm(nn.Module):
@@ -50,6 +66,13 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        if NORM_ROPE == "auto" and x.is_cuda and _norm_rope() is not None:
+            norm_rope = _norm_rope()
+            cos, sin = self.rope.cos_sin(positions)
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            eps = self.q_norm.eps if self.qk_norm else 0.0
+            return (norm_rope(q, cos, sin, self.rope.rot_dim, qw, eps),
+                    norm_rope(k, cos, sin, self.rope.rot_dim, kw, eps), v)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, k, positions)

@@ -71,8 +71,19 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, self.scaling = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rot_dim = inv_freq.numel() * 2
+        self._last = None  # (positions, its version, cos, sin): every layer of a forward asks for the same
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # inference tensors keep no version counter (and cannot be edited outside inference mode)
+        version = None if positions.is_inference() else positions._version
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == version:
+            return last[2], last[3]
+        cos, sin = self._cos_sin(positions)
+        self._last = (positions, version, cos, sin)
+        return cos, sin
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Angles in float64: position * inv_freq in fp32 is off by ~ulp(position) radians (6e-5 at
         # 1K, 8e-3 at 128K), which would also make relocated keys differ from directly computed ones.
         freqs = positions.double()[:, None] * self.inv_freq.double()[None, :]

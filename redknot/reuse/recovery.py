@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from ..models.llama import LlamaForCausalLM
 from .flops import FlopReport, visible_pairs
@@ -83,49 +84,58 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
     h = body.embed_tokens(token_ids[cur])
     run = _run(cur)
     out_k, out_v = [], []
+    # record_function ranges name the phases in a torch.profiler trace (`redknot bench ttft --profile`)
     for l, layer in enumerate(body.layers):
         attn = layer.self_attn
         t = cur.numel()
-        q, k, v = attn.qkv(layer.input_layernorm(h), cur)
+        with record_function("recover.qkv"):
+            q, k, v = attn.qkv(layer.input_layernorm(h), cur)
         if cache_k is not None:  # the caller's buffers become this layer's output (written in place)
             keys, values = cache_k[l], cache_v[l]
         else:
             keys, values = kv_buffer(n, attn.n_kv, attn.head_dim, k.dtype, dev), \
                 kv_buffer(n, attn.n_kv, attn.head_dim, k.dtype, dev)
         info = {}
-        if cache_k is not None:
-            was = cached[cur]  # deviation of recomputed values from their cached version (CacheBlend)
-            info["v_deviation"] = torch.where(
-                was, (v.float() - values[cur].float()).norm(dim=(-1, -2)), torch.zeros((), device=dev))
-        if run is not None:  # contiguous positions: a slice copy, not a scatter
-            keys[run[0]:run[1]], values[run[0]:run[1]] = k, v
-        else:
-            keys[cur], values[cur] = k, v
+        with record_function("recover.kv_write"):
+            if cache_k is not None:
+                was = cached[cur]  # deviation of recomputed values from their cached version (CacheBlend)
+                info["v_deviation"] = torch.where(
+                    was, (v.float() - values[cur].float()).norm(dim=(-1, -2)), torch.zeros((), device=dev))
+            if run is not None:  # contiguous positions: a slice copy, not a scatter
+                keys[run[0]:run[1]], values[run[0]:run[1]] = k, v
+            else:
+                keys[cur], values[cur] = k, v
         window, sink = policy.visibility(l)
-        o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
-                          policy.observe(l), full=window.cpu() >= n)
+        with record_function("recover.attention"):
+            o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
+                              policy.observe(l), full=window.cpu() >= n)
         info["mass"] = mass
-        attn_out = attn.o_proj(o.reshape(t, -1))
-        info["out_norm"] = attn_out.float().norm(dim=-1)
-        h = h + attn_out
-        rows = policy.ffn_rows(l, cur, info)
+        with record_function("recover.o_proj"):
+            attn_out = attn.o_proj(o.reshape(t, -1))
+            info["out_norm"] = attn_out.float().norm(dim=-1)
+            h = h + attn_out
+        with record_function("recover.select"):
+            rows = policy.ffn_rows(l, cur, info)
         if rows is None:
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            with record_function("recover.ffn"):
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
             n_ffn = t
         else:  # sparse FFN: only these rows; the others keep their residual
-            h = h.index_add(0, rows, layer.mlp(layer.post_attention_layernorm(h[rows])))
+            with record_function("recover.sparse_ffn"):
+                h = h.index_add(0, rows, layer.mlp(layer.post_attention_layernorm(h[rows])))
             n_ffn = rows.numel()
-        flops.add_layer(cfg, t, visible_pairs(cur, window, sink, group), n_ffn)
-        out_k.append(keys)
-        out_v.append(values)
-        keep = policy.keep_rows(l, cur, info)
-        if keep is not None:
-            dropped = torch.ones(t, dtype=torch.bool, device=dev)
-            dropped[keep] = False
-            if not bool(cached[cur[dropped]].all()):
-                raise ValueError(f"layer {l}: the policy dropped positions that have no cached K/V")
-            h, cur = h[keep], cur[keep]
-            run = _run(cur)
+        with record_function("recover.bookkeeping"):
+            flops.add_layer(cfg, t, visible_pairs(cur, window, sink, group), n_ffn)
+            out_k.append(keys)
+            out_v.append(values)
+            keep = policy.keep_rows(l, cur, info)
+            if keep is not None:
+                dropped = torch.ones(t, dtype=torch.bool, device=dev)
+                dropped[keep] = False
+                if not bool(cached[cur[dropped]].all()):
+                    raise ValueError(f"layer {l}: the policy dropped positions that have no cached K/V")
+                h, cur = h[keep], cur[keep]
+                run = _run(cur)
     if cur.numel() == 0 or int(cur[-1]) != n - 1:
         raise ValueError("recovery policy must compute the last position through every layer")
     logits = model.logits(body.norm(h[-1:]))[0]
@@ -164,12 +174,13 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None):
         out = _attend_masked(q, q_pos, keys, values, j, w, s, scale, g)
     mass = None
     if n_obs:
-        qo = q[-n_obs:].view(n_obs, hkv, g, d)
-        p = q_pos[-n_obs:][None, :, None]
-        mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, o, N]
-        scores = torch.einsum("ohgd,khd->hgok", qo, keys).float() * scale  # fp32 softmax
-        probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
-        mass = probs.sum(dim=(0, 1, 2))
+        with record_function("recover.attention_mass"):
+            qo = q[-n_obs:].view(n_obs, hkv, g, d)
+            p = q_pos[-n_obs:][None, :, None]
+            mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, o, N]
+            scores = torch.einsum("ohgd,khd->hgok", qo, keys).float() * scale  # fp32 softmax
+            probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
+            mass = probs.sum(dim=(0, 1, 2))
     return out, mass
 
 
