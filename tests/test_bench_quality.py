@@ -168,3 +168,27 @@ def test_malformed_data_fails_before_the_model_loads(setup, tmp_path):
     bad = _write(tmp_path / "bad.jsonl", [json.dumps(RECORDS[0]), json.dumps({"id": "x", "question": "q"})])
     with pytest.raises(ValueError, match=re.escape(f"{bad}:2: missing field(s) ['documents', 'answers', 'type']")):
         quality.run(_args(model=tmp_path / "no-such-model", data=bad, methods="dense", out=tmp_path / "r.json"))
+
+
+def test_a_stopped_run_keeps_the_records_it_finished(setup, monkeypatch):
+    """Results are saved after every record: a run cut short (time limit, Ctrl-C) leaves a valid JSON
+    of the records done, marked incomplete."""
+    model, heads, data, tmp = setup
+    out = tmp / "partial.json"
+    real, calls = quality._score_method, []
+
+    def score(llm, rec, m, *a):
+        if rec["id"] == RECORDS[1]["id"]:
+            raise KeyboardInterrupt  # stopped during the second record
+        calls.append(m)
+        return real(llm, rec, m, *a)
+
+    monkeypatch.setattr(quality, "_score_method", score)
+    with pytest.raises(KeyboardInterrupt):
+        quality.run(_args(model=model, data=data, methods="dense,full_reuse", out=out, max_tokens=2, device="cpu",
+                          dtype="float32"))
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False and saved["n_records_done"] == 1 and saved["n_records"] == 3
+    assert [r["id"] for r in saved["records"]] == [RECORDS[0]["id"]]
+    assert saved["methods"]["full_reuse"]["n"] == 1 and calls == ["dense", "full_reuse"]
+    assert not (tmp / "partial.json.tmp").exists()

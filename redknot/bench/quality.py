@@ -160,8 +160,11 @@ def _aggregate(rows: list[dict]) -> dict:
     return summary
 
 
-def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, progress: bool = True) -> dict:
-    """Run every record through every method; returns {"methods": {NAME: summary}, "records": [...]}."""
+def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, progress: bool = True,
+             on_record=None) -> dict:
+    """Run every record through every method; returns {"methods": {NAME: summary}, "records": [...]}.
+    ``on_record(result so far)`` is called after each record (run() saves it: a stopped run keeps
+    what it measured)."""
     from tqdm import tqdm
 
     rows = {m: [] for m in methods}
@@ -181,6 +184,8 @@ def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, prog
             except ValueError as e:  # e.g. a prompt longer than the model allows: say which record
                 raise ValueError(f"record {rec['id']!r}: {e}") from e
             per_record.append(entry)
+            if on_record is not None:
+                on_record({"methods": {m: _aggregate(rows[m]) for m in methods}, "records": per_record})
     finally:
         bar.close()
     return {"methods": {m: _aggregate(rows[m]) for m in methods}, "records": per_record}
@@ -232,18 +237,27 @@ def run(args) -> dict:
     records = load_records(args.data, args.limit)  # before the model: bad data fails fast
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
               dtype=args.dtype)
-    result = evaluate(llm, records, methods, args.max_tokens)
-    result.update({
+    meta = {
         "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "torch": torch.__version__,
         "n_records": len(records), "head_config": None if args.head_config is None else str(args.head_config),
         "head_plan": llm.head_config.class_counts() if llm.head_config else None, "sparse_ffn": vars(llm.sparse_ffn),
-    })
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+
+    def save(result: dict, complete: bool) -> None:
+        # after every record, so a run stopped by a time limit keeps its records (marked incomplete)
+        done = {**result, **meta, "n_records_done": len(result["records"]), "complete": complete}
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(done, indent=1) + "\n")
+        tmp.replace(out)
+
+    result = evaluate(llm, records, methods, args.max_tokens, on_record=lambda r: save(r, False))
+    save(result, True)
+    result.update(meta, n_records_done=len(records), complete=True)
     print(format_table(result))
     return result
 
