@@ -232,3 +232,43 @@ def test_causal_sdpa_path_equals_the_masked_reference(kernel, n, skip, full, mon
     ref = recovery._attend_masked(q, pos, keys, values, j, window[:, None, None], sink[:, None, None], d**-0.5, g)
     out, _ = recovery._attend(q, pos, keys, values, window, sink, d**-0.5, 0, full=is_full)
     assert (out - ref).abs().max() < 1e-5
+
+
+def test_suffix_keeps_its_head_plan_where_chunks_recover_locally(llm):
+    """A query split (chunk rows local, suffix rows under their own visibility) equals two passes:
+    every position under the local visibility, then the suffix alone under its own over that K/V.
+    In redknot this lets the question see its head plan in the shallow layers."""
+    from redknot.reuse.methods import FixedSet
+    from redknot.reuse.recovery import recover
+
+    cp = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    tokens = torch.tensor(cp.token_ids)
+    n, hkv, layers = len(cp), llm.config.num_key_value_heads, llm.config.num_hidden_layers
+    local = (torch.full((layers, hkv), 8), torch.full((layers, hkv), 2))
+    full = (torch.full((layers, hkv), 1 << 30), torch.zeros(layers, hkv, dtype=torch.long))
+
+    class Split(FixedSet):
+        def query_split(self, layer):
+            return cp.suffix_start, full[0][layer], full[1][layer]
+
+    model = llm.model
+    split = recover(model, tokens, Split(torch.arange(n), *local))
+    first = recover(model, tokens, FixedSet(torch.arange(n), *local))
+    cached = torch.arange(n) < cp.suffix_start
+    two_pass = recover(model, tokens, FixedSet(torch.arange(cp.suffix_start, n), *full),
+                       [k.clone() for k in first.k], [v.clone() for v in first.v], cached)
+    assert torch.allclose(split.logits, two_pass.logits, atol=1e-5)
+    assert cos(split.logits, first.logits) < 0.99999  # the suffix's visibility did change the answer
+    # the executed attention counts each row under its own visibility
+    assert split.flops.totals()["attention"] > first.flops.totals()["attention"]
+
+
+def test_redknot_suffix_visibility_option(tiny_checkpoint):
+    from redknot.reuse.methods import ReuseOptions
+
+    path = tiny_checkpoint("llama", num_hidden_layers=3)
+    local = make_llm(path).first_token_logits(QUESTION, documents=DOCS, method="redknot")  # the default
+    plan = make_llm(path, reuse_options=ReuseOptions(shallow_suffix="plan"))
+    assert cos(plan.first_token_logits(QUESTION, documents=DOCS, method="redknot"), local) < 0.99999
+    with pytest.raises(ValueError, match="shallow_suffix"):
+        ReuseOptions(shallow_suffix="global")

@@ -202,6 +202,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"head config JSON (needed by {', '.join(NEEDS_HEAD_CONFIG)}; default: heads.json "
                         f"beside the checkpoint)")
     p.add_argument("--sparse-ffn", default=None, help="sparse FFN JSON (default: built-in tiers)")
+    p.add_argument("--shallow-suffix", choices=("local", "plan"), default="local",
+                   help="redknot's shallow layers: the question attends locally like the chunk tokens "
+                        "(local, default) or keeps its head plan (plan)")
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--limit", type=int, default=None, help="first N records only")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -235,8 +238,10 @@ def run(args) -> dict:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     records = load_records(args.data, args.limit)  # before the model: bad data fails fast
+    from ..reuse.methods import ReuseOptions
+
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
-              dtype=args.dtype)
+              dtype=args.dtype, reuse_options=ReuseOptions(shallow_suffix=args.shallow_suffix))
     meta = {
         "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},

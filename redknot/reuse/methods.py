@@ -7,7 +7,8 @@ epic           full_reuse, plus the first `epic_tokens` tokens of each chunk rec
 cacheblend     layer 0 recomputes every chunk token; the `cacheblend_ratio` with the largest
                value deviation from their cached KV continue, the rest keep the cache
 redknot        one forward over chunks + suffix: shallow layers (< dense_until) attend locally
-               (every head within its sink + window) with a dense FFN; deeper layers give global
+               (every head within its sink + window; ReuseOptions.shallow_suffix="plan" keeps the
+               suffix on its head plan there) with a dense FFN; deeper layers give global
                heads the full context and local heads their window, and run the FFN only on the
                tokens that receive the most attention from the suffix's last tokens (tiered
                thresholds); the rest keep their residual
@@ -44,6 +45,14 @@ class ReuseOptions:
     cacheblend_ratio: float = 0.15
     observation_tokens: int = 16  # suffix tail whose attention mass ranks tokens for the sparse FFN
     shallow_window: int | None = None  # local-recovery window of global heads; None: widest local window
+    # What the suffix (question) sees in the shallow, locally recovering layers: "local" = the same
+    # sink + window as the chunk tokens (every published number), "plan" = its head plan (global
+    # heads the whole context; docs/results/quality.md measures both).
+    shallow_suffix: str = "local"
+
+    def __post_init__(self):
+        if self.shallow_suffix not in ("plan", "local"):
+            raise ValueError(f"ReuseOptions.shallow_suffix={self.shallow_suffix!r}: use 'plan' or 'local'")
 
 
 @dataclass
@@ -84,9 +93,10 @@ class CacheBlend(FixedSet):
 
 class RedKnot(FixedSet):
     def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
-                 sparse: SparseFFNConfig, observe: int, keep_cached: bool):
+                 sparse: SparseFFNConfig, observe: int, keep_cached: bool, suffix_start: int | None = None):
         super().__init__(positions, window, sink)
         self.shallow = (shallow_window, shallow_sink)
+        self.suffix_start = suffix_start  # None: the suffix recovers locally in shallow layers too
         self.is_chunk, self.sparse, self.n_obs, self.keep_cached = is_chunk, sparse, observe, keep_cached
         self._rows = None
 
@@ -94,6 +104,11 @@ class RedKnot(FixedSet):
         if layer < self.sparse.dense_until:  # local recovery: every head within sink + window
             return self.shallow[0][layer], self.shallow[1][layer]
         return super().visibility(layer)
+
+    def query_split(self, layer):
+        if self.suffix_start is None or layer >= self.sparse.dense_until:
+            return None
+        return self.suffix_start, self.window[layer], self.sink[layer]  # the question keeps its head plan
 
     def observe(self, layer):
         sparse = self.sparse.threshold(layer) is not None and self.sparse.importance == "attention"
@@ -259,7 +274,8 @@ class ReuseEngine:
         window, sink = _tensors(self.head_config.visibility(self.cfg.sliding_windows))
         shallow_w, shallow_s = self._shallow(window, sink)
         return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, self.sparse,
-                       min(o.observation_tokens, len(prompt.suffix)), keep_cached=method == "redknot_kv")
+                       min(o.observation_tokens, len(prompt.suffix)), keep_cached=method == "redknot_kv",
+                       suffix_start=prompt.suffix_start if o.shallow_suffix == "plan" else None)
 
     def _shallow(self, window, sink):
         """Local recovery: global heads get the widest local window (or `shallow_window`) and a sink."""

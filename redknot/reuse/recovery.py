@@ -39,6 +39,12 @@ class Policy:
         """(window, sink) int64 [Hkv] for this layer's queries."""
         raise NotImplementedError
 
+    def query_split(self, layer: int) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """(first position, window, sink): queries from that position on see this (window, sink)
+        instead of ``visibility(layer)``'s (e.g. the suffix keeps its head plan where chunk tokens
+        recover locally). None: one visibility for every query."""
+        return None
+
     def observe(self, layer: int) -> int:
         """How many of the last computed queries report the attention mass they give (0: none)."""
         return 0
@@ -106,9 +112,23 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
             else:
                 keys[cur], values[cur] = k, v
         window, sink = policy.visibility(l)
+        split = policy.query_split(l)
         with record_function("recover.attention"):
-            o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
-                              policy.observe(l), full=window.cpu() >= n)
+            if split is None:
+                o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
+                                  policy.observe(l), full=window.cpu() >= n)
+                pairs = visible_pairs(cur, window, sink, group)
+            else:  # rows before `at` under (window, sink), rows from `at` on under their own
+                at, window2, sink2 = split
+                r = int(torch.searchsorted(cur, at))
+                o, mass, pairs = torch.empty_like(q), None, 0
+                for rows, w_, s_, n_obs in ((slice(0, r), window, sink, 0),
+                                            (slice(r, t), window2, sink2, min(policy.observe(l), t - r))):
+                    if rows.stop > rows.start:
+                        o[rows], m_ = _attend(q[rows], cur[rows], keys, values, w_.to(dev), s_.to(dev),
+                                              attn.head_dim**-0.5, n_obs, full=w_.cpu() >= n)
+                        mass = m_ if n_obs else mass
+                        pairs += visible_pairs(cur[rows], w_, s_, group)
         info["mass"] = mass
         with record_function("recover.o_proj"):
             attn_out = attn.o_proj(o.reshape(t, -1))
@@ -125,7 +145,7 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
                 h = h.index_add(0, rows, layer.mlp(layer.post_attention_layernorm(h[rows])))
             n_ffn = rows.numel()
         with record_function("recover.bookkeeping"):
-            flops.add_layer(cfg, t, visible_pairs(cur, window, sink, group), n_ffn)
+            flops.add_layer(cfg, t, pairs, n_ffn)
             out_k.append(keys)
             out_v.append(values)
             keep = policy.keep_rows(l, cur, info)
