@@ -272,3 +272,22 @@ def test_redknot_suffix_visibility_option(tiny_checkpoint):
     assert cos(plan.first_token_logits(QUESTION, documents=DOCS, method="redknot"), local) < 0.99999
     with pytest.raises(ValueError, match="shallow_suffix"):
         ReuseOptions(shallow_suffix="global")
+
+
+def test_sparse_ffn_tiers_beside_the_checkpoint(tiny_checkpoint, tmp_path):
+    """A checkpoint may carry its sparse-FFN tiers (sparse_ffn.json, like heads.json); an explicit
+    argument wins, and a broken file is a clear error."""
+    import shutil
+
+    from redknot import LLM
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint("llama", num_hidden_layers=3), ckpt)
+    assert LLM(model=ckpt, device="cpu").sparse_ffn == SparseFFNConfig()  # none beside it: the defaults
+    (ckpt / "sparse_ffn.json").write_text('{"dense_until": 1, "deep_layer_start": 2, "recent_n": 8, "min_keep": 4}')
+    tiers = LLM(model=ckpt, device="cpu").sparse_ffn
+    assert (tiers.dense_until, tiers.deep_layer_start, tiers.recent_n, tiers.min_keep) == (1, 2, 8, 4)
+    assert LLM(model=ckpt, device="cpu", sparse_ffn=SPARSE).sparse_ffn == SPARSE
+    (ckpt / "sparse_ffn.json").write_text('{"dense_until": -1}')
+    with pytest.raises(HeadConfigError, match="dense_until"):
+        LLM(model=ckpt, device="cpu")

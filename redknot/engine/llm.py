@@ -67,6 +67,8 @@ class LLM:
             model = model_path()
         if head_config is None and not isinstance(model, ModelConfig) and (Path(model) / "heads.json").is_file():
             head_config = Path(model) / "heads.json"  # a checkpoint may carry its head config (the bundled one does)
+        if sparse_ffn is None and not isinstance(model, ModelConfig) and (Path(model) / "sparse_ffn.json").is_file():
+            sparse_ffn = Path(model) / "sparse_ffn.json"  # and its sparse-FFN tiers (layer indices are per model)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = None if isinstance(model, ModelConfig) else Path(model)
         if isinstance(model, ModelConfig):
