@@ -66,8 +66,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
         v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
-        if NORM_ROPE == "auto" and x.is_cuda and _norm_rope() is not None:
-            norm_rope = _norm_rope()
+        norm_rope = _norm_rope() if NORM_ROPE == "auto" and x.is_cuda else None
+        if norm_rope is not None:
             cos, sin = self.rope.cos_sin(positions)
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             eps = self.q_norm.eps if self.qk_norm else 0.0
