@@ -79,21 +79,12 @@ def _timed(fn, dev, repeats):
     return statistics.median(ts)
 
 
-def _profile_row(row: dict, method: str, hf, engine, prompt, dev, folder: str) -> None:
-    """One more call of the row's method under torch.profiler: phase times into the row, torch's op
+def _profile_row(row: dict, call, dev, folder: str) -> None:
+    """The row's timed call once more under torch.profiler: phase times into the row, torch's op
     table into FOLDER."""
     from .trace import format_summary, profile_call
 
-    if method == "hf_dense":
-        ids = torch.tensor([prompt.token_ids], device=dev)
-
-        def fn():
-            with torch.inference_mode():
-                hf(ids, logits_to_keep=1, use_cache=True)
-    else:
-        def fn():
-            engine.prefill(prompt, method)
-    summary, table = profile_call(fn, dev)
+    summary, table = profile_call(call, dev)
     row["profile"] = summary
     os.makedirs(folder, exist_ok=True)
     name = "_".join(str(row[k]) for k in ("arch", "head_config", "layout", "method"))
@@ -179,22 +170,29 @@ def run(args) -> dict:
                     try:
                         if m == "hf_dense":
                             ids = torch.tensor([prompt.token_ids], device=dev)
-                            with torch.inference_mode():
-                                row["ttft_s"] = _timed(lambda: hf(ids, logits_to_keep=1, use_cache=True), dev, reps)
+
+                            def call():
+                                with torch.inference_mode():
+                                    hf(ids, logits_to_keep=1, use_cache=True)
+                            row["ttft_s"] = _timed(call, dev, reps)
                         else:
                             t0 = time.perf_counter()
                             engine.prefill(prompt, m)  # cold: computes and caches the chunks
                             _sync(dev)
                             row["cold_s"] = time.perf_counter() - t0
                             res = {}
-                            row["ttft_s"] = _timed(lambda: res.update(r=engine.prefill(prompt, m)), dev, reps)
+
+                            def call():
+                                res.update(r=engine.prefill(prompt, m))
+                            row["ttft_s"] = _timed(call, dev, reps)
                             r = res["r"]
                             row["flops"] = r.recovered.flops.totals()
                             row["tokens_computed_layer0"] = r.recovered.flops.tokens[0]
                             row["cached_tokens"] = r.cached_tokens
-                            del res, r
+                            res.clear()  # the result's buffers go; `call` stays for --profile
+                            del r
                         if args.profile:
-                            _profile_row(row, m, hf, engine, prompt, dev, args.profile)
+                            _profile_row(row, call, dev, args.profile)
                     except Exception as e:  # OOM or a baseline failing must not end the run
                         row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                     if m == "dense" and "ttft_s" in row:
