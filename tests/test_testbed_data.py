@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import redknot.testbed as testbed
+from redknot.testbed import data
 from redknot.testbed import cli as testbed_cli
 from redknot.testbed.data import (MAX_DOC_WORDS, MIN_DOC_WORDS, TYPES, RecordError, World, easy_records,
                                   generate_records, read_jsonl, write_jsonl)
@@ -38,13 +39,16 @@ def check_invariants(rec):
         assert has(first, meta["entity"]) and not has(first, answer)
         # the answer document never names the question's entity: both documents are needed
         assert not any(has(answer_doc, w) for w in name_words)
-        assert has(first, meta["bridge"])
+    if rec["type"] in ("multi_hop", "description"):
+        assert has(docs[support[0]], meta["bridge"])
     if rec["type"] == "multi_hop":
         assert has(answer_doc, meta["bridge"])
-    if rec["type"] == "cross_doc":
+    if rec["type"] == "description":
         assert support[0] < support[1], "the referring document comes later"
         assert meta["description"].lower() in answer_doc.lower()
         assert meta["bridge"] in meta["description"]
+    if rec["type"] == "cross_doc":
+        assert support[1] == support[0] + 1, "the continuation follows its bio directly"
     # distractors of the same variant: other names, present in documents that do not support this answer
     assert meta["distractor_answers"]
     for other in meta["distractor_answers"]:
@@ -67,7 +71,7 @@ def test_different_seeds_differ():
 
 def test_record_format_and_round_robin_types():
     recs = generate_records(3, 6)
-    assert [r["type"] for r in recs] == list(TYPES) * 2
+    assert [r["type"] for r in recs] == [TYPES[i % len(TYPES)] for i in range(6)]
     for i, r in enumerate(recs):
         assert r["id"] == f"s3-{i}-0"
         assert set(r) == {"id", "documents", "question", "answers", "type", "supporting"}
@@ -83,9 +87,9 @@ def test_invariants_of_every_type(seed):
         check_invariants(rec)
 
 
-def test_cross_doc_later_document_describes_but_never_names():
-    recs = generate_records(11, 12, types=("cross_doc",), meta=True)
-    assert {r["type"] for r in recs} == {"cross_doc"}
+def test_description_later_document_describes_but_never_names():
+    recs = generate_records(11, 12, types=("description",), meta=True)
+    assert {r["type"] for r in recs} == {"description"}
     assert len({r["meta"]["relation"] for r in recs}) > 3  # several description / fact variants
     for r in recs:
         check_invariants(r)
@@ -94,6 +98,42 @@ def test_cross_doc_later_document_describes_but_never_names():
         assert not has(later, first) and not has(later, last)
         assert r["meta"]["description"].lower() in later.lower()
         assert not has(r["question"], r["meta"]["bridge"])  # the question names the person, not the role
+
+
+NAME = re.compile(r"\b[A-Z][a-z]+ [A-Z][a-z]+\b")
+
+
+def test_cross_doc_continuation_names_no_one_and_its_twin_reads_the_same():
+    """The continuation refers to the previous document's subject by pronoun alone, and the context
+    holds a same-variant twin continuation with the same pronoun: only the preceding bio tells
+    which answer belongs to the question's person."""
+    recs = generate_records(13, 16, context_tokens=2048, types=("cross_doc",), meta=True)
+    assert {r["type"] for r in recs} == {"cross_doc"}
+    assert len({r["meta"]["relation"] for r in recs}) == 4
+    for r in recs:
+        check_invariants(r)
+        docs = r["documents"]
+        bio, cont = (docs[k] for k in r["supporting"])
+        assert bio.split("\n")[0] == r["meta"]["entity"]  # the bio's title is the person
+        title, body = cont.split("\n", 1)
+        assert not NAME.search(title)
+        # no person's name in the continuation but the answer itself (a spouse); an academy may be named
+        names = {m for m in NAME.findall(body) if m.split()[-1] not in data.ACADEMY_KINDS}
+        assert names <= {r["answers"][0]}
+        pron = "She" if re.search(r"\bher\b", r["question"]) or " She " in f" {body} " else "He"
+        twins = [d for k, d in enumerate(docs) if k not in r["supporting"]
+                 and any(has(d, a) for a in r["meta"]["distractor_answers"])]
+        assert twins, "a same-variant twin continuation is in the context"
+        assert any(has(d, pron) for d in twins)
+
+
+def test_cross_doc_answer_needs_the_preceding_document():
+    """Every pronoun-only document follows the bio it continues, in every context of every type."""
+    for r in generate_records(14, 8, context_tokens=4096, questions_per_context=4, meta=True):
+        docs = r["documents"]
+        for k, d in enumerate(docs):
+            if not NAME.search(d.split("\n")[0]) and d.split("\n")[0] in data.CONTINUATION_TITLES:
+                assert k > 0 and NAME.fullmatch(docs[k - 1].split("\n")[0]), "a continuation follows a bio"
 
 
 def test_multi_hop_needs_two_documents():

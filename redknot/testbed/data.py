@@ -8,10 +8,17 @@ from templates plus neutral filler, 150-400 words each. Facts come in *clusters*
 - ``single_hop``: one document states the answer ("Which city was Orla Venn born in?").
 - ``multi_hop``: document A says X works for company C, document B says where C is headquartered;
   the question asks where X's employer is headquartered. B never names X, A never states the answer.
-- ``cross_doc``: document A introduces X by name ("Kestrel Works was founded by Orla Venn"); a
+- ``cross_doc``: document A is a bio of X; the document right after it continues that bio
+  without a name ("Later life / She spent her final years in Brar."), and the question names X.
+  The pronoun is resolved only by reading A before B: chunks encoded independently lose the link,
+  and the same-variant twin (same gender, another continuation) leaves nothing in B's own text to
+  tell the two apart.
+- ``description``: document A introduces X by name ("Kestrel Works was founded by Orla Venn"); a
   *later* document B refers to X only by a description ("the founder of Kestrel Works") and states
-  a fact about them; the question names X. Only linking B's description to A answers it, which
-  chunks encoded independently cannot do.
+  a fact about them; the question names X. This was the first cross-document type; measured on the
+  testbed model, it is linked at question time (the question finds A, A's role finds B's
+  description), so independently encoded chunks answer it as well as dense does — hence
+  ``cross_doc`` above.
 
 Every asked cluster has a twin of the same variant with other names (asked too when there is more
 than one question per context), and the rest of the budget is filled with clusters of the same
@@ -31,7 +38,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TYPES = ("single_hop", "multi_hop", "cross_doc")
+TYPES = ("single_hop", "multi_hop", "cross_doc", "description")
 MIN_DOC_WORDS, MAX_DOC_WORDS = 150, 400
 TARGET_DOC_WORDS = 270  # documents per context ~ words budget / this
 REQUIRED_FIELDS = {"id": (str, int), "documents": list, "question": str, "answers": list, "type": str}
@@ -67,7 +74,7 @@ PRONOUNS = {"she": dict(pron="she", Pron="She", obj="her", poss="her", Poss="Her
 # ---- templates (data) ---------------------------------------------------------------------------
 # Placeholders: {name} full name; {N}/{n} subject at a sentence start / inside (name or pronoun);
 # {C}/{c} the same for companies, towns and academies; {year} a filler year (never an answer);
-# {num}, {num2}, {ordinal} small numbers; {desc}/{Desc}/{dposs} the described person of a cross_doc.
+# {num}, {num2}, {ordinal} small numbers; {desc}/{Desc}/{dposs} the described person of a description cluster.
 PERSON_INTRO = ["{name} is {a_occupation}.", "{name} is {a_occupation} with a long career behind {obj}.",
                 "{name} is {a_occupation} known well beyond {poss} own field."]
 PERSON_FACTS = {
@@ -107,7 +114,7 @@ CITY_FACTS = {
 ACADEMY_INTRO = ["{name} is a school of {subject} in {city}.", "{name} teaches {subject} in the town of {city}."]
 ACADEMY_FACTS = {"founding": ["{C} was founded in {founded_year}.", "The academy was founded in {founded_year}."]}
 
-# cross_doc: how document B describes the person introduced in document A, and what it states.
+# description: how document B describes the person introduced in document A, and what it states.
 DESCRIPTIONS = {
     "founder": ["the founder of {company}", "the person who founded {company}", "the {person} who founded {company}"],
     "mayor": ["the mayor of {city}"],
@@ -124,6 +131,22 @@ LATER_FACTS = {  # sentence in document B (whose subject is the answer's entity)
                  "{Desc} received an honorary degree from {name} in {hon_year}.",
                  "Among those given an honorary degree by {name} was {desc}, in {hon_year}."],
     "married": ["{N} married {desc} in {year}.", "In {year} {n} married {desc}."],
+}
+
+# cross_doc: the continuation of a bio. No name anywhere: the subject is the previous document's.
+CONTINUATION_TITLES = ["Later life", "Later years", "Last years", "Honours and family", "After retirement",
+                       "The later years"]
+CONTINUATION_INTRO = ["{Pron} remained active long after {poss} working years.",
+                      "{Poss} later life was quieter, though never idle.",
+                      "In {poss} later years {pron} travelled less and wrote more letters."]
+CONTINUATION_FACTS = {  # subject by pronoun only
+    "final_years": ["{Pron} spent {poss} final years in {town}.",
+                    "In old age {pron} settled in {town} and spent {poss} final years in a house near the market."],
+    "statue": ["A bronze statue of {obj} stands in the main square of {town}.",
+               "In the main square of {town} stands a statue of {obj}."],
+    "honorary": ["In {hon_year} {pron} received an honorary degree from {academy}.",
+                 "{Pron} was given an honorary degree by {academy} in {hon_year}."],
+    "married": ["In {year} {pron} married {spouse}.", "{Pron} married {spouse} in {year}."],
 }
 
 FILLER = {
@@ -262,7 +285,8 @@ CROSS_DOC_QUESTIONS = {
 VARIANTS = {
     "single_hop": list(SINGLE_HOP),
     "multi_hop": [f"{a}->{b}" for a, b in MULTI_HOP],
-    "cross_doc": [f"{d}->{l}" for d in DESCRIPTIONS for l in LATER_FACTS],
+    "cross_doc": list(CONTINUATION_FACTS),
+    "description": [f"{d}->{l}" for d in DESCRIPTIONS for l in LATER_FACTS],
 }
 EASY_FACTS = {  # relation -> one sentence, key next to value
     "birth_city": "{X} was born in {V}.", "birth_year": "{X} was born in {V}.", "employer": "{X} works for {V}.",
@@ -276,8 +300,9 @@ EASY_FACTS = {  # relation -> one sentence, key next to value
 
 def _template_words() -> set[str]:
     texts = [t for d in (PERSON_FACTS, COMPANY_FACTS, CITY_FACTS, ACADEMY_FACTS, LATER_FACTS, FILLER, DESCRIPTIONS,
-                         CROSS_DOC_QUESTIONS) for v in d.values() for t in v]
+                         CROSS_DOC_QUESTIONS, CONTINUATION_FACTS) for v in d.values() for t in v]
     texts += PERSON_INTRO + COMPANY_INTRO + CITY_INTRO + ACADEMY_INTRO + list(EASY_FACTS.values())
+    texts += CONTINUATION_TITLES + CONTINUATION_INTRO
     texts += [q for _, _, qs in SINGLE_HOP.values() for q in qs] + [q for qs in MULTI_HOP.values() for q in qs]
     texts += OCCUPATIONS + TOWN_ADJECTIVES + ACADEMY_SUBJECTS + [p for ps in COMPANY_KINDS.values() for p in ps]
     return {w.lower() for t in texts for w in re.findall(r"[A-Za-z]+", t)}
@@ -349,13 +374,14 @@ class DocPlan:
 class Cluster:
     type: str
     variant: str
-    docs: list[DocPlan]  # cross_doc: [A, B] and A must precede B in the context
+    docs: list[DocPlan]  # cross_doc: [A, B], B right after A; description: [A, B], A before B
     question: str
     answer: str
     entity: str  # named in the question
     bridge: str | None = None
     description: str | None = None
     forbidden: dict = field(default_factory=dict)  # doc index -> words it must not contain
+    gender: str | None = None  # of the question's person where the text refers to them by pronoun
 
 
 class World:
@@ -428,11 +454,12 @@ class World:
         return f"Mount {self._claim(lambda: self._syllables(2))}"
 
     # entities
-    def person(self) -> Person:
+    def person(self, gender: str | None = None) -> Person:
         rng = self.rng
         first = self._claim(lambda: self._syllables(2))
         last = self._claim(lambda: self._syllables(rng.choice([1, 2])) + rng.choice(SURNAME_SUFFIXES))
-        return Person(f"{first} {last}", first, last, rng.choice(list(PRONOUNS)), rng.choice(OCCUPATIONS),
+        gender = rng.choice(list(PRONOUNS)) if gender is None else gender
+        return Person(f"{first} {last}", first, last, gender, rng.choice(OCCUPATIONS),
                       self.city_name(), self.year(1800, 1995), self.company_name(), self.academy_name(),
                       self.city_name())
 
@@ -573,7 +600,34 @@ def multi_hop_cluster(world: World, variant: str) -> Cluster:
                    forbidden={1: [x.first, x.last]})
 
 
-def cross_doc_cluster(world: World, variant: str) -> Cluster:
+def continuation_doc(x: Person, world: World, fact: str, fact_slots: dict) -> DocPlan:
+    """A bio's continuation: a generic title, X only as she/he/her/him, one fact among filler."""
+    rng = world.rng
+    slots = {**x.p, "N": [x.p["Pron"]], "n": [x.p["pron"]], "since": x.birth_year + 40}
+    core = [(rng.choice(CONTINUATION_INTRO), slots), (fact, {**slots, **fact_slots})]
+    return DocPlan(rng.choice(CONTINUATION_TITLES), core, "person", slots)
+
+
+def cross_doc_cluster(world: World, variant: str, gender: str | None = None) -> Cluster:
+    """A: X's bio; B, placed right after A: its continuation, which never names X, states the answer."""
+    rng = world.rng
+    x = world.person(gender)
+    if variant in ("final_years", "statue"):
+        answer = world.city_name()
+        slots = {"town": answer}
+    elif variant == "honorary":
+        answer = str(world.year(1800, 2000))
+        slots = {"hon_year": answer, "academy": world.academy_name()}
+    else:  # married
+        answer = world.person().name
+        slots = {"spouse": answer}
+    b_doc = continuation_doc(x, world, rng.choice(CONTINUATION_FACTS[variant]), slots)
+    q = rng.choice(CROSS_DOC_QUESTIONS[variant]).format(X=x.name, xposs=x.p["poss"])
+    return Cluster("cross_doc", variant, [person_doc(x, world), b_doc], q, answer, x.name,
+                   forbidden={1: [x.first, x.last]}, gender=x.gender)
+
+
+def description_cluster(world: World, variant: str) -> Cluster:
     """A names X in a role; a later B describes X only by that role and states the answer."""
     role, later = variant.split("->")
     rng = world.rng
@@ -598,11 +652,12 @@ def cross_doc_cluster(world: World, variant: str) -> Cluster:
         spouse = world.person()
         b_doc, answer = person_doc(spouse, world, template, ref), spouse.name
     q = rng.choice(CROSS_DOC_QUESTIONS[later]).format(X=x.name, xposs=x.p["poss"])
-    return Cluster("cross_doc", variant, [a_doc, b_doc], q, answer, x.name, bridge=holder.name, description=desc,
+    return Cluster("description", variant, [a_doc, b_doc], q, answer, x.name, bridge=holder.name, description=desc,
                    forbidden={1: [x.first, x.last]})
 
 
-MAKERS = {"single_hop": single_hop_cluster, "multi_hop": multi_hop_cluster, "cross_doc": cross_doc_cluster}
+MAKERS = {"single_hop": single_hop_cluster, "multi_hop": multi_hop_cluster, "cross_doc": cross_doc_cluster,
+          "description": description_cluster}
 
 
 # ---- contexts -----------------------------------------------------------------------------------
@@ -618,9 +673,12 @@ def _check(c: Cluster, docs: list[str], support: list[int]) -> None:
         first = docs[support[0]]
         assert _contains(first, c.entity) and not _contains(first, c.answer), (c.question, c.answer)
         assert all(not _contains(answer_doc, w) for w in c.forbidden.get(1, ())), c.question
+    if c.type in ("multi_hop", "description"):
         assert _contains(answer_doc, c.bridge) or c.description.lower() in answer_doc.lower(), c.question
-    if c.type == "cross_doc":
+    if c.type == "description":
         assert support[0] < support[1] and c.description in answer_doc.replace(_cap(c.description), c.description)
+    if c.type == "cross_doc":  # the continuation follows its bio directly
+        assert support[1] == support[0] + 1, c.question
 
 
 def _budget_clusters(world: World, rng: random.Random, words_budget: float, questions: int, types,
@@ -631,7 +689,9 @@ def _budget_clusters(world: World, rng: random.Random, words_budget: float, ques
     for j in range(math.ceil(questions / 2)):
         t = types[(pair_base + j) % len(types)]
         variant = rng.choice(VARIANTS[t])
-        pair = [MAKERS[t](world, variant), MAKERS[t](world, variant)]
+        first = MAKERS[t](world, variant)
+        # a cross_doc twin has the same gender: the question's pronoun must not pick the continuation
+        pair = [first, MAKERS[t](world, variant, first.gender) if first.gender else MAKERS[t](world, variant)]
         asked.append(pair[0])
         (asked if len(asked) < questions else twins).append(pair[1])
     n_docs = sum(len(c.docs) for c in asked)
@@ -663,11 +723,14 @@ def _context_records(seed: int, i: int, context_tokens: int, questions: int, typ
     words_budget = context_tokens / tokens_per_word
     asked, extra = _budget_clusters(world, rng, words_budget, questions, types, i * math.ceil(questions / 2))
     clusters = asked + extra
-    slots = [(ci, di) for ci, c in enumerate(clusters) for di in range(len(c.docs))]
-    rng.shuffle(slots)
+    # a bio and its continuation move as one unit; every other document on its own
+    units = [[(ci, di) for di in range(len(c.docs))] if c.type == "cross_doc" else [(ci, di)]
+             for ci, c in enumerate(clusters) for di in range(len(c.docs) if c.type != "cross_doc" else 1)]
+    rng.shuffle(units)
+    slots = [s for u in units for s in u]
     pos = {s: k for k, s in enumerate(slots)}
-    for ci, c in enumerate(clusters):  # a cross-document reference always points back
-        if c.type == "cross_doc" and pos[(ci, 0)] > pos[(ci, 1)]:
+    for ci, c in enumerate(clusters):  # a described reference always points back
+        if c.type == "description" and pos[(ci, 0)] > pos[(ci, 1)]:
             a, b = pos[(ci, 0)], pos[(ci, 1)]
             slots[a], slots[b] = slots[b], slots[a]
             pos[(ci, 0)], pos[(ci, 1)] = b, a
