@@ -38,8 +38,12 @@ def test_parse_stages_and_em():
     mixed = T.parse_stages("qa:2048+8192/4")[0]
     assert mixed == T.Stage("qa", 8192, 4, (2048,)) and mixed.name == "qa:8192+2048/4"
     assert T.Stage(**{**mixed.__dict__, "mix": [2048]}) == mixed  # as a saved state gives it back
+    typed = T.parse_stages("qa:8192+2048@cross_doc+cross_doc+single_hop")[0]
+    assert typed == T.Stage("qa", 8192, None, (2048,), ("cross_doc", "cross_doc", "single_hop"))
+    assert typed.name == "qa:8192+2048@cross_doc+cross_doc+single_hop" and T.parse_stages(typed.name) == [typed]
+    assert T.Stage(**typed.as_dict()) == typed and "types" not in mixed.as_dict()
     for bad in ("hard:512", "qa", "qa:0", "qa:2k", "easy:64/", "easy:64/0", "easy:64/x", "qa:2048+2048",
-                "qa:2048+", "qa:+512"):
+                "qa:2048+", "qa:+512", "qa:2048@", "qa:2048@nope", "easy:64@single_hop"):
         with pytest.raises(ValueError, match="--stages"):
             T.parse_stages(bad)
     assert T.exact_match("The Varna.", ["varna"]) and not T.exact_match("Varna Port", ["Varna"])
@@ -241,6 +245,15 @@ def test_mixed_length_stage_trains_and_resumes(tmp_path):
     assert T.run(_args(out, "--stages", "qa:512+128", "--resume", "--stop-after-steps", "1")) == 0
     names = [r.get("stage_name") for r in _log(out) if r["event"] == "stage"]
     assert names and set(names) == {"qa:512+128"}
+
+
+def test_typed_stage_asks_its_types_in_their_weights():
+    """``@TYPE+TYPE`` restricts a qa stage's questions to those types, a repeat weighting one."""
+    stage = T.parse_stages("qa:1024@cross_doc+cross_doc+single_hop")[0]
+    recs = T.stage_records(stage, seed=3, contexts=6, questions_per_context=6)
+    counts = {t: sum(r["type"] == t for r in recs) for t in ("cross_doc", "single_hop", "multi_hop", "description")}
+    assert counts["multi_hop"] == counts["description"] == 0
+    assert counts["cross_doc"] == 2 * counts["single_hop"] > 0
 
 
 def test_grow_layers_keeps_the_function_and_trains(tmp_path):

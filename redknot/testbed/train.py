@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -107,39 +108,52 @@ class Stage:
     context_tokens: int    # the longest context of the stage (rows are sized for it)
     questions: int | None = None  # questions per context; None: --questions-per-context
     mix: tuple[int, ...] = ()     # shorter context lengths drawn into the same batches
+    types: tuple[str, ...] = ()   # qa question types, round-robin (a repeat weights a type); () = all
 
     def __post_init__(self):
         object.__setattr__(self, "mix", tuple(self.mix))  # a saved state gives a list
+        object.__setattr__(self, "types", tuple(self.types))
 
     @property
     def lengths(self) -> tuple[int, ...]:
         return (self.context_tokens,) + self.mix
 
     def as_dict(self) -> dict:
-        """For the saved state: ``mix`` only when the stage has one (earlier states have none)."""
+        """For the saved state: ``mix`` and ``types`` only when the stage has them (earlier states have
+        neither)."""
         d = asdict(self)
-        if not self.mix:
-            del d["mix"]
+        for k in ("mix", "types"):
+            if not d[k]:
+                del d[k]
         return d
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{'+'.join(map(str, self.lengths))}" + (f"/{self.questions}" if self.questions else "")
+        return (f"{self.kind}:{'+'.join(map(str, self.lengths))}" + (f"/{self.questions}" if self.questions else "")
+                + (f"@{'+'.join(self.types)}" if self.types else ""))
 
 
 def parse_stages(spec: str) -> list[Stage]:
+    """``KIND:CONTEXT[+CONTEXT...][/QUESTIONS][@TYPE[+TYPE...]]`` per stage, stages comma-separated."""
+    from .data import TYPES
+
     stages = []
     for part in spec.split(","):
-        kind, _, rest = part.strip().partition(":")
+        part, at, type_spec = part.strip().partition("@")
+        kind, _, rest = part.partition(":")
         ctx, slash, questions = rest.partition("/")
         lengths = ctx.split("+")
+        types = tuple(type_spec.split("+")) if at else ()
         if (kind not in ("easy", "qa") or not all(x.isdigit() and int(x) > 0 for x in lengths)
                 or len(set(lengths)) != len(lengths)
-                or (slash and (not questions.isdigit() or int(questions) <= 0))):
-            raise ValueError(f"--stages: {part!r} is not KIND:CONTEXT_TOKENS[+CONTEXT_TOKENS...][/QUESTIONS] with "
-                             f"KIND easy or qa and distinct lengths (e.g. qa:2048, easy:64/2 or qa:8192+2048)")
+                or (slash and (not questions.isdigit() or int(questions) <= 0))
+                or (at and (kind != "qa" or not all(t in TYPES for t in types)))):
+            raise ValueError(f"--stages: {part + at + type_spec!r} is not KIND:CONTEXT_TOKENS[+CONTEXT_TOKENS...]"
+                             f"[/QUESTIONS][@TYPE[+TYPE...]] with KIND easy or qa, distinct lengths and qa types "
+                             f"from {list(TYPES)} (e.g. qa:2048, easy:64/2, qa:8192+2048 or "
+                             f"qa:2048@cross_doc+cross_doc+single_hop)")
         lengths = sorted(map(int, lengths), reverse=True)
-        stages.append(Stage(kind, lengths[0], int(questions) if questions else None, tuple(lengths[1:])))
+        stages.append(Stage(kind, lengths[0], int(questions) if questions else None, tuple(lengths[1:]), types))
     return stages
 
 
@@ -150,6 +164,8 @@ def stage_records(stage: Stage, seed: int, contexts: int, questions_per_context:
     from .data import easy_records, generate_records
 
     fn = easy_records if stage.kind == "easy" else generate_records
+    if stage.types:
+        fn = functools.partial(generate_records, types=stage.types)
     if not stage.mix:
         return fn(seed, contexts, context_tokens=stage.context_tokens, questions_per_context=questions_per_context,
                   tokens_per_word=tokens_per_word)
