@@ -689,7 +689,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", default="easy:512,qa:2048,qa:4096",
                    help="curriculum, KIND:CONTEXT_TOKENS[/QUESTIONS] in order; KIND is easy or qa; QUESTIONS "
                         "per context overrides --questions-per-context for the stage; several lengths joined "
-                        "by + (qa:8192+2048) share every batch, each with an equal share of the tokens")
+                        "by + (qa:8192+2048) share every batch, each with an equal share of the tokens; "
+                        "@TYPE+TYPE after a qa stage asks only those question types, round-robin, a repeat "
+                        "weighting one (qa:2048@cross_doc+cross_doc+single_hop)")
     p.add_argument("--steps-per-stage", type=int, nargs="+", default=[1000],
                    help="optimizer steps of each stage (one value for all, or one per stage)")
     p.add_argument("--batch-tokens", type=int, default=131072, help="tokens per optimizer step (packed rows)")
