@@ -724,8 +724,10 @@ def _context_records(seed: int, i: int, context_tokens: int, questions: int, typ
     asked, extra = _budget_clusters(world, rng, words_budget, questions, types, i * math.ceil(questions / 2))
     clusters = asked + extra
     # a bio and its continuation move as one unit; every other document on its own
-    units = [[(ci, di) for di in range(len(c.docs))] if c.type == "cross_doc" else [(ci, di)]
-             for ci, c in enumerate(clusters) for di in range(len(c.docs) if c.type != "cross_doc" else 1)]
+    units = []
+    for ci, c in enumerate(clusters):
+        members = [(ci, di) for di in range(len(c.docs))]
+        units += [members] if c.type == "cross_doc" else [[m] for m in members]
     rng.shuffle(units)
     slots = [s for u in units for s in u]
     pos = {s: k for k, s in enumerate(slots)}
