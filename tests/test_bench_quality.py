@@ -150,6 +150,30 @@ def test_end_to_end_json_and_gates(setup, capsys):
     assert "EM:multi" in table and "EM:single" in table
 
 
+def test_shallow_window_reaches_the_recovery(setup):
+    """--shallow-window is the window redknot's shallow layers recover within: with every head global,
+    every layer shallow and a dense FFN, a window wider than the prompt is the exact recompute (dense),
+    a narrow one is not; a window < 1 is refused before the model loads."""
+    import redknot
+
+    model, _, data, tmp = setup
+    heads = tmp / "all_global.json"
+    redknot.HeadConfig.all_global(2, 2).to_json(heads)
+    sparse = tmp / "all_shallow.json"
+    sparse.write_text(json.dumps({"dense_until": 2, "deep_layer_start": 2}))
+
+    def cos(window):
+        out = quality.run(_args(model=model, data=data, methods="dense,redknot", head_config=heads, sparse_ffn=sparse,
+                                shallow_window=window, out=tmp / f"sw{window}.json", max_tokens=2, device="cpu",
+                                dtype="float32"))
+        return out["methods"]["redknot"]["logit_cos"]
+
+    assert cos(100_000) >= 0.99999
+    assert cos(2) < 0.9999
+    with pytest.raises(ValueError, match="--shallow-window must be >= 1"):
+        quality.run(_args(model=model, data=data, methods="dense", shallow_window=0, out=tmp / "x.json"))
+
+
 def test_dense_flops_match_the_recovery_forward(setup):
     """The analytic dense count is the FLOPs the dense recovery forward reports for the same prompt."""
     from redknot import LLM

@@ -182,6 +182,12 @@ def test_select_heads_target_thresholds_dense_prefix_and_retrieval():
     # below the floor: never global (fewer than the target); above the ceiling: always global
     classes, _, _, s = select_heads(_metrics(edge), target_global=0.5, min_global_edge=0.75)
     assert s["global"] == 2 and s["below_min_edge"] == 10
+    # a head that reads far only from the question (answer retrieval) stays a candidate
+    m = _metrics(edge)
+    m["question_edge_mass"] = np.zeros_like(edge)
+    m["question_edge_mass"][0, 1] = 0.8
+    classes, _, _, s = select_heads(m, target_global=0.5, min_global_edge=0.75)
+    assert s["below_min_edge"] == 9 and classes[0][1] == "global"
     classes, _, _, s = select_heads(_metrics(edge), target_global=0.1, force_global_edge=0.5, min_global_edge=None)
     assert s["global"] == 5 and s["forced_global"] == 4  # edges >= 0.5: the top one by rank, four forced
     # dense prefix: written global, forced dense, outside the budget

@@ -205,6 +205,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shallow-suffix", choices=("local", "plan"), default="local",
                    help="redknot's shallow layers: the question attends locally like the chunk tokens "
                         "(local, default) or keeps its head plan (plan)")
+    p.add_argument("--shallow-window", type=int, default=None,
+                   help="redknot's shallow layers: the window global heads recover within (default: the "
+                        "widest local window; at least the context length: global heads read everything there)")
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--limit", type=int, default=None, help="first N records only")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -235,13 +238,16 @@ def run(args) -> dict:
     if args.head_config is None and (args.model / "heads.json").is_file():
         args.head_config = args.model / "heads.json"
     methods = parse_methods(args.methods, args.head_config)
+    if args.shallow_window is not None and args.shallow_window < 1:
+        raise ValueError(f"--shallow-window must be >= 1, got {args.shallow_window}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     records = load_records(args.data, args.limit)  # before the model: bad data fails fast
     from ..reuse.methods import ReuseOptions
 
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
-              dtype=args.dtype, reuse_options=ReuseOptions(shallow_suffix=args.shallow_suffix))
+              dtype=args.dtype, reuse_options=ReuseOptions(shallow_suffix=args.shallow_suffix,
+                                                   shallow_window=args.shallow_window))
     meta = {
         "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},

@@ -323,8 +323,8 @@ def select_heads(metrics: dict, *, target_global: float = 0.15, dense_prefix_lay
     head sees only sink + reference window (qw = ``question_weight``); with ``ablation_weight`` aw > 0
     that score becomes (1 - aw) * score + aw * ablation_kl / max(ablation_kl) (the head's measured
     effect on the answer's first token). The round(target * eligible) highest-scoring heads are global, except
-    heads whose edge mass is below ``min_global_edge`` (nothing outside their window to read:
-    fewer globals than the target); heads with edge mass >= ``force_global_edge`` are global
+    heads whose edge mass, over all queries and over the question's, is below ``min_global_edge``
+    (nothing outside their window to read: fewer globals than the target); heads with edge mass >= ``force_global_edge`` are global
     regardless (more globals than the target). Of the others, heads with retrieval score >=
     ``retrieval_threshold`` are retrieval heads (window: the reference window, distant tokens come
     from their selection); the rest are local with their coverage window."""
@@ -352,7 +352,10 @@ def select_heads(metrics: dict, *, target_global: float = 0.15, dense_prefix_lay
     n_target = n_global_target(target_global, int(eligible.sum()))
     candidates = eligible.copy()
     if min_global_edge is not None:
-        candidates &= edge >= min_global_edge
+        # a head that reads far only from the question (an answer-retrieval head) has edge mass
+        # near 0 over all queries: the floor applies to the larger of the two
+        reach = np.maximum(edge, np.asarray(metrics.get("question_edge_mass", edge), dtype=np.float64))
+        candidates &= reach >= min_global_edge
     is_global = np.zeros_like(eligible)
     is_global.flat[order[candidates.flat[order]][:n_target]] = True
     forced = np.zeros_like(eligible)

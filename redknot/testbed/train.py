@@ -723,7 +723,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--attn", choices=("sdpa", "flex"), default="sdpa",
-                   help="sdpa: masked SDPA (robust); flex: FlexAttention block mask (skips masked blocks, GPU)")
+                   help="sdpa: masked SDPA (robust, what trained the bundled model); flex: FlexAttention block mask "
+                        "(skips masked blocks; on an H200, torch 2.11, with 14 data workers its first block-mask "
+                        "compile had not finished after 9 minutes: docs/results/testbed.md, run N)")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     p.add_argument("--workers", type=int, default=None,
                    help="data-building processes (default: all cores but two on GPU, 0 = in-process on CPU)")
