@@ -324,8 +324,8 @@ def select_heads(metrics: dict, *, target_global: float = 0.15, dense_prefix_lay
     that score becomes (1 - aw) * score + aw * ablation_kl / max(ablation_kl) (the head's measured
     effect on the answer's first token). The round(target * eligible) highest-scoring heads are global, except
     heads whose edge mass, over all queries and over the question's, is below ``min_global_edge``
-    (nothing outside their window to read: fewer globals than the target); heads with edge mass >= ``force_global_edge`` are global
-    regardless (more globals than the target). Of the others, heads with retrieval score >=
+    (nothing outside their window to read: fewer globals than the target); heads with edge mass
+    >= ``force_global_edge`` are global regardless (more globals than the target). Of the others, heads with retrieval score >=
     ``retrieval_threshold`` are retrieval heads (window: the reference window, distant tokens come
     from their selection); the rest are local with their coverage window."""
     sens = np.asarray(metrics["prefix_sensitivity"], dtype=np.float64)
