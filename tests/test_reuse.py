@@ -272,6 +272,8 @@ def test_redknot_suffix_visibility_option(tiny_checkpoint):
     assert cos(plan.first_token_logits(QUESTION, documents=DOCS, method="redknot"), local) < 0.99999
     with pytest.raises(ValueError, match="shallow_suffix"):
         ReuseOptions(shallow_suffix="global")
+    with pytest.raises(ValueError, match="shallow_window"):
+        ReuseOptions(shallow_window=0)  # 0 would silently mean the default window
 
 
 def test_sparse_ffn_tiers_beside_the_checkpoint(tiny_checkpoint, tmp_path):

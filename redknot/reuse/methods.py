@@ -53,6 +53,8 @@ class ReuseOptions:
     def __post_init__(self):
         if self.shallow_suffix not in ("plan", "local"):
             raise ValueError(f"ReuseOptions.shallow_suffix={self.shallow_suffix!r}: use 'plan' or 'local'")
+        if self.shallow_window is not None and self.shallow_window < 1:
+            raise ValueError(f"ReuseOptions.shallow_window={self.shallow_window!r}: use a window >= 1 or None")
 
 
 @dataclass
