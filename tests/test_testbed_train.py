@@ -19,13 +19,17 @@ def tokenizer():
     return T.train_tokenizer(512, contexts=8)
 
 
+def _args_list(out, *extra):
+    return ["--out", str(out), "--size", "tiny", "--stages", "easy:128,qa:256", "--steps-per-stage", "3",
+            "--batch-tokens", "1024", "--questions-per-context", "2", "--eval-every", "2", "--eval-n", "4",
+            "--log-every", "1", "--tokenizer-contexts", "8", "--vocab-size", "512", "--lr", "3e-3",
+            "--device", "cpu", *extra]
+
+
 def _args(out, *extra):
     p = argparse.ArgumentParser()
     T.add_arguments(p)
-    return p.parse_args(["--out", str(out), "--size", "tiny", "--stages", "easy:128,qa:256", "--steps-per-stage", "3",
-                         "--batch-tokens", "1024", "--questions-per-context", "2", "--eval-every", "2", "--eval-n", "4",
-                         "--log-every", "1", "--tokenizer-contexts", "8", "--vocab-size", "512", "--lr", "3e-3",
-                         "--device", "cpu", *extra])
+    return p.parse_args(_args_list(out, *extra))
 
 
 def _log(out):
@@ -298,3 +302,52 @@ def test_grow_layers_keeps_the_function_and_trains(tmp_path):
     assert (init["event"], init["layers"], init["grown_from"]) == ("init", 5, 2)
     with pytest.raises(SystemExit, match="--init-weights"):
         T.run(_args(tmp_path / "third", "--grow-layers", "5"))
+
+
+def test_data_parallel_step_is_the_mean_gradient_of_every_ranks_batch(tmp_path):
+    """Two ranks under torchrun (gloo, CPU): one step equals one process stepping on the mean loss of
+    both ranks' batches (rank 1 draws its own shard), tokens count both, and only rank 0 logs."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+
+    first = tmp_path / "first"
+    assert T.run(_args(first, "--stop-after-steps", "1")) == 0  # an fp32 checkpoint to start both from
+    ddp = tmp_path / "ddp"
+    cli = _args_list(ddp) + ["--stages", "qa:256", "--steps-per-stage", "3",
+                             "--stop-after-steps", "1", "--eval-every", "0", "--init-weights", str(first / T.MODEL_DIR)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "-m", "redknot.testbed.train", *cli], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = _log(ddp)
+    starts = [r for r in log if r["event"] == "start"]
+    assert len(starts) == 1 and starts[0]["ranks"] == 2  # rank 1 is silent
+    state = torch.load(ddp / T.STATE_FILE, weights_only=False)
+    assert (state["stage"], state["step"]) == (0, 1)
+
+    # the same step in one process: both shards' batches, mean loss
+    config = LlamaConfig.from_dict(state["config"])
+    model = T.build_model(config, 0)
+    model.load_state_dict(load_file(first / T.MODEL_DIR / "model.safetensors"), strict=False)
+    plan = T.StagePlan(**state["plans"]["0"])
+    tok = T.load_or_train_tokenizer(ddp, 0, 0)
+    stage = T.parse_stages("qa:256")[0]
+    batches = [T.build_batch(tok, stage, 0, 0, 0, plan.rows, plan.row_len, 2, plan.tokens_per_word,
+                             plan.est_group_tokens, shard=r) for r in (0, 1)]
+    assert not torch.equal(torch.as_tensor(batches[0]["input_ids"]), torch.as_tensor(batches[1]["input_ids"]))
+    assert state["tokens_seen"] == sum(int(b["stats"][0]) for b in batches)
+    opt = T.make_optimizer(model, 3e-3, 0.1, CPU)
+    for g in opt.param_groups:
+        g["lr"] = 3e-3 * T.lr_factor(0, 3, 100)
+    losses = [T.forward_loss(model, T.to_device({k: v for k, v in b.items() if k != "stats"}, CPU), 0.1, "sdpa",
+                             1.0)[0] for b in batches]
+    (sum(losses) / 2).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(state["model"][k], v, rtol=1e-5, atol=1e-6, msg=k)

@@ -55,6 +55,12 @@ Running it (one H200; each invocation stops itself within ``--time-budget`` seco
         --stages easy:512,qa:2048,qa:4096 --steps-per-stage 800 2000 2000 \
         --batch-tokens 131072 --eval-every 200 --time-budget 540
     # then the same command with --resume until the log says "done"
+
+Data parallel over the GPUs of one host: the same command under ``torchrun --standalone
+--nproc_per_node N -m redknot.testbed.train ...``. Each rank trains on its own batches (rank r draws
+shard r of every step; rank 0's are a one-process run's), DDP averages the gradients, so a step sees
+N x ``--batch-tokens``; rank 0 logs, evaluates and saves, and the ranks agree on stopping at log,
+eval and save steps.
 """
 
 from __future__ import annotations
@@ -99,6 +105,7 @@ MAX_MODEL_BYTES = 40 << 20    # fp32 if the checkpoint fits in this, else bf16
 STATE_FILE, LOG_FILE, MODEL_DIR, TOKENIZER_FILE = "train_state.pt", "train_log.jsonl", "model", "tokenizer.json"
 FULL_STATE_FILE = "train_state_full.pt"  # the exact state, beside a lossy train_state.pt
 _MIX_SEED_STRIDE = 1_000_003  # seed offset of a mixed stage's k-th context length
+_SHARD_SHIFT = 52             # batch-seed offset of data-parallel rank r: r << 52, above every one-process seed
 REWARMUP_STEPS = 50  # after a resume without optimizer moments: Adam re-estimates them (β2 = 0.95 ≈ 20 steps)
 
 
@@ -375,20 +382,22 @@ class Rows:
                     stats=np.array([sum(self.used), self.questions, sum(self.groups)], np.int64))
 
 
-def batch_seed(seed: int, stage_index: int, step: int, call: int) -> int:
-    return _TRAIN_SEED_BASE + ((seed * 64 + stage_index) * 10_000_000 + step) * 64 + call
+def batch_seed(seed: int, stage_index: int, step: int, call: int, shard: int = 0) -> int:
+    # shard: the data-parallel rank; shard 0 draws what a one-process run draws
+    return _TRAIN_SEED_BASE + ((seed * 64 + stage_index) * 10_000_000 + step) * 64 + call + (shard << _SHARD_SHIFT)
 
 
 def build_batch(tokenizer, stage: Stage, stage_index: int, step: int, seed: int, rows: int, row_len: int,
-                questions_per_context: int, tokens_per_word: float, est_group_tokens: int) -> dict:
-    """The packed batch of (seed, stage, step): deterministic, so a resumed run sees the same data."""
+                questions_per_context: int, tokens_per_word: float, est_group_tokens: int, shard: int = 0) -> dict:
+    """The packed batch of (seed, stage, step, shard): deterministic, so a resumed run sees the same data;
+    each data-parallel rank (shard) gets its own."""
     packed = Rows(rows, row_len, tokenizer.pad_token_id)
     min_need = None
     for call in range(16):
         contexts = max(1, math.ceil(packed.free() * rows / est_group_tokens * 1.2) if call else
                        math.ceil(rows * row_len / est_group_tokens * 1.1))
-        records = stage_records(stage, batch_seed(seed, stage_index, step, call), contexts, questions_per_context,
-                                tokens_per_word)
+        records = stage_records(stage, batch_seed(seed, stage_index, step, call, shard), contexts,
+                                questions_per_context, tokens_per_word)
         for grp in group_records(records):
             g = tokenize_group(tokenizer, grp)
             need = len(g.context) + sum(map(len, g.blocks[0]))
@@ -403,10 +412,11 @@ class StageBatches(torch.utils.data.Dataset):
     """Map-style: item ``step`` is that step's batch, so DataLoader workers build batches ahead."""
 
     def __init__(self, tokenizer, stage: Stage, stage_index: int, seed: int, rows: int, row_len: int,
-                 questions_per_context: int, tokens_per_word: float, est_group_tokens: int, steps: int):
+                 questions_per_context: int, tokens_per_word: float, est_group_tokens: int, steps: int,
+                 shard: int = 0):
         self.kw = dict(tokenizer=tokenizer, stage=stage, stage_index=stage_index, seed=seed, rows=rows,
                        row_len=row_len, questions_per_context=questions_per_context,
-                       tokens_per_word=tokens_per_word, est_group_tokens=est_group_tokens)
+                       tokens_per_word=tokens_per_word, est_group_tokens=est_group_tokens, shard=shard)
         self.steps = steps
 
     def __len__(self) -> int:
@@ -670,12 +680,15 @@ def save_model(out: Path, model, tokenizer, meta: dict) -> Path:
 
 # ---- logging --------------------------------------------------------------------------------------
 class Log:
-    """One line per event to stdout and one JSON object per event to ``train_log.jsonl``."""
+    """One line per event to stdout and one JSON object per event to ``train_log.jsonl``
+    (``path`` None: silent, as on every data-parallel rank but the first)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path | None):
         self.path = path
 
     def __call__(self, text: str, **record) -> None:
+        if self.path is None:
+            return
         print(text, flush=True)
         if record:
             with open(self.path, "a") as f:
@@ -769,26 +782,37 @@ class Trainer:
     def __init__(self, args):
         self.t_start = time.time()
         self.args = args
+        self.rank, self.world, local_rank = _distributed()
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.log = Log(self.out / LOG_FILE)
+        self.log = Log(self.out / LOG_FILE if self.rank == 0 else None)  # rank 0 logs, evaluates and saves
         self.stages = parse_stages(args.stages)
         self.steps = _steps(args, self.stages)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and self.world > 1:
+            self.device = torch.device("cuda", local_rank)
         _fast_math(self.device)
         state = self._read_state()
         init_dir = Path(args.init_weights) if state is None and args.init_weights else None
         init_dir = init_dir if init_dir is not None and init_dir.is_dir() else None
         if args.grow_layers and state is None and init_dir is None:
             raise SystemExit("--grow-layers deepens a checkpoint: give it with --init-weights DIR")
-        if init_dir is not None and not (self.out / TOKENIZER_FILE).is_file():  # its vocabulary, not a new one
-            for f in (TOKENIZER_FILE, "tokenizer_config.json", "chat_template.jinja"):
-                if (init_dir / f).is_file():
-                    shutil.copy(init_dir / f, self.out / f)
         size = SIZES[args.size]
-        self.tokenizer = load_or_train_tokenizer(self.out, args.vocab_size or size["vocab_size"],
-                                                 args.tokenizer_contexts or (24 if args.size == "tiny" else 400),
-                                                 self.log)
+        self.tokenizer = None
+        if self.rank == 0:  # the run's tokenizer: one process writes it, the others then read it
+            if init_dir is not None and not (self.out / TOKENIZER_FILE).is_file():  # its vocabulary, not a new one
+                for f in (TOKENIZER_FILE, "tokenizer_config.json", "chat_template.jinja"):
+                    if (init_dir / f).is_file():
+                        shutil.copy(init_dir / f, self.out / f)
+            self.tokenizer = load_or_train_tokenizer(self.out, args.vocab_size or size["vocab_size"],
+                                                     args.tokenizer_contexts or (24 if args.size == "tiny" else 400),
+                                                     self.log)
+        if self.world > 1:
+            torch.distributed.barrier()
+            if self.tokenizer is None:
+                from transformers import PreTrainedTokenizerFast
+
+                self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(self.out))
         if state is not None:
             from transformers import LlamaConfig
 
@@ -807,7 +831,7 @@ class Trainer:
         self.model = build_model(config, args.seed).to(self.device)
         self.optimizer = make_optimizer(self.model, args.lr, args.weight_decay, self.device)
         self.stage_i, self.step, self.tokens_seen, self.plans = 0, 0, 0, {}
-        self.invocation_steps, self.rewarm_until = 0, 0
+        self.invocation_steps, self.rewarm_until, self._unsynced_tokens = 0, 0, 0
         if state is not None:
             self._restore(state)
         elif init_dir is not None:
@@ -828,11 +852,17 @@ class Trainer:
             self.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init["model"].items()})
             self.log(f"initialised from {args.init_weights} (stage {init['stage'] + 1}, step {init['step']})",
                      event="init", path=str(args.init_weights))
-        self.fwd = torch.compile(self.model) if args.compile else self.model
+        self.fwd = self.model
+        if self.world > 1:  # data parallel: each rank its own batches, gradients averaged in backward
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.fwd = DistributedDataParallel(self.model, device_ids=[self.device.index] if self.device.index
+                                               is not None else None)
+        self.fwd = torch.compile(self.fwd) if args.compile else self.fwd
         # Building a batch is Python work (corpus generation + tokenization; ~5 s of one core for an
         # easy batch of 128K tokens), so on GPU every spare core builds batches ahead of the loop.
         self.workers = args.workers if args.workers is not None else (
-            max(1, (os.cpu_count() or 2) - 2) if self.device.type == "cuda" else 0)
+            max(1, ((os.cpu_count() or 2) - 2) // self.world) if self.device.type == "cuda" else 0)
         self.last_em, self.stop_signal = None, None
         self.seconds = {"save": 30.0, "eval": 0.0, "step": 0.0}  # what a clean stop must leave time for
         self.run_args = {"stages": [st.as_dict() for st in self.stages], "steps": self.steps, "size": args.size,
@@ -844,8 +874,10 @@ class Trainer:
         n, c = count_parameters(self.model), config
         self.log(f"model: {args.size}, {n / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, hidden "
                  f"{c.hidden_size}, {c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {c.head_dim}, "
-                 f"vocab {c.vocab_size}; device {self.device}, attention {args.attn}, {self.workers} data workers",
-                 event="start", params=n, size=args.size, device=str(self.device), resumed=state is not None)
+                 f"vocab {c.vocab_size}; device {self.device}, attention {args.attn}, {self.workers} data workers"
+                 f"{f' per rank, {self.world} data-parallel ranks' if self.world > 1 else ''}",
+                 event="start", params=n, size=args.size, device=str(self.device), resumed=state is not None,
+                 ranks=self.world)
 
     # -- state --
     def _read_state(self) -> dict | None:
@@ -883,6 +915,8 @@ class Trainer:
                  event="resume", stage=self.stage_i, step=self.step, precision=state["precision"])
 
     def checkpoint(self, write_model: bool = False) -> None:
+        if self.rank != 0:
+            return
         t0 = time.time()
         save_state(self.out, self.model, self.optimizer, self.stage_i, self.step, self.plans, self.run_args,
                    self.tokens_seen, int(self.args.state_mb * 1e6))
@@ -939,36 +973,46 @@ class Trainer:
         """Train the current stage to its end (True) or until the invocation must stop (False)."""
         plan, stage, steps = self._plan(), self.stages[self.stage_i], self.steps[self.stage_i]
         data = StageBatches(self.tokenizer, stage, self.stage_i, self.args.seed, plan.rows, plan.row_len,
-                            self._questions(stage), plan.tokens_per_word, plan.est_group_tokens, steps)
-        self._window = (time.time(), 0, [])  # since the last log line: start, tokens, losses
+                            self._questions(stage), plan.tokens_per_word, plan.est_group_tokens, steps, self.rank)
+        self._window = (time.time(), self.tokens_seen, [])  # since the last log line: start, tokens seen, losses
         evaluated = False
+        args = self.args
         for batch in _loader(data, self.step, self.workers, self.device.type == "cuda"):
-            self._train_step(batch, plan)
+            step = self.step + 1
+            eval_now = bool(args.eval_every and step % args.eval_every == 0)
+            save_now = bool(args.save_every and step % args.save_every == 0)
+            # ranks meet (losses and token counts summed, the stop agreed) only at these steps
+            sync = (step % args.log_every == 0 or step == steps or self.invocation_steps == 0 or eval_now
+                    or save_now)
+            self._train_step(batch, plan, sync)
             evaluated = False
             if self.step == steps:
                 break
-            if self.args.eval_every and self.step % self.args.eval_every == 0:
+            if eval_now:
                 self.heldout()
                 evaluated = True
-                if self._learned():
+                if self._agree(self._learned()):
                     break
-            if self.args.save_every and self.step % self.args.save_every == 0:
+            if save_now:
                 self.checkpoint()
-            why = self._stop_reason()
+            why = self._stop_reason() if self.world == 1 or sync else None
+            if self.world > 1 and sync:
+                why = self._agree(why)
             if why:
                 return self._stop(why)
         if not evaluated:
             self.heldout()
-        if self.step < steps:
+        if self.step < steps and self.rank == 0:
             self.log(f"stage {stage.name} learned at step {self.step}/{steps}: held-out EM {self.last_em['em']:.3f} "
                      f">= --advance-em {self.args.advance_em}", event="advance", stage=self.stage_i, step=self.step)
         self.stage_i, self.step = self.stage_i + 1, 0
         self.checkpoint(write_model=True)
-        if self.stage_i < len(self.stages) and self._stop_reason():
-            return self._stop(self._stop_reason())
+        why = self._agree(self._stop_reason()) if self.stage_i < len(self.stages) else None
+        if why:
+            return self._stop(why)
         return True
 
-    def _train_step(self, batch: dict, plan: StagePlan) -> None:
+    def _train_step(self, batch: dict, plan: StagePlan, sync: bool) -> None:
         t0, args, steps = time.time(), self.args, self.steps[self.stage_i]
         for g in self.optimizer.param_groups:
             g["lr"] = args.lr * lr_factor(self.step, steps, args.warmup) * min(
@@ -978,14 +1022,28 @@ class Trainer:
                             self.device, first_weight=args.first_weight)
         self.step += 1
         self.invocation_steps += 1
-        self.tokens_seen += stats[0]
-        start, tokens, acc = self._window
-        tokens += stats[0]
+        self._unsynced_tokens += stats[0]
+        start, seen_at_start, acc = self._window
         acc.append(torch.stack(losses))
-        self._window = (start, tokens, acc)
-        if self.step % args.log_every and self.step != steps and self.invocation_steps != 1:
-            return
-        loss, answer, text, first = torch.stack(acc).mean(0).tolist()  # the one host sync per log line
+        log_now = not (self.step % args.log_every and self.step != steps and self.invocation_steps != 1)
+        if self.world == 1:
+            self.tokens_seen, self._unsynced_tokens = self.tokens_seen + self._unsynced_tokens, 0
+            if not log_now:
+                return
+            loss, answer, text, first = torch.stack(acc).mean(0).tolist()  # the one host sync per log line
+        else:  # every log step is a sync step: all ranks' tokens (sum) and, to log, losses (mean)
+            if not sync:
+                return
+            vec = torch.tensor([float(self._unsynced_tokens)], device=self.device)
+            if log_now:
+                vec = torch.cat([vec, torch.stack(acc).mean(0).float() / self.world])
+            torch.distributed.all_reduce(vec)
+            tokens, *mean = vec.tolist()
+            self.tokens_seen, self._unsynced_tokens = self.tokens_seen + int(round(tokens)), 0
+            if not log_now:
+                return
+            loss, answer, text, first = mean
+        tokens = self.tokens_seen - seen_at_start
         dt = time.time() - start
         fill, lr = stats[0] / (plan.rows * plan.row_len), self.optimizer.param_groups[0]["lr"]
         self.seconds["step"] = max(self.seconds["step"], 2 * (time.time() - t0))
@@ -995,16 +1053,28 @@ class Trainer:
                  step=self.step, loss=loss, answer_loss=answer, first_token_loss=first, text_loss=text, lr=lr,
                  tokens_per_s=tokens / dt, fill=fill,
                  questions=stats[1], tokens_seen=self.tokens_seen)
-        self._window = (time.time(), 0, [])
+        self._window = (time.time(), self.tokens_seen, [])
 
     def _questions(self, stage: Stage) -> int:
         return stage.questions or self.args.questions_per_context
 
     def _learned(self) -> bool:
-        return self.args.advance_em is not None and self.last_em["em"] >= self.args.advance_em
+        return (self.args.advance_em is not None and self.last_em is not None
+                and self.last_em["em"] >= self.args.advance_em)
+
+    def _agree(self, value):
+        """Rank 0's value (a bool or None-or-str stop reason) on every rank; as is in one process."""
+        if self.world == 1:
+            return value
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
 
     def heldout(self) -> None:
-        """Held-out EM of the current stage (greedy, SQuAD-normalised), overall and per type."""
+        """Held-out EM of the current stage (greedy, SQuAD-normalised), overall and per type; rank 0
+        evaluates while the other ranks wait at the next step's gradient exchange."""
+        if self.rank != 0:
+            return
         t0, s_i = time.time(), self.stage_i
         stage = self.stages[s_i]
         # the training distribution (same questions per context), on contexts no training batch draws
@@ -1049,9 +1119,27 @@ def _on_sigterm(handler):
         return None if handler is None else signal.SIG_DFL
 
 
+def _distributed() -> tuple[int, int, int]:
+    """(rank, world size, local rank) under torchrun; (0, 1, 0) in one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, 0
+    return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def run(args) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # data workers fork after the tokenizer is used
-    return Trainer(args).run()
+    rank, world, local_rank = _distributed()
+    if world == 1 or torch.distributed.is_initialized():
+        return Trainer(args).run()
+    cuda = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    try:
+        return Trainer(args).run()
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def main(argv=None) -> int:
