@@ -929,6 +929,8 @@ class Trainer:
     # -- the loop --
     def export(self) -> int:
         """Write ``OUT/model`` from the restored state and stop (no training step)."""
+        if self.rank != 0:  # under torchrun: one writer
+            return 0
         path = save_model(self.out, self.model, self.tokenizer,
                           {"run": self.saved_args, "stage": self.stage_i, "step": self.step,
                            "tokens_seen": self.tokens_seen, "heldout": self._last_logged_em()})
