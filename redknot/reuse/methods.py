@@ -6,7 +6,8 @@ full_reuse     prefix + relocated chunk KV as they are; only the suffix is compu
 epic           full_reuse, plus the first `epic_tokens` tokens of each chunk recomputed
 cacheblend     layer 0 recomputes every chunk token; the `cacheblend_ratio` with the largest
                value deviation from their cached KV continue, the rest keep the cache
-redknot        one forward over chunks + suffix: shallow layers (< dense_until) attend locally
+redknot        one forward over chunks + suffix (the first chunk's cache is exact and stays): shallow
+               layers (< dense_until) attend locally
                (every head within its sink + window; ReuseOptions.shallow_suffix="plan" keeps the
                suffix on its head plan there) with a dense FFN; deeper layers give global
                heads the full context and local heads their window, and run the FFN only on the
@@ -275,6 +276,11 @@ class ReuseEngine:
             raise ValueError(f"method={method!r} needs a head_config")
         window, sink = _tensors(self.head_config.visibility(self.cfg.sliding_windows))
         shallow_w, shallow_s = self._shallow(window, sink)
+        # The first chunk was encoded right after the prefix, where it sits now: its cached K/V are
+        # what dense prefill computes, so recomputing it (locally, in the shallow layers) only costs
+        # FLOPs and moves it away from exact. Recovery starts at the second chunk.
+        first = prompt.chunk_starts[1] if len(prompt.chunks) > 1 else prompt.suffix_start
+        body = torch.arange(first, n, device=dev)
         return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, self.sparse,
                        min(o.observation_tokens, len(prompt.suffix)), keep_cached=method == "redknot_kv",
                        suffix_start=prompt.suffix_start if o.shallow_suffix == "plan" else None)
