@@ -288,6 +288,13 @@ class SparseFFNConfig:
     keep the tokens covering 1 - mass_thresh of the observation window's attention mass, deeper
     layers 1 - mass_thresh_deep. The last recent_n tokens and at least min_keep tokens always
     go through the FFN.
+
+    ``keep_fraction`` replaces the mass tiers by a count: each sparse layer keeps that share of the
+    chunk tokens computed at the first sparse layer (so ``redknot_kv`` picks its set there once).
+    ``importance`` ranks them: "attention" (the mass the suffix's last tokens give them), "norm"
+    (|attention output|, the prototype's proxy) or "cross" (the attention mass a token's own query
+    gives to keys of *other* chunks, in the layer's full-context heads: the context its cached
+    state never saw; measured in docs/results/quality.md).
     """
 
     dense_until: int = 4
@@ -296,7 +303,8 @@ class SparseFFNConfig:
     mass_thresh_deep: float = 0.05
     recent_n: int = 128
     min_keep: int = 16
-    importance: str = "attention"  # or "norm": the prototype's proxy, |attention output|
+    importance: str = "attention"  # or "norm" (|attention output|) or "cross" (mass to other chunks)
+    keep_fraction: float | None = None  # a fixed share of chunk tokens instead of the mass tiers
 
     def __post_init__(self):
         for name in ("dense_until", "deep_layer_start", "recent_n", "min_keep"):
@@ -307,8 +315,12 @@ class SparseFFNConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise HeadConfigError(f"sparse FFN: {name}={v!r} must be in [0, 1)")
-        if self.importance not in ("attention", "norm"):
-            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention' or 'norm'")
+        if self.importance not in ("attention", "norm", "cross"):
+            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention', 'norm' or 'cross'")
+        if self.keep_fraction is not None and (isinstance(self.keep_fraction, bool)
+                                               or not isinstance(self.keep_fraction, (int, float))
+                                               or not 0 < self.keep_fraction <= 1):
+            raise HeadConfigError(f"sparse FFN: keep_fraction={self.keep_fraction!r} must be in (0, 1] or null")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "SparseFFNConfig":

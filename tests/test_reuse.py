@@ -294,3 +294,53 @@ def test_sparse_ffn_tiers_beside_the_checkpoint(tiny_checkpoint, tmp_path):
     (ckpt / "sparse_ffn.json").write_text('{"dense_until": -1}')
     with pytest.raises(HeadConfigError, match="dense_until"):
         LLM(model=ckpt, device="cpu")
+
+
+def test_cross_chunk_mass_matches_a_direct_softmax():
+    """Each row's mass on keys of other chunks (prefix = own context), in full-context heads only."""
+    from redknot.reuse.recovery import cross_chunk_mass
+
+    torch.manual_seed(0)
+    n, hkv, g, d = 12, 2, 2, 8
+    keys, q = torch.randn(n, hkv, d), torch.randn(n, hkv * g, d)
+    chunk_id = torch.tensor([-1, -1, 0, 0, 0, 1, 1, 1, 2, 2, -1, -1])  # prefix, 3 chunks, suffix
+    window, sink = torch.tensor([n, 3]), torch.tensor([0, 1])  # head 0 sees everything, head 1 does not
+    pos = torch.arange(n)
+    got = cross_chunk_mass(q, pos, keys, window, sink, 0.5, chunk_id)
+    for r in range(n):
+        if chunk_id[r] < 0:
+            assert got[r] == 0
+            continue
+        p = (q[r, :g] @ keys[:r + 1, 0].T * 0.5).softmax(-1)  # the query heads of KV head 0
+        other = (chunk_id[:r + 1] >= 0) & (chunk_id[:r + 1] != chunk_id[r])
+        torch.testing.assert_close(got[r], (p * other).sum(-1).mean())
+    assert (got[2:5] == 0).all() and (got[5:10] > 0).all()  # the first chunk has no other chunk before it
+
+
+def test_keep_fraction_picks_a_fixed_share_once(tiny_checkpoint):
+    """keep_fraction: the first sparse layer keeps that share of the recomputed chunk tokens (cross
+    ranking), redknot_kv keeps that set; keep_fraction 1 is every token through every FFN."""
+    prompt = None
+    got = {}
+    for frac in (0.5, 1.0):
+        sparse = SparseFFNConfig(dense_until=1, deep_layer_start=3, recent_n=4, min_keep=1, importance="cross",
+                                 keep_fraction=frac)
+        llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device="cpu", page_size=16, sparse_ffn=sparse,
+                  head_config=HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4))
+        prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+        got[frac] = {m: (llm.first_token_logits(QUESTION, documents=DOCS, method=m), llm.last_prefill.recovered.flops)
+                     for m in ("redknot_kv", "redknot")}
+    body = len(prompt.token_ids) - prompt.chunk_starts[1]  # rows recomputed: chunks 1.. and the suffix
+    assert len(prompt.suffix) >= 4  # the last recent_n rows are suffix rows: every chunk row is a candidate
+    cand = sum(len(c) for c in prompt.chunks[1:])
+    half = got[0.5]["redknot_kv"][1]
+    assert half.tokens[0] == body and half.ffn_tokens[1] == body - cand + -(-cand // 2)
+    assert half.tokens[2] == half.ffn_tokens[1] and half.ffn_tokens[2] == half.tokens[2]  # chosen once
+    assert got[0.5]["redknot"][1].ffn_tokens[1:] == [half.ffn_tokens[1]] * 2  # re-ranked, same count
+    full = got[1.0]["redknot_kv"][1]
+    assert full.ffn_tokens == full.tokens == [body] * 3
+    torch.testing.assert_close(got[1.0]["redknot_kv"][0], got[1.0]["redknot"][0])  # nothing left out: same forward
+    with pytest.raises(HeadConfigError, match="keep_fraction"):
+        SparseFFNConfig(keep_fraction=0)
+    with pytest.raises(HeadConfigError, match="importance"):
+        SparseFFNConfig(importance="crossed")

@@ -21,6 +21,7 @@ redknot_exact  the redknot code path with every head global, dense FFN, every ch
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -96,12 +97,15 @@ class CacheBlend(FixedSet):
 
 class RedKnot(FixedSet):
     def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
-                 sparse: SparseFFNConfig, observe: int, keep_cached: bool, suffix_start: int | None = None):
+                 sparse: SparseFFNConfig, observe: int, keep_cached: bool, suffix_start: int | None = None,
+                 chunk_id: torch.Tensor | None = None):
         super().__init__(positions, window, sink)
         self.shallow = (shallow_window, shallow_sink)
         self.suffix_start = suffix_start  # None: the suffix recovers locally in shallow layers too
         self.is_chunk, self.sparse, self.n_obs, self.keep_cached = is_chunk, sparse, observe, keep_cached
+        self.chunk_id = chunk_id if chunk_id is not None else torch.where(is_chunk, 0, -1)  # per position
         self._rows = None
+        self._n_keep = None  # keep_fraction: the chunk-token count fixed at the first sparse layer
 
     def visibility(self, layer):
         if layer < self.sparse.dense_until:  # local recovery: every head within sink + window
@@ -117,13 +121,39 @@ class RedKnot(FixedSet):
         sparse = self.sparse.threshold(layer) is not None and self.sparse.importance == "attention"
         return self.n_obs if sparse else 0
 
+    def cross_chunks(self, layer, cur):
+        if self.sparse.threshold(layer) is None or self.sparse.importance != "cross":
+            return None
+        if self._n_keep is not None and int(self._candidates(cur).sum()) <= self._n_keep:
+            return None  # nothing left to rank (redknot_kv after its one selection)
+        return self.chunk_id
+
+    def _candidates(self, cur):
+        cand = self.is_chunk[cur].clone()
+        cand[max(0, cur.numel() - self.sparse.recent_n):] = False
+        return cand
+
     def ffn_rows(self, layer, cur, info):
         thr = self.sparse.threshold(layer)
         if thr is None:
             self._rows = None
             return None
-        score = info["mass"][cur] if self.sparse.importance == "attention" else info["out_norm"]
-        self._rows = select_tokens(score, self.is_chunk[cur], thr, self.sparse.recent_n, self.sparse.min_keep)
+        imp = self.sparse.importance
+        score = {"attention": lambda: info["mass"][cur], "norm": lambda: info["out_norm"],
+                 "cross": lambda: info.get("cross")}[imp]()
+        if self.sparse.keep_fraction is None:
+            self._rows = select_tokens(score, self.is_chunk[cur], thr, self.sparse.recent_n, self.sparse.min_keep)
+            return self._rows
+        cand = self._candidates(cur)
+        if self._n_keep is None:
+            self._n_keep = max(self.sparse.min_keep, math.ceil(self.sparse.keep_fraction * int(cand.sum())))
+        if score is None or int(cand.sum()) <= self._n_keep:  # every candidate fits
+            self._rows = None
+            return None
+        keep = ~cand
+        s = torch.where(cand, score.float(), torch.full((), float("-inf"), device=score.device))
+        keep[s.topk(self._n_keep).indices] = True
+        self._rows = keep.nonzero().flatten()
         return self._rows
 
     def keep_rows(self, layer, cur, info):
@@ -242,12 +272,14 @@ class ReuseEngine:
                                             offline), 0)
             cached[:p] = True
         is_chunk = torch.zeros(n, dtype=torch.bool, device=self.device)
-        for ids, at in zip(prompt.chunks, prompt.chunk_starts):
+        chunk_id = torch.full((n,), -1, dtype=torch.long, device=self.device)
+        for i, (ids, at) in enumerate(zip(prompt.chunks, prompt.chunk_starts)):
+            chunk_id[at:at + len(ids)] = i
             entry = self._entry(self.store, self._key(prompt.prefix, ids), prompt.prefix, ids, p, offline)
             self._place(ck, cv, entry, at)
             cached[at:at + len(ids)] = True
             is_chunk[at:at + len(ids)] = True
-        policy = self._policy(method, prompt, is_chunk)
+        policy = self._policy(method, prompt, is_chunk, chunk_id)
         rec = recover(self.model, tokens, policy, ck, cv, cached)
         off = FlopReport()
         for f, _ in offline:
@@ -255,7 +287,7 @@ class ReuseEngine:
         return PrefillResult(rec, int(cached.sum()) if method != "redknot_exact" else p, off,
                              sum(s for _, s in offline))
 
-    def _policy(self, method: str, prompt: ChunkedPrompt, is_chunk: torch.Tensor) -> Policy:
+    def _policy(self, method: str, prompt: ChunkedPrompt, is_chunk: torch.Tensor, chunk_id: torch.Tensor) -> Policy:
         dev, n = self.device, len(prompt)
         suffix = torch.arange(prompt.suffix_start, n, device=dev)
         body = torch.arange(len(prompt.prefix), n, device=dev)  # chunks + suffix
@@ -283,7 +315,8 @@ class ReuseEngine:
         body = torch.arange(first, n, device=dev)
         return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, self.sparse,
                        min(o.observation_tokens, len(prompt.suffix)), keep_cached=method == "redknot_kv",
-                       suffix_start=prompt.suffix_start if o.shallow_suffix == "plan" else None)
+                       suffix_start=prompt.suffix_start if o.shallow_suffix == "plan" else None,
+                       chunk_id=chunk_id)
 
     def _shallow(self, window, sink):
         """Local recovery: global heads get the widest local window (or `shallow_window`) and a sink."""

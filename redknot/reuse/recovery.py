@@ -49,6 +49,11 @@ class Policy:
         """How many of the last computed queries report the attention mass they give (0: none)."""
         return 0
 
+    def cross_chunks(self, layer: int, cur: torch.Tensor) -> torch.Tensor | None:
+        """Chunk id of every position (-1 outside chunks) when this layer should report, per computed
+        row, the attention mass its query gives keys of other chunks (``info["cross"]``); else None."""
+        return None
+
     def ffn_rows(self, layer: int, cur: torch.Tensor, info: dict) -> torch.Tensor | None:
         """Rows of `cur` whose FFN runs (None: all)."""
         return None
@@ -130,6 +135,11 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
                         mass = m_ if n_obs else mass
                         pairs += visible_pairs(cur[rows], w_, s_, group)
         info["mass"] = mass
+        chunk_id = policy.cross_chunks(l, cur)
+        if chunk_id is not None:
+            with record_function("recover.cross_mass"):
+                info["cross"] = cross_chunk_mass(q, cur, keys, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
+                                                 chunk_id.to(dev))
         with record_function("recover.o_proj"):
             attn_out = attn.o_proj(o.reshape(t, -1))
             info["out_norm"] = attn_out.float().norm(dim=-1)
@@ -202,6 +212,37 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None):
             probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
             mass = probs.sum(dim=(0, 1, 2))
     return out, mass
+
+
+def cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Tensor:
+    """Per query row: the attention mass it gives keys of chunks other than its own (keys outside
+    any chunk, e.g. the prefix, count as its own context: its cache saw them), averaged over the KV
+    heads that see the whole context here (all heads if none does). float32 [R]; 0 for rows outside
+    chunks. Plain torch in query blocks: it runs at the selecting layers only."""
+    r, hq, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    g = hq // hkv
+    heads = (window >= n).nonzero().flatten()
+    heads = heads if heads.numel() else torch.arange(hkv, device=q.device)
+    k = keys[:, heads].float()  # [N, h, D]
+    w, s = window[heads][:, None, None], sink[heads][:, None, None]
+    j = torch.arange(n, device=q.device)[None, None, :]
+    out = torch.zeros(r, dtype=torch.float32, device=q.device)
+    key_chunk = chunk_id[None, :]
+    for r0 in range(0, r, _QUERY_BLOCK):
+        pos = q_pos[r0:r0 + _QUERY_BLOCK]
+        own = chunk_id[pos]
+        if not bool((own >= 0).any()):
+            continue
+        qb = q[r0:r0 + _QUERY_BLOCK].view(-1, hkv, g, d)[:, heads].float()  # [b, h, g, D]
+        p = pos[None, :, None]
+        mask = (j <= p) & ((j < s) | (p - j < w))  # [h, b, N]
+        scores = torch.einsum("bhgd,nhd->hgbn", qb, k) * scale
+        probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
+        other = (key_chunk >= 0) & (key_chunk != own[:, None])  # [b, N]
+        mass = (probs * other[None, None]).sum(-1).mean(dim=(0, 1))  # [b]
+        out[r0:r0 + _QUERY_BLOCK] = torch.where(own >= 0, mass, torch.zeros((), device=q.device))
+    return out
 
 
 # The causal SDPA path computes every position as a query (missing rows are zero-padded), so it
