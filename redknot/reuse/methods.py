@@ -12,7 +12,8 @@ redknot        one forward over chunks + suffix (the first chunk's cache is exac
                suffix on its head plan there) with a dense FFN; deeper layers give global
                heads the full context and local heads their window, and run the FFN only on the
                tokens that receive the most attention from the suffix's last tokens (tiered
-               thresholds); the rest keep their residual
+               thresholds; or SparseFFNConfig.keep_fraction of them, ranked by its importance,
+               e.g. "cross": attention to other chunks); the rest keep their residual
 redknot_kv     redknot, but a token left out of a layer's FFN stops there: later layers use its
                cached (relocated) KV, so projections and attention shrink with the FFN
 redknot_exact  the redknot code path with every head global, dense FFN, every chunk recomputed:
