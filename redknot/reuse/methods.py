@@ -140,8 +140,7 @@ class RedKnot(FixedSet):
             self._rows = None
             return None
         imp = self.sparse.importance
-        score = {"attention": lambda: info["mass"][cur], "norm": lambda: info["out_norm"],
-                 "cross": lambda: info.get("cross")}[imp]()
+        score = info["mass"][cur] if imp == "attention" else info["out_norm"] if imp == "norm" else info.get("cross")
         if self.sparse.keep_fraction is None:
             self._rows = select_tokens(score, self.is_chunk[cur], thr, self.sparse.recent_n, self.sparse.min_keep)
             return self._rows
