@@ -144,6 +144,17 @@ def test_end_to_end_json_and_gates(setup, capsys):
     # reuse methods serve the documents from the cache and execute fewer FLOPs than dense
     assert reuse["cached_tokens"] > 0 and 0 < reuse["flops_fraction"] < 1
 
+    # the page pool fits the longest record and its answer (the paged methods above decoded in it),
+    # instead of the serving default (half the free GPU memory)
+    from redknot.engine import LLM
+    from redknot.reuse.prompt import build_prompt
+
+    llm = LLM(model=model, head_config=heads, device="cpu", dtype="float32")
+    longest = max(len(build_prompt(llm.tokenizer, r["question"], r["documents"]).token_ids)
+                  for r in RECORDS)
+    heads = llm.config.num_hidden_layers * llm.config.num_key_value_heads
+    assert heads * -(-(longest + 4) // 64) <= saved["kv_pages"] <= heads * (-(-(longest + 4) // 64) + 1)
+
     table = capsys.readouterr().out
     for m in methods:
         assert any(line.startswith(m + " ") for line in table.splitlines())

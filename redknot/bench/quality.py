@@ -231,7 +231,7 @@ def parse_methods(spec: str, head_config) -> list[str]:
 
 def run(args) -> dict:
     from ..engine import LLM
-
+    from ..reuse.prompt import build_prompt
     from ..testbed import model_path
 
     args.model = Path(args.model) if args.model else model_path()
@@ -248,6 +248,11 @@ def run(args) -> dict:
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
               dtype=args.dtype, reuse_options=ReuseOptions(shallow_suffix=args.shallow_suffix,
                                                    shallow_window=args.shallow_window))
+    # One request at a time: a page pool for the longest record (+1 page per head for copy on write),
+    # not the serving default of half the free GPU memory, so harness processes can share a device.
+    longest = max(len(build_prompt(llm.tokenizer, r["question"], r["documents"]).token_ids) for r in records)
+    cfg = llm.config
+    llm.kv_pages = cfg.num_hidden_layers * cfg.num_key_value_heads * (-(-(longest + args.max_tokens) // llm.page_size) + 1)
     meta = {
         "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
@@ -255,6 +260,7 @@ def run(args) -> dict:
         "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "torch": torch.__version__,
         "n_records": len(records), "head_config": None if args.head_config is None else str(args.head_config),
         "head_plan": llm.head_config.class_counts() if llm.head_config else None, "sparse_ffn": vars(llm.sparse_ffn),
+        "kv_pages": llm.kv_pages,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
