@@ -1,5 +1,7 @@
 """Chunk reuse: every method through the recovery forward, exactness gates, caching, accounting."""
 
+import time
+
 import pytest
 import torch
 
@@ -77,10 +79,14 @@ def test_prefix_method_reuses_exact_prefixes(llm):
 
 @pytest.mark.parametrize("method", ALL)
 def test_every_method_prefills_decodes_and_frees(llm, method):
+    t0 = time.perf_counter()
     out = llm.generate([QUESTION, "Question: what jumps?"], SamplingParams(max_tokens=6, temperature=0,
                                                                            ignore_eos=True),
                        documents=[DOCS, DOCS[::-1]], method=method)
+    wall = time.perf_counter() - t0
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+    for o in out:  # the first token comes after the prefill and before the five decode steps end
+        assert 0 < o.metrics["time_to_first_token"] < wall
     backend = llm.backend(method)
     assert backend.kv_bytes() == 0
     if hasattr(backend, "pool"):

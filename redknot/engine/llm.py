@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    metrics: dict | None = None  # cached_tokens, executed prefill FLOPs (reuse methods)
+    metrics: dict | None = None  # cached_tokens, executed prefill FLOPs (reuse methods), time_to_first_token (s)
 
 
 class LLM:
@@ -122,6 +123,7 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         method = self._check_method(method or self.method)
         backend = self.backend(method)
+        start = time.perf_counter()
         seqs, prefilled = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             docs = None if documents is None else documents[i]
@@ -146,7 +148,8 @@ class LLM:
         for i, (prompt, s) in enumerate(zip(prompts, seqs)):
             r = prefilled.get(s.seq_id)
             metrics = {"cached_tokens": r.cached_tokens if r else 0,
-                       "flops": r.recovered.flops.totals() if r else None}
+                       "flops": r.recovered.flops.totals() if r else None,
+                       "time_to_first_token": s.first_token_time - start}
             outputs.append(RequestOutput(i, prompt if isinstance(prompt, str) else None, s.prompt_token_ids,
                                          [CompletionOutput(0, s.text, s.output_token_ids, s.finish_reason)],
                                          metrics))
@@ -255,6 +258,8 @@ class LLM:
 
     def _append(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()  # the sampled id is on the host: the device is done
         p = seq.params
         out = seq.output_token_ids
         seq.text = self.tokenizer.decode(out, skip_special_tokens=True)

@@ -22,6 +22,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     generator: torch.Generator | None = None
+    first_token_time: float | None = None  # time.perf_counter() when the first output token was sampled
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
