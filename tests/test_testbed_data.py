@@ -145,6 +145,25 @@ def test_multi_hop_needs_two_documents():
         assert not has(r["question"], r["meta"]["bridge"])
 
 
+def test_hop_questions_split_a_multi_hop_record_into_one_document_lookups():
+    """hop1 asks for the bridge entity (stated in the first supporting document), hop2 for the
+    answer from the bridge entity's name (stated in the second): each is a single-hop lookup."""
+    recs = generate_records(12, 18, types=("multi_hop",), meta=True)
+    assert len({r["meta"]["relation"] for r in recs}) >= 5
+    for r in recs:
+        (n0, q0, a0), (n1, q1, a1), (n2, q2, a2) = data.hop_questions(r)
+        assert (n0, q0, a0) == ("composed", r["question"], r["answers"])
+        bridge_doc, answer_doc = (r["documents"][k] for k in r["supporting"])
+        assert n1 == "hop1" and a1 == [r["meta"]["bridge"]] and has(q1, r["meta"]["entity"])
+        assert has(bridge_doc, r["meta"]["entity"]) and has(bridge_doc, a1[0])
+        assert n2 == "hop2" and a2 == r["answers"] and has(q2, r["meta"]["bridge"])
+        assert not has(q2, r["meta"]["entity"]) and has(answer_doc, r["meta"]["bridge"]) and has(answer_doc, a2[0])
+    with pytest.raises(ValueError, match="make-data --meta"):
+        data.hop_questions({k: v for k, v in recs[0].items() if k != "meta"})
+    with pytest.raises(ValueError, match="multi_hop"):
+        data.hop_questions(generate_records(12, 1, types=("single_hop",), meta=True)[0])
+
+
 def test_distractors_share_entity_types():
     """Any city (company, person, year) is not enough: each context has several of each type."""
     r = generate_records(4, 1, types=("single_hop",), meta=True)[0]
@@ -263,3 +282,9 @@ def test_cli_make_data(tmp_path, capsys):
     assert [r["type"] for r in read_jsonl(out)] == ["easy"] * 3
     with pytest.raises(SystemExit):
         parser.parse_args(["make-data", "--n", "1", "--out", str(out), "--types", "bogus"])
+    args = parser.parse_args(["make-data", "--seed", "4", "--n", "2", "--context-tokens", "1024", "--out", str(out),
+                              "--types", "multi_hop", "--meta"])
+    assert testbed_cli.run(args) == 0
+    assert read_jsonl(out) == generate_records(4, 2, 1024, types=("multi_hop",), meta=True)
+    with pytest.raises(ValueError, match="--easy"):
+        testbed_cli.run(parser.parse_args(["make-data", "--n", "1", "--out", str(out), "--easy", "--meta"]))

@@ -1,4 +1,5 @@
-"""``redknot testbed ...``: the synthetic corpus (``make-data``) and the model training (``train``).
+"""``redknot testbed ...``: the synthetic corpus (``make-data``), the model training (``train``) and
+the multi_hop diagnostic (``hops``).
 
 Wiring (in ``redknot/cli.py``)::
 
@@ -29,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     m.add_argument("--questions-per-context", type=int, default=1, help="records per context sharing its documents")
     m.add_argument("--types", nargs="+", choices=TYPES, default=list(TYPES), help="question types, round-robin")
     m.add_argument("--tokens-per-word", type=float, default=1.3, help="token estimate per word")
+    m.add_argument("--meta", action="store_true",
+                   help="add each record's meta (question entity, relation, bridge entity, twins' answers)")
     m.add_argument("--easy", action="store_true",
                    help="curriculum stage 1: one-sentence facts, short context (--types is ignored)")
     m.set_defaults(testbed_func=make_data)
@@ -38,16 +41,24 @@ def add_arguments(parser: argparse.ArgumentParser):
                        description=train.__doc__.split("\n\n")[0] if train.__doc__ else None)
     train.add_arguments(t)
     t.set_defaults(testbed_func=train.run)
+    from . import hops
+
+    h = sub.add_parser("hops", help="split a model's multi_hop answers into first hop, second hop and composition",
+                       description=hops.__doc__.split("\n\n")[0])
+    hops.add_arguments(h)
+    h.set_defaults(testbed_func=hops.run)
     return sub
 
 
 def make_data(args) -> int:
+    if args.easy and args.meta:
+        raise ValueError("--meta describes the qa corpus's clusters; --easy records have none")
     if args.easy:
         records = easy_records(args.seed, args.n, args.context_tokens, args.questions_per_context,
                                tokens_per_word=args.tokens_per_word)
     else:
         records = generate_records(args.seed, args.n, args.context_tokens, args.questions_per_context,
-                                   types=tuple(args.types), tokens_per_word=args.tokens_per_word)
+                                   types=tuple(args.types), tokens_per_word=args.tokens_per_word, meta=args.meta)
     path = write_jsonl(records, args.out)
     words = [sum(len(d.split()) for d in r["documents"]) for r in records]
     mean_tokens = args.tokens_per_word * sum(words) / max(len(words), 1)

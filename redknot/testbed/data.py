@@ -782,6 +782,31 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
             for r in _context_records(seed, i, context_tokens, questions_per_context, types, tokens_per_word, meta)]
 
 
+# ---- multi_hop split into its hops ----------------------------------------------------------------
+# The second hop as a one-document question about the bridge entity, by (person link, bridge attribute).
+_HOP2 = {("employer", "hq"): "hq", ("employer", "founded_year"): "company_founded",
+         ("employer", "founder"): "founder", ("birth_city", "river"): "river", ("birth_city", "mayor"): "mayor",
+         ("birth_city", "founded_year"): "town_founded", ("residence", "river"): "river",
+         ("school", "founded_year"): "company_founded"}  # "When was X founded?" reads for an academy too
+_HOP2_EXTRA = {("school", "city"): "In which city is {X}?"}
+
+
+def hop_questions(record: dict) -> list[tuple[str, str, list[str]]]:
+    """A ``multi_hop`` record (made with ``meta``) as ``[(name, question, answers)]``: the question
+    itself ("composed"), its first hop alone ("hop1": X's bridge entity) and its second hop alone
+    ("hop2": the bridge entity's attribute, the record's answer), each answerable from the same
+    documents. Lets a model's multi_hop errors be split into lookup and composition failures."""
+    if record.get("type") != "multi_hop" or not record.get("meta"):
+        raise ValueError(f"record {record.get('id')!r}: hop questions need a multi_hop record with meta "
+                         f"(make-data --meta)")
+    m = record["meta"]
+    link, attr = m["relation"].split("->")
+    hop1 = SINGLE_HOP[link][2][0].format(X=m["entity"])
+    hop2 = (SINGLE_HOP[_HOP2[(link, attr)]][2][0] if (link, attr) in _HOP2 else _HOP2_EXTRA[(link, attr)])
+    return [("composed", record["question"], record["answers"]), ("hop1", hop1, [m["bridge"]]),
+            ("hop2", hop2.format(X=m["bridge"]), record["answers"])]
+
+
 # ---- easy curriculum ----------------------------------------------------------------------------
 @dataclass
 class _Fact:
