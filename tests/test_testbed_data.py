@@ -150,6 +150,7 @@ def test_hop_questions_split_a_multi_hop_record_into_one_document_lookups():
     answer from the bridge entity's name (stated in the second): each is a single-hop lookup."""
     recs = generate_records(12, 18, types=("multi_hop",), meta=True)
     assert len({r["meta"]["relation"] for r in recs}) >= 5
+    assert set(data._HOP2) == set(data.MULTI_HOP)  # every multi_hop relation has a second-hop question
     for r in recs:
         (n0, q0, a0), (n1, q1, a1), (n2, q2, a2) = data.hop_questions(r)
         assert (n0, q0, a0) == ("composed", r["question"], r["answers"])

@@ -784,11 +784,12 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
 
 # ---- multi_hop split into its hops ----------------------------------------------------------------
 # The second hop as a one-document question about the bridge entity, by (person link, bridge attribute).
-_HOP2 = {("employer", "hq"): "hq", ("employer", "founded_year"): "company_founded",
-         ("employer", "founder"): "founder", ("birth_city", "river"): "river", ("birth_city", "mayor"): "mayor",
-         ("birth_city", "founded_year"): "town_founded", ("residence", "river"): "river",
-         ("school", "founded_year"): "company_founded"}  # "When was X founded?" reads for an academy too
-_HOP2_EXTRA = {("school", "city"): "In which city is {X}?"}
+_HOP2 = {link_attr: SINGLE_HOP[relation][2][0] for link_attr, relation in {
+    ("employer", "hq"): "hq", ("employer", "founded_year"): "company_founded", ("employer", "founder"): "founder",
+    ("birth_city", "river"): "river", ("birth_city", "mayor"): "mayor", ("birth_city", "founded_year"): "town_founded",
+    ("residence", "river"): "river"}.items()}
+_HOP2[("school", "founded_year")] = "In which year was {X} founded?"
+_HOP2[("school", "city")] = "In which city is {X}?"
 
 
 def hop_questions(record: dict) -> list[tuple[str, str, list[str]]]:
@@ -802,7 +803,7 @@ def hop_questions(record: dict) -> list[tuple[str, str, list[str]]]:
     m = record["meta"]
     link, attr = m["relation"].split("->")
     hop1 = SINGLE_HOP[link][2][0].format(X=m["entity"])
-    hop2 = (SINGLE_HOP[_HOP2[(link, attr)]][2][0] if (link, attr) in _HOP2 else _HOP2_EXTRA[(link, attr)])
+    hop2 = _HOP2[(link, attr)]
     return [("composed", record["question"], record["answers"]), ("hop1", hop1, [m["bridge"]]),
             ("hop2", hop2.format(X=m["bridge"]), record["answers"])]
 
