@@ -210,7 +210,7 @@ def test_a_stopped_run_keeps_the_records_it_finished(setup, monkeypatch):
     of the records done, marked incomplete."""
     model, heads, data, tmp = setup
     out = tmp / "partial.json"
-    real, calls = quality._score_method, []
+    real, calls = quality._score, []
 
     def score(llm, rec, m, *a):
         if rec["id"] == RECORDS[1]["id"]:
@@ -218,7 +218,7 @@ def test_a_stopped_run_keeps_the_records_it_finished(setup, monkeypatch):
         calls.append(m)
         return real(llm, rec, m, *a)
 
-    monkeypatch.setattr(quality, "_score_method", score)
+    monkeypatch.setattr(quality, "_score", score)
     with pytest.raises(KeyboardInterrupt):
         quality.run(_args(model=model, data=data, methods="dense,full_reuse", out=out, max_tokens=2, device="cpu",
                           dtype="float32"))

@@ -93,6 +93,20 @@ def test_every_method_prefills_decodes_and_frees(llm, method):
         assert backend.pool.num_free_pages == backend.pool.num_pages
 
 
+@pytest.mark.parametrize("method", ALL)
+def test_generate_returns_the_first_token_logits_on_request(llm, method):
+    """What quality scoring reads instead of a second prefill: the logits the first token was
+    sampled from, equal to first_token_logits' (which then reuses the chunks generate cached)."""
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, return_first_logits=True)
+    out = llm.generate(QUESTION, params, documents=DOCS[::-1], method=method)[0]
+    ref = llm.first_token_logits(QUESTION, documents=DOCS[::-1], method=method)
+    assert out.first_token_logits.dtype == torch.float32 and out.first_token_logits.shape == ref.shape
+    torch.testing.assert_close(out.first_token_logits, ref, rtol=1e-5, atol=1e-5)
+    assert out.outputs[0].token_ids[0] == int(ref.argmax())
+    plain = llm.generate(QUESTION, SamplingParams(max_tokens=1), documents=DOCS, method=method)[0]
+    assert plain.first_token_logits is None  # not asked for: not kept
+
+
 def test_sparse_ffn_and_kv_reuse_execute_less(llm):
     flops = {}
     for m in ("dense", "redknot_exact", "redknot", "redknot_kv", "full_reuse", "epic", "cacheblend"):

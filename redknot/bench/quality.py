@@ -111,24 +111,24 @@ def load_records(path: str | Path, limit: int | None = None) -> list[dict]:
 
 
 # ---- evaluation ---------------------------------------------------------------------------------
-def _score_method(llm, rec: dict, method: str, max_tokens: int, ref_logits: torch.Tensor) -> dict:
-    """One record through one method: the greedy answer, its scores, and first-token agreement."""
+def _generate(llm, rec: dict, method: str, max_tokens: int):
+    """One record through one method: the greedy answer and its first-token logits, one prefill."""
     from ..engine import SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"])
-    out = llm.generate(rec["question"], params, documents=rec["documents"], method=method)[0]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"], return_first_logits=True)
+    return llm.generate(rec["question"], params, documents=rec["documents"], method=method)[0]
+
+
+def _score(llm, rec: dict, method: str, out, ref_logits: torch.Tensor) -> dict:
+    """The answer's scores, its first-token agreement with the reference and the prefill FLOPs."""
     text = out.outputs[0].text.strip()
-    if method == REFERENCE:
-        logits = ref_logits  # the reference's own logits: no second dense prefill
-    else:
-        logits = llm.first_token_logits(rec["question"], documents=rec["documents"], method=method)
     metrics = out.metrics or {}
     flops = (metrics.get("flops") or {}).get("total")
     dense_flops = dense_prefill_flops(llm.config, len(out.prompt_token_ids))
     if method == REFERENCE:
         flops = dense_flops
     return {"text": text, "em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
-            **logit_agreement(logits, ref_logits), "cached_tokens": metrics.get("cached_tokens"),
+            **logit_agreement(out.first_token_logits, ref_logits), "cached_tokens": metrics.get("cached_tokens"),
             "flops": flops, "dense_flops": dense_flops, "prompt_tokens": len(out.prompt_token_ids)}
 
 
@@ -174,10 +174,11 @@ def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, prog
         for rec in records:
             entry = {"id": rec["id"], "type": rec["type"], "answers": rec["answers"], "predictions": {}}
             try:
-                ref = llm.first_token_logits(rec["question"], documents=rec["documents"], method=REFERENCE)
+                ref_out = _generate(llm, rec, REFERENCE, max_tokens)  # also the reference's own row
                 for m in methods:
                     bar.set_postfix_str(m)
-                    row = _score_method(llm, rec, m, max_tokens, ref)
+                    out = ref_out if m == REFERENCE else _generate(llm, rec, m, max_tokens)
+                    row = _score(llm, rec, m, out, ref_out.first_token_logits)
                     rows[m].append({**row, "type": rec["type"]})
                     entry["predictions"][m] = row
                     bar.update()
@@ -252,7 +253,8 @@ def run(args) -> dict:
     # not the serving default of half the free GPU memory, so harness processes can share a device.
     longest = max(len(build_prompt(llm.tokenizer, r["question"], r["documents"]).token_ids) for r in records)
     cfg = llm.config
-    llm.kv_pages = cfg.num_hidden_layers * cfg.num_key_value_heads * (-(-(longest + args.max_tokens) // llm.page_size) + 1)
+    pages_per_head = -(-(longest + args.max_tokens) // llm.page_size) + 1
+    llm.kv_pages = cfg.num_hidden_layers * cfg.num_key_value_heads * pages_per_head
     meta = {
         "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},

@@ -47,6 +47,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     metrics: dict | None = None  # cached_tokens, executed prefill FLOPs (reuse methods), time_to_first_token (s)
+    first_token_logits: torch.Tensor | None = None  # float32 [vocab], with SamplingParams(return_first_logits=True)
 
 
 class LLM:
@@ -140,7 +141,7 @@ class LLM:
                     backend.import_kv(seq.seq_id, result.recovered.k, result.recovered.v)
                     seq.num_computed = len(seq.token_ids)
                     prefilled[seq.seq_id] = result
-            self._run(backend, seqs, {sid: r.recovered.logits for sid, r in prefilled.items()})
+            first = self._run(backend, seqs, {sid: r.recovered.logits for sid, r in prefilled.items()})
         finally:
             for seq in seqs:
                 backend.free_sequence(seq.seq_id)
@@ -152,7 +153,7 @@ class LLM:
                        "time_to_first_token": s.first_token_time - start}
             outputs.append(RequestOutput(i, prompt if isinstance(prompt, str) else None, s.prompt_token_ids,
                                          [CompletionOutput(0, s.text, s.output_token_ids, s.finish_reason)],
-                                         metrics))
+                                         metrics, first[s.seq_id] if s.params.return_first_logits else None))
         return outputs
 
     def first_token_logits(self, prompt, documents=None, method: str | None = None) -> torch.Tensor:
@@ -243,7 +244,9 @@ class LLM:
             pending = [s for s in pending if s.num_pending > 0]
         return last
 
-    def _run(self, backend, seqs: list[Sequence], prefilled: dict[int, torch.Tensor]) -> None:
+    def _run(self, backend, seqs: list[Sequence], prefilled: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Prefill what is not prefilled, then decode every sequence to its end; returns each one's
+        first-token logits."""
         first = {**prefilled, **self._prefill(backend, [s for s in seqs if s.seq_id not in prefilled])}
         logits = torch.stack([first[s.seq_id] for s in seqs])
         active = list(seqs)
@@ -253,7 +256,7 @@ class LLM:
                 self._append(s, t)
             active = [s for s in active if not s.finished]
             if not active:
-                return
+                return first
             logits = self.runner.step(backend, [(s, 1) for s in active])
 
     def _append(self, seq: Sequence, token: int) -> None:

@@ -17,6 +17,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # also return the float32 logits of the first generated position (RequestOutput.first_token_logits):
+    # quality scoring compares them with dense's without a second prefill
+    return_first_logits: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
