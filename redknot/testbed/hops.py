@@ -47,9 +47,9 @@ def run(args) -> int:
     for rec, questions in tqdm(asks, desc="hops", unit="record", file=sys.stderr):
         row = {"id": rec["id"], "relation": rec["meta"]["relation"]}
         for name, question, gold in questions:
-            text = llm.generate(question, params, documents=rec["documents"], method=args.method)[0].outputs[0].text
-            row[name] = {"question": question, "gold": gold, "text": text.strip(),
-                         "em": exact_match(text.strip(), gold)}
+            out = llm.generate(question, params, documents=rec["documents"], method=args.method)[0]
+            text = out.outputs[0].text.strip()
+            row[name] = {"question": question, "gold": gold, "text": text, "em": exact_match(text, gold)}
         outcome = ",".join(f"{k}={int(row[k]['em'])}" for k in OUTCOMES)
         counts[outcome] += 1
         by_relation[row["relation"]][outcome] += 1
