@@ -49,7 +49,7 @@ def run(args) -> int:
           f"{counts['local'] + counts['retrieval']} local KV heads")
     requests = _requests()
     _check_against_transformers(llm, llm.model_dir, requests[0][0]["question"], requests[0][1])
-    params = SamplingParams(max_tokens=10, temperature=0)
+    params = SamplingParams(max_tokens=24, temperature=0)
     rows, answers, dense_first = [], {}, []
     for m in METHODS:  # dense first: its first tokens are the reference
         llm.chunk_store.clear()

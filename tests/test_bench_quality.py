@@ -42,6 +42,15 @@ def test_exact_match_is_max_over_golds_after_normalisation():
     assert exact_match("", ["a", "the"]) == 1.0  # gold reduces to empty, so does the prediction
 
 
+def test_a_reasoned_answer_is_scored_on_its_conclusion():
+    """'BRIDGE => ANSWER' (a model trained with --reasoned-answers) scores the part after the last '=>';
+    a right bridge with a wrong conclusion scores nothing, plain answers are unchanged."""
+    assert exact_match("Kestrel Works => Brar", ["Brar"]) == 1.0 and f1_score("Kestrel Works => Brar", "Brar") == 1.0
+    assert exact_match("Brar => Kestrel Works", ["Brar"]) == 0.0
+    assert exact_match("a => b => Brar.", "brar") == 1.0 and exact_match("Brar", "Brar") == 1.0
+    assert f1_score("Kestrel Works => Orla Venn", "Orla Venn Smith") == pytest.approx(0.8)
+
+
 def test_f1_known_values():
     assert f1_score("Eiffel Tower", ["The Eiffel Tower!"]) == 1.0
     assert f1_score("the Eiffel", ["Eiffel Tower"]) == pytest.approx(2 / 3)  # p=1, r=1/2

@@ -251,6 +251,35 @@ def test_mixed_length_stage_trains_and_resumes(tmp_path):
     assert names and set(names) == {"qa:512+128"}
 
 
+def test_reasoned_answers_name_the_bridge_and_train(tmp_path, tokenizer):
+    """--reasoned-answers: two-hop questions are trained on 'BRIDGE => ANSWER' (the bridge the record's
+    meta names), the others on the plain answer; the flag is part of the stage, so a resume without it
+    is refused instead of silently changing the targets."""
+    from redknot.testbed.data import target_answer
+
+    stage = T.Stage("qa", 1024, types=("multi_hop", "description", "single_hop"), reasoned=True)
+    recs = T.stage_records(stage, seed=3, contexts=2, questions_per_context=6)
+    assert T.Stage(**stage.as_dict()) == stage and "reasoned" not in T.Stage("qa", 1024).as_dict()
+    two_hop = [r for r in recs if r["type"] != "single_hop"]
+    assert two_hop and all(target_answer(r, True) == f"{r['meta']['bridge']} => {r['answers'][0]}" for r in two_hop)
+    assert all(target_answer(r, True) == r["answers"][0] for r in recs if r["type"] == "single_hop")
+    assert all(target_answer(r) == r["answers"][0] for r in recs)
+    with pytest.raises(ValueError, match="bridge"):
+        target_answer({k: v for k, v in two_hop[0].items() if k != "meta"}, True)
+    # the packed labels of a two-hop block are the reasoned answer + </s>
+    g = T.tokenize_group(tokenizer, T.group_records(recs)[0], reasoned=True)
+    first = T.group_records(recs)[0]
+    for r, (_, answer) in zip(first, g.blocks):
+        assert answer == tokenizer.encode(target_answer(r, True), add_special_tokens=False) + [tokenizer.eos_token_id]
+    out = tmp_path / "reasoned"
+    st = ["--stages", "qa:512@multi_hop+single_hop"]
+    assert T.run(_args(out, *st, "--reasoned-answers", "--stop-after-steps", "1")) == 0
+    assert [r["stage_name"] for r in _log(out) if r["event"] == "stage"] == ["qa:512@multi_hop+single_hop reasoned"]
+    with pytest.raises(SystemExit, match="does not match"):
+        T.run(_args(out, *st, "--resume"))
+    assert T.run(_args(out, *st, "--reasoned-answers", "--resume", "--stop-after-steps", "1")) == 0
+
+
 def test_typed_stage_asks_its_types_in_their_weights():
     """``@TYPE+TYPE`` restricts a qa stage's questions to those types, a repeat weighting one."""
     stage = T.parse_stages("qa:1024@cross_doc+cross_doc+single_hop")[0]

@@ -49,9 +49,19 @@ def _golds(answers) -> list[str]:
     return [answers] if isinstance(answers, str) else list(answers)
 
 
+ANSWER_MARK = "=>"
+
+
+def final_answer(prediction: str) -> str:
+    """A reasoned answer's conclusion: the text after the last ``=>`` (``"Kestrel Works => Brar"`` ->
+    ``"Brar"``; a model trained with ``--reasoned-answers`` names a two-hop question's bridge entity
+    first); a plain answer as it is."""
+    return prediction.rpartition(ANSWER_MARK)[2]
+
+
 def exact_match(prediction: str, answers: str | list[str]) -> float:
-    """1.0 if the normalised prediction equals any normalised gold answer."""
-    pred = normalize_answer(prediction)
+    """1.0 if the normalised prediction (its conclusion) equals any normalised gold answer."""
+    pred = normalize_answer(final_answer(prediction))
     return float(any(pred == normalize_answer(a) for a in _golds(answers)))
 
 
@@ -67,7 +77,8 @@ def _token_f1(prediction: str, gold: str) -> float:
 
 
 def f1_score(prediction: str, answers: str | list[str]) -> float:
-    """SQuAD token F1 (bag of normalised tokens), max over the gold answers."""
+    """SQuAD token F1 (bag of normalised tokens) of the prediction's conclusion, max over the gold answers."""
+    prediction = final_answer(prediction)
     return max((_token_f1(prediction, a) for a in _golds(answers)), default=0.0)
 
 
@@ -211,7 +222,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "widest local window; at least the context length: global heads read everything there)")
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--limit", type=int, default=None, help="first N records only")
-    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
 

@@ -782,6 +782,23 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
             for r in _context_records(seed, i, context_tokens, questions_per_context, types, tokens_per_word, meta)]
 
 
+def target_answer(record: dict, reasoned: bool = False) -> str:
+    """The text a model is trained to answer ``record`` with: its first gold answer or, ``reasoned``,
+    for a two-hop record (``multi_hop``, ``description``; made with ``meta``) the bridge entity first:
+    ``"Kestrel Works => Brar"``, so the second lookup reads a name the model has just written instead
+    of one it must compose internally. Scoring reads the part after ``=>`` (bench.quality.final_answer)."""
+    answer = record["answers"][0]
+    if not reasoned or record.get("type") not in ("multi_hop", "description"):
+        return answer
+    from ..bench.quality import ANSWER_MARK
+
+    bridge = (record.get("meta") or {}).get("bridge")
+    if not bridge:
+        raise ValueError(f"record {record.get('id')!r}: a reasoned answer needs the bridge entity "
+                         f"(generate_records(meta=True) / make-data --meta)")
+    return f"{bridge} {ANSWER_MARK} {answer}"
+
+
 # ---- multi_hop split into its hops ----------------------------------------------------------------
 # The second hop as a one-document question about the bridge entity, by (person link, bridge attribute).
 _HOP2 = {link_attr: SINGLE_HOP[relation][2][0] for link_attr, relation in {

@@ -85,6 +85,7 @@ import torch.nn.functional as F
 
 from ..bench.quality import exact_match
 from ..reuse.prompt import build_prompt
+from .data import target_answer
 
 # Architectures. "small": ≈19.4M parameters, ≈39 MB in bf16; 8 query / 4 KV heads of dim 64 so the
 # head profiler has a real GQA layout to classify. The shipped model is "small" grown to 12 layers
@@ -116,6 +117,7 @@ class Stage:
     questions: int | None = None  # questions per context; None: --questions-per-context
     mix: tuple[int, ...] = ()     # shorter context lengths drawn into the same batches
     types: tuple[str, ...] = ()   # qa question types, round-robin (a repeat weights a type); () = all
+    reasoned: bool = False        # two-hop answers name their bridge first (data.target_answer)
 
     def __post_init__(self):
         object.__setattr__(self, "mix", tuple(self.mix))  # a saved state gives a list
@@ -126,10 +128,10 @@ class Stage:
         return (self.context_tokens,) + self.mix
 
     def as_dict(self) -> dict:
-        """For the saved state: ``mix`` and ``types`` only when the stage has them (earlier states have
-        neither)."""
+        """For the saved state: ``mix``, ``types`` and ``reasoned`` only when the stage has them (earlier
+        states have none)."""
         d = asdict(self)
-        for k in ("mix", "types"):
+        for k in ("mix", "types", "reasoned"):
             if not d[k]:
                 del d[k]
         return d
@@ -137,7 +139,7 @@ class Stage:
     @property
     def name(self) -> str:
         return (f"{self.kind}:{'+'.join(map(str, self.lengths))}" + (f"/{self.questions}" if self.questions else "")
-                + (f"@{'+'.join(self.types)}" if self.types else ""))
+                + (f"@{'+'.join(self.types)}" if self.types else "") + (" reasoned" if self.reasoned else ""))
 
 
 def parse_stages(spec: str) -> list[Stage]:
@@ -173,6 +175,8 @@ def stage_records(stage: Stage, seed: int, contexts: int, questions_per_context:
     fn = easy_records if stage.kind == "easy" else generate_records
     if stage.types:
         fn = functools.partial(generate_records, types=stage.types)
+    if stage.reasoned:  # the bridge entity a reasoned answer names comes from the records' meta
+        fn = functools.partial(fn, meta=True)
     if not stage.mix:
         return fn(seed, contexts, context_tokens=stage.context_tokens, questions_per_context=questions_per_context,
                   tokens_per_word=tokens_per_word)
@@ -302,7 +306,7 @@ class Group:
     blocks: list[tuple[list[int], list[int]]]  # per question: (question suffix, answer + </s>)
 
 
-def tokenize_group(tokenizer, records: list[dict]) -> Group:
+def tokenize_group(tokenizer, records: list[dict], reasoned: bool = False) -> Group:
     """Tokens of one context and its questions, identical to what redknot serves.
 
     build_prompt tokenizes the prefix, each document and the suffix separately, so
@@ -313,7 +317,7 @@ def tokenize_group(tokenizer, records: list[dict]) -> Group:
     blocks = []
     for r in records:
         suffix = list(build_prompt(tokenizer, r["question"], []).suffix)
-        answer = tokenizer.encode(r["answers"][0], add_special_tokens=False) + [tokenizer.eos_token_id]
+        answer = tokenizer.encode(target_answer(r, reasoned), add_special_tokens=False) + [tokenizer.eos_token_id]
         blocks.append((suffix, answer))
     return Group(context, blocks)
 
@@ -399,7 +403,7 @@ def build_batch(tokenizer, stage: Stage, stage_index: int, step: int, seed: int,
         records = stage_records(stage, batch_seed(seed, stage_index, step, call, shard), contexts,
                                 questions_per_context, tokens_per_word)
         for grp in group_records(records):
-            g = tokenize_group(tokenizer, grp)
+            g = tokenize_group(tokenizer, grp, stage.reasoned)
             need = len(g.context) + sum(map(len, g.blocks[0]))
             min_need = need if min_need is None else min(min_need, need)
             packed.add(g)
@@ -448,7 +452,7 @@ def plan_stage(tokenizer, stage: Stage, stage_index: int, batch_tokens: int, que
 
     def probe(st: Stage, questions: int, tpw: float) -> list[Group]:
         records = stage_records(st, seed, probe_contexts, questions, tpw)
-        return [tokenize_group(tokenizer, g) for g in group_records(records)]
+        return [tokenize_group(tokenizer, g, st.reasoned) for g in group_records(records)]
 
     tpw = 1.3  # calibrated on the longest length alone (a mixed stage's mean context is shorter)
     mean_ctx = sum(len(g.context) for g in probe(replace(stage, mix=()), 1, tpw)) / probe_contexts
@@ -585,10 +589,10 @@ def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: i
     return texts
 
 
-def evaluate(model, tokenizer, records: list[dict], device: torch.device) -> dict:
-    """Held-out exact match, overall and per question type."""
+def evaluate(model, tokenizer, records: list[dict], device: torch.device, reasoned: bool = False) -> dict:
+    """Held-out exact match (of a reasoned answer's conclusion), overall and per question type."""
     prompts = [build_prompt(tokenizer, r["question"], r["documents"]).token_ids for r in records]
-    longest = max(len(tokenizer.encode(a, add_special_tokens=False)) for r in records for a in r["answers"])
+    longest = max(len(tokenizer.encode(target_answer(r, reasoned), add_special_tokens=False)) for r in records)
     if model.config._attn_implementation != "sdpa":
         # decoding with a KV cache is SDPA's home ground; a copy leaves the (compiled) training model as it is
         model = copy.deepcopy(model)
@@ -721,6 +725,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --init-weights DIR: deepen the checkpoint to this many layers, computing the same "
                         "function at the start (new layers spread evenly, their output projections zeroed)")
     p.add_argument("--questions-per-context", type=int, default=8)
+    p.add_argument("--reasoned-answers", action="store_true",
+                   help="qa stages: two-hop questions are answered 'BRIDGE => ANSWER', naming the entity that "
+                        "links the two documents first (scoring reads the part after '=>')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default: by --size)")
@@ -786,7 +793,8 @@ class Trainer:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = Log(self.out / LOG_FILE if self.rank == 0 else None)  # rank 0 logs, evaluates and saves
-        self.stages = parse_stages(args.stages)
+        self.stages = [replace(st, reasoned=True) if args.reasoned_answers and st.kind == "qa" else st
+                       for st in parse_stages(args.stages)]
         self.steps = _steps(args, self.stages)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.world > 1:
@@ -1083,7 +1091,7 @@ class Trainer:
         qpc = self._questions(stage)
         records = stage_records(stage, HELDOUT_SEED + s_i, math.ceil(self.args.eval_n / qpc), qpc,
                                 self.plans[str(s_i)].tokens_per_word)[:self.args.eval_n]
-        res = evaluate(self.model, self.tokenizer, records, self.device)
+        res = evaluate(self.model, self.tokenizer, records, self.device, stage.reasoned)
         self.last_em = {"stage": stage.name, **{k: res[k] for k in ("em", "em_by_type", "n")}}
         self.seconds["eval"] = time.time() - t0
         by_type = " ".join(f"{k} {v:.3f}" for k, v in res["em_by_type"].items())
