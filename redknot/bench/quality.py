@@ -1,7 +1,8 @@
 """`redknot bench quality`: answer quality and first-token fidelity of every method against dense.
 
 Each record is a question over documents with gold answers. Every method answers it greedily
-(stop at the first newline) and is scored with SQuAD exact match and token F1. Independently of
+(stop at the first newline) and is scored with SQuAD exact match and token F1 (of a reasoned
+answer's conclusion: the text after its last ``=>``). Independently of
 the answers, the logits of the first generated position are compared with dense's: top-1
 agreement, top-10 overlap and cosine. These catch reuse errors on a model too small (or a data
 set too easy) for EM/F1 to move. Dense is always run as the reference, listed or not.
@@ -21,7 +22,7 @@ import string
 import sys
 from pathlib import Path
 
-from ..testbed.data import read_jsonl
+from ..testbed.data import ANSWER_MARK, read_jsonl
 
 import torch
 
@@ -47,9 +48,6 @@ def normalize_answer(s: str) -> str:
 
 def _golds(answers) -> list[str]:
     return [answers] if isinstance(answers, str) else list(answers)
-
-
-ANSWER_MARK = "=>"
 
 
 def final_answer(prediction: str) -> str:

@@ -782,6 +782,9 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
             for r in _context_records(seed, i, context_tokens, questions_per_context, types, tokens_per_word, meta)]
 
 
+ANSWER_MARK = "=>"  # a reasoned answer: "BRIDGE => ANSWER"
+
+
 def target_answer(record: dict, reasoned: bool = False) -> str:
     """The text a model is trained to answer ``record`` with: its first gold answer or, ``reasoned``,
     for a two-hop record (``multi_hop``, ``description``; made with ``meta``) the bridge entity first:
@@ -790,8 +793,6 @@ def target_answer(record: dict, reasoned: bool = False) -> str:
     answer = record["answers"][0]
     if not reasoned or record.get("type") not in ("multi_hop", "description"):
         return answer
-    from ..bench.quality import ANSWER_MARK
-
     bridge = (record.get("meta") or {}).get("bridge")
     if not bridge:
         raise ValueError(f"record {record.get('id')!r}: a reasoned answer needs the bridge entity "
