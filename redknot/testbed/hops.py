@@ -3,7 +3,9 @@
 Each ``multi_hop`` record (written with ``make-data --meta``) is asked three ways over the same
 documents: the question itself, its first hop alone (X's employer, birthplace, school …) and its
 second hop alone (that entity's attribute). A composed answer can only be right when both lookups
-are; the counts per (hop1, hop2, composed) outcome say which of the three the model lacks.
+are; the counts per (hop1, hop2, composed) outcome say which of the three the model lacks. A model
+trained with ``--reasoned-answers`` writes the bridge first (``BRIDGE => ANSWER``): its written
+bridge is scored too, and how often the answer follows a right one.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def run(args) -> int:
 
     from ..bench.quality import exact_match, load_records
     from ..engine import LLM, SamplingParams
-    from .data import hop_questions
+    from .data import ANSWER_MARK, hop_questions
 
     records = [r for r in load_records(args.data, args.limit) if r.get("type") == "multi_hop"]
     if not records:
@@ -50,6 +52,9 @@ def run(args) -> int:
             out = llm.generate(question, params, documents=rec["documents"], method=args.method)[0]
             text = out.outputs[0].text.strip()
             row[name] = {"question": question, "gold": gold, "text": text, "em": exact_match(text, gold)}
+        bridge, mark, _ = row["composed"]["text"].rpartition(ANSWER_MARK)
+        if mark:  # a reasoned answer: did it name the right bridge?
+            row["composed"]["bridge_em"] = exact_match(bridge, rec["meta"]["bridge"])
         outcome = ",".join(f"{k}={int(row[k]['em'])}" for k in OUTCOMES)
         counts[outcome] += 1
         by_relation[row["relation"]][outcome] += 1
@@ -58,6 +63,11 @@ def run(args) -> int:
     summary = {k: sum(r[k]["em"] for r in rows) / n for k in OUTCOMES}
     both = [r for r in rows if r["hop1"]["em"] and r["hop2"]["em"]]
     summary["composed_given_both_hops"] = (sum(r["composed"]["em"] for r in both) / len(both)) if both else None
+    reasoned = [r["composed"] for r in rows if "bridge_em" in r["composed"]]
+    right = [c for c in reasoned if c["bridge_em"]]
+    summary["reasoned"] = len(reasoned) / n
+    summary["bridge"] = sum(c["bridge_em"] for c in reasoned) / len(reasoned) if reasoned else None
+    summary["composed_given_bridge"] = sum(c["em"] for c in right) / len(right) if right else None
     result = {"data": str(args.data), "model": str(llm.model_dir), "method": args.method, "n": n,
               "em": summary, "outcomes": dict(counts), "by_relation": {k: dict(v) for k, v in by_relation.items()},
               "records": rows}
@@ -68,6 +78,10 @@ def run(args) -> int:
         print(f"  {k:<9} EM {summary[k]:.3f}")
     cb = summary["composed_given_both_hops"]
     print(f"  composed when both hops alone are right: {'-' if cb is None else f'{cb:.3f}'} ({len(both)} records)")
+    if reasoned:
+        cg = summary["composed_given_bridge"]
+        print(f"  reasoned answers: {len(reasoned)} of {n}; right bridge {summary['bridge']:.3f}; answer right "
+              f"after a right bridge {'-' if cg is None else f'{cg:.3f}'} ({len(right)} records)")
     for outcome, c in sorted(counts.items()):
         print(f"  {outcome}: {c}")
     return 0
