@@ -257,27 +257,35 @@ def test_reasoned_answers_name_the_bridge_and_train(tmp_path, tokenizer):
     is refused instead of silently changing the targets."""
     from redknot.testbed.data import target_answer
 
-    stage = T.Stage("qa", 1024, types=("multi_hop", "description", "single_hop"), reasoned=True)
+    stage = T.Stage("qa", 1024, types=("multi_hop", "description", "single_hop"), reasoned=("multi_hop", "description"))
     recs = T.stage_records(stage, seed=3, contexts=2, questions_per_context=6)
     assert T.Stage(**stage.as_dict()) == stage and "reasoned" not in T.Stage("qa", 1024).as_dict()
     two_hop = [r for r in recs if r["type"] != "single_hop"]
-    assert two_hop and all(target_answer(r, True) == f"{r['meta']['bridge']} => {r['answers'][0]}" for r in two_hop)
-    assert all(target_answer(r, True) == r["answers"][0] for r in recs if r["type"] == "single_hop")
+    assert two_hop and all(target_answer(r, stage.reasoned) == f"{r['meta']['bridge']} => {r['answers'][0]}"
+                           for r in two_hop)
+    assert all(target_answer(r, stage.reasoned) == r["answers"][0] for r in recs if r["type"] == "single_hop")
     assert all(target_answer(r) == r["answers"][0] for r in recs)
+    assert all(target_answer(r, ("multi_hop",)) == r["answers"][0] for r in recs if r["type"] == "description")
     with pytest.raises(ValueError, match="bridge"):
-        target_answer({k: v for k, v in two_hop[0].items() if k != "meta"}, True)
+        target_answer({k: v for k, v in two_hop[0].items() if k != "meta"}, stage.reasoned)
     # the packed labels of a two-hop block are the reasoned answer + </s>
-    g = T.tokenize_group(tokenizer, T.group_records(recs)[0], reasoned=True)
+    g = T.tokenize_group(tokenizer, T.group_records(recs)[0], stage.reasoned)
     first = T.group_records(recs)[0]
     for r, (_, answer) in zip(first, g.blocks):
-        assert answer == tokenizer.encode(target_answer(r, True), add_special_tokens=False) + [tokenizer.eos_token_id]
+        assert answer == tokenizer.encode(target_answer(r, stage.reasoned), add_special_tokens=False) + [
+            tokenizer.eos_token_id]
     out = tmp_path / "reasoned"
     st = ["--stages", "qa:512@multi_hop+single_hop"]
     assert T.run(_args(out, *st, "--reasoned-answers", "--stop-after-steps", "1")) == 0
-    assert [r["stage_name"] for r in _log(out) if r["event"] == "stage"] == ["qa:512@multi_hop+single_hop reasoned"]
-    with pytest.raises(SystemExit, match="does not match"):
-        T.run(_args(out, *st, "--resume"))
+    names = [r["stage_name"] for r in _log(out) if r["event"] == "stage"]
+    assert names == ["qa:512@multi_hop+single_hop reasoned:multi_hop+description"]
+    for other in ([], ["--reasoned-answers", "multi_hop"]):  # other targets than the saved run's
+        with pytest.raises(SystemExit, match="does not match"):
+            T.run(_args(out, *st, "--resume", *other))
     assert T.run(_args(out, *st, "--reasoned-answers", "--resume", "--stop-after-steps", "1")) == 0
+    for bad in ("cross_doc", "multi_hop+multi_hop", "nope"):
+        with pytest.raises(ValueError, match="--reasoned-answers"):
+            T.run(_args(tmp_path / "bad", *st, "--reasoned-answers", bad))
 
 
 def test_typed_stage_asks_its_types_in_their_weights():

@@ -783,15 +783,16 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
 
 
 ANSWER_MARK = "=>"  # a reasoned answer: "BRIDGE => ANSWER"
+BRIDGED_TYPES = ("multi_hop", "description")  # the types whose records name a bridge entity
 
 
-def target_answer(record: dict, reasoned: bool = False) -> str:
-    """The text a model is trained to answer ``record`` with: its first gold answer or, ``reasoned``,
-    for a two-hop record (``multi_hop``, ``description``; made with ``meta``) the bridge entity first:
+def target_answer(record: dict, reasoned=()) -> str:
+    """The text a model is trained to answer ``record`` with: its first gold answer or, when its type is
+    in ``reasoned`` (a subset of BRIDGED_TYPES; the record made with ``meta``), the bridge entity first:
     ``"Kestrel Works => Brar"``, so the second lookup reads a name the model has just written instead
     of one it must compose internally. Scoring reads the part after ``=>`` (bench.quality.final_answer)."""
     answer = record["answers"][0]
-    if not reasoned or record.get("type") not in ("multi_hop", "description"):
+    if record.get("type") not in reasoned:
         return answer
     bridge = (record.get("meta") or {}).get("bridge")
     if not bridge:

@@ -85,7 +85,7 @@ import torch.nn.functional as F
 
 from ..bench.quality import exact_match
 from ..reuse.prompt import build_prompt
-from .data import target_answer
+from .data import BRIDGED_TYPES, target_answer
 
 # Architectures. "small": ≈19.4M parameters, ≈39 MB in bf16; 8 query / 4 KV heads of dim 64 so the
 # head profiler has a real GQA layout to classify. The shipped model is "small" grown to 12 layers
@@ -117,11 +117,12 @@ class Stage:
     questions: int | None = None  # questions per context; None: --questions-per-context
     mix: tuple[int, ...] = ()     # shorter context lengths drawn into the same batches
     types: tuple[str, ...] = ()   # qa question types, round-robin (a repeat weights a type); () = all
-    reasoned: bool = False        # two-hop answers name their bridge first (data.target_answer)
+    reasoned: tuple[str, ...] = ()  # types answered "BRIDGE => ANSWER" (data.target_answer)
 
     def __post_init__(self):
         object.__setattr__(self, "mix", tuple(self.mix))  # a saved state gives a list
         object.__setattr__(self, "types", tuple(self.types))
+        object.__setattr__(self, "reasoned", tuple(self.reasoned))
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -139,7 +140,7 @@ class Stage:
     @property
     def name(self) -> str:
         return (f"{self.kind}:{'+'.join(map(str, self.lengths))}" + (f"/{self.questions}" if self.questions else "")
-                + (f"@{'+'.join(self.types)}" if self.types else "") + (" reasoned" if self.reasoned else ""))
+                + (f"@{'+'.join(self.types)}" if self.types else "") + (f" reasoned:{'+'.join(self.reasoned)}" if self.reasoned else ""))
 
 
 def parse_stages(spec: str) -> list[Stage]:
@@ -306,7 +307,7 @@ class Group:
     blocks: list[tuple[list[int], list[int]]]  # per question: (question suffix, answer + </s>)
 
 
-def tokenize_group(tokenizer, records: list[dict], reasoned: bool = False) -> Group:
+def tokenize_group(tokenizer, records: list[dict], reasoned=()) -> Group:
     """Tokens of one context and its questions, identical to what redknot serves.
 
     build_prompt tokenizes the prefix, each document and the suffix separately, so
@@ -589,7 +590,7 @@ def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: i
     return texts
 
 
-def evaluate(model, tokenizer, records: list[dict], device: torch.device, reasoned: bool = False) -> dict:
+def evaluate(model, tokenizer, records: list[dict], device: torch.device, reasoned=()) -> dict:
     """Held-out exact match (of a reasoned answer's conclusion), overall and per question type."""
     prompts = [build_prompt(tokenizer, r["question"], r["documents"]).token_ids for r in records]
     longest = max(len(tokenizer.encode(target_answer(r, reasoned), add_special_tokens=False)) for r in records)
@@ -725,9 +726,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --init-weights DIR: deepen the checkpoint to this many layers, computing the same "
                         "function at the start (new layers spread evenly, their output projections zeroed)")
     p.add_argument("--questions-per-context", type=int, default=8)
-    p.add_argument("--reasoned-answers", action="store_true",
-                   help="qa stages: two-hop questions are answered 'BRIDGE => ANSWER', naming the entity that "
-                        "links the two documents first (scoring reads the part after '=>')")
+    p.add_argument("--reasoned-answers", nargs="?", const="+".join(BRIDGED_TYPES), default=None, metavar="TYPES",
+                   help="qa stages: questions of these two-hop types (default " + "+".join(BRIDGED_TYPES) + ") are "
+                        "answered 'BRIDGE => ANSWER', naming the entity that links the two documents first "
+                        "(scoring reads the part after '=>')")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default: by --size)")
@@ -755,6 +757,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-mb", type=float, default=60.0,
                    help="size limit of OUT/train_state.pt, so it can be carried between machines: exact (fp32 "
                         "weights + optimizer) when that fits, else bf16 weights (+ an exact train_state_full.pt)")
+
+
+def _reasoned_types(spec: str | None) -> tuple[str, ...]:
+    types = tuple(spec.split("+")) if spec else ()
+    bad = [t for t in types if t not in BRIDGED_TYPES]
+    if bad or len(set(types)) != len(types):
+        raise ValueError(f"--reasoned-answers {spec}: give distinct types among {'+'.join(BRIDGED_TYPES)} "
+                         f"(the types with a bridge entity)")
+    return types
 
 
 def _steps(args, stages: list[Stage]) -> list[int]:
@@ -793,8 +804,8 @@ class Trainer:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = Log(self.out / LOG_FILE if self.rank == 0 else None)  # rank 0 logs, evaluates and saves
-        self.stages = [replace(st, reasoned=True) if args.reasoned_answers and st.kind == "qa" else st
-                       for st in parse_stages(args.stages)]
+        reasoned = _reasoned_types(args.reasoned_answers)
+        self.stages = [replace(st, reasoned=reasoned) if st.kind == "qa" else st for st in parse_stages(args.stages)]
         self.steps = _steps(args, self.stages)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.world > 1:
