@@ -195,6 +195,36 @@ def test_advance_em_ends_a_stage_early_and_export_writes_the_model(tmp_path):
         T.run(_args(tmp_path / "empty", "--export"))
 
 
+def test_fit_steps_counts_what_fits():
+    # 100 s left at 1 s a step and a 10 s evaluation every 10 steps: 50 more steps
+    assert T.fit_steps(step=20, steps=1000, seconds_left=100, step_s=1.0, eval_every=10, eval_s=10) == 70
+    assert T.fit_steps(20, 60, 100, 1.0, 10, 10) == 60       # the asked count is the most it runs
+    assert T.fit_steps(20, 1000, -5, 1.0, 10, 10) == 21      # out of time: the next step ends the stage
+    assert T.fit_steps(20, 1000, 100, 0.5, 0, 10) == 220     # no evaluations
+
+
+def test_fit_steps_shortens_the_last_stage_once_and_a_resume_keeps_it(tmp_path, monkeypatch):
+    """--fit-steps: after the timed steps the last stage is cut to what fits (here a fixed count),
+    its cosine runs over the fitted count, and a resume keeps that count."""
+    monkeypatch.setattr(T, "FIT_AFTER_STEPS", 1)
+    asked = []
+    monkeypatch.setattr(T, "fit_steps", lambda step, steps, *rest: asked.append((step, steps)) or 4)
+    out = tmp_path / "fit"
+    stages = ["--stages", "easy:128,qa:256", "--steps-per-stage", "3", "8", "--eval-every", "0", "--warmup", "1"]
+    assert T.run(_args(out, *stages, "--fit-steps", "--time-budget", "3600", "--stop-after-steps", "5")) == 0
+    log = _log(out)
+    assert asked == [(2, 8)]  # stage 1 (not the last) untouched; stage 2 timed from its 1st step, fitted at its 2nd
+    assert [(r["stage"], r["steps"], r["asked"]) for r in log if r["event"] == "fit"] == [(1, 4, 8)]
+    assert T.run(_args(out, *stages, "--fit-steps", "--time-budget", "3600", "--resume")) == 0
+    log = _log(out)
+    train = [r for r in log if r["event"] == "train" and r["stage"] == 1]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and asked == [(2, 8)]  # fitted once
+    # the cosine runs over the fitted count, not the asked one
+    assert [r["lr"] for r in train[2:]] == pytest.approx([3e-3 * T.lr_factor(k, 4, 1) for k in (2, 3)])
+    assert log[-1]["event"] == "done"
+    assert torch.load(out / T.STATE_FILE, weights_only=False)["args"]["fitted"] == {"1": 4}
+
+
 def test_stage_questions_and_init_weights(tmp_path):
     first = tmp_path / "first"
     assert T.run(_args(first, "--stop-after-steps", "1")) == 0

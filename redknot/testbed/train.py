@@ -36,7 +36,8 @@ the context. Hence:
 Efficiency (the real run is ~10 minutes at a time on one H200, resumed across runs): examples are
 packed into fixed-shape rows of ``--batch-tokens`` per step (static shapes, torch.compile-friendly),
 bf16 autocast, TF32 matmuls, fused AdamW, cosine schedule with warmup per stage, background data
-workers, and ``--time-budget`` stops cleanly (state + model saved) before the machine is taken away.
+workers, and ``--time-budget`` stops cleanly (state + model saved) before the machine is taken away;
+with ``--fit-steps`` the last stage is shortened instead, so its cosine ends inside the budget.
 Batches are a pure function of (seed, stage, step), so ``--resume`` from an exact state continues
 exactly. ``qa:N`` asks the corpus for N tokens of documents, calibrated to this tokenizer; with many
 questions the documents they need can pass a short budget (8 questions: ~2.6K tokens at qa:2048).
@@ -107,6 +108,7 @@ STATE_FILE, LOG_FILE, MODEL_DIR, TOKENIZER_FILE = "train_state.pt", "train_log.j
 FULL_STATE_FILE = "train_state_full.pt"  # the exact state, beside a lossy train_state.pt
 _MIX_SEED_STRIDE = 1_000_003  # seed offset of a mixed stage's k-th context length
 _SHARD_SHIFT = 52             # batch-seed offset of data-parallel rank r: r << 52, above every one-process seed
+FIT_AFTER_STEPS = 20  # --fit-steps: steps timed (after the invocation's first) before the stage is fitted
 REWARMUP_STEPS = 50  # after a resume without optimizer moments: Adam re-estimates them (β2 = 0.95 ≈ 20 steps)
 
 
@@ -548,6 +550,14 @@ def train_step(model, optimizer, batch: dict, lm_weight: float, attn: str, devic
     return (loss.detach(), *metrics)  # loss, answer CE, text CE, first-answer-token CE
 
 
+def fit_steps(step: int, steps: int, seconds_left: float, step_s: float, eval_every: int, eval_s: float) -> int:
+    """The stage length (at most ``steps``, at least ``step + 1``) whose remaining steps and the
+    held-out evaluations among them fit in ``seconds_left``, at ``step_s`` per step and ``eval_s``
+    per evaluation."""
+    per_step = step_s + (eval_s / eval_every if eval_every else 0.0)
+    return max(step + 1, min(steps, step + int(max(0.0, seconds_left) / per_step)))
+
+
 def lr_factor(step: int, steps: int, warmup: int, min_ratio: float = 0.1) -> float:
     """Per stage: linear warmup, then cosine down to min_ratio. A pure function of the position, so
     resuming restores the schedule exactly."""
@@ -753,6 +763,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data-building processes (default: all cores but two on GPU, 0 = in-process on CPU)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds: stop cleanly (state + model saved) before this much wall time has passed")
+    p.add_argument("--fit-steps", action="store_true",
+                   help="with --time-budget: once the last stage's step time is measured (%d steps), shorten that "
+                        "stage so its schedule ends inside the budget (its count stays the most it runs); a resume "
+                        "keeps the fitted count" % FIT_AFTER_STEPS)
     p.add_argument("--stop-after-steps", type=int, default=None, help="stop after N steps in this invocation")
     p.add_argument("--state-mb", type=float, default=60.0,
                    help="size limit of OUT/train_state.pt, so it can be carried between machines: exact (fp32 "
@@ -890,6 +904,12 @@ class Trainer:
                          "questions_per_context": args.questions_per_context, "init_weights": args.init_weights}
         if args.grow_layers:
             self.run_args["grow_layers"] = args.grow_layers
+        self.fitted = dict(state["args"].get("fitted", {})) if state is not None else {}  # stage index -> steps
+        for k, n in self.fitted.items():
+            if int(k) < len(self.steps):
+                self.steps[int(k)] = n
+        self.run_args["fitted"] = self.fitted
+        self._fit_clock = None  # (time, step) when this invocation's timing of the last stage began
         n, c = count_parameters(self.model), config
         self.log(f"model: {args.size}, {n / 1e6:.2f}M parameters, {c.num_hidden_layers} layers, hidden "
                  f"{c.hidden_size}, {c.num_attention_heads} query / {c.num_key_value_heads} KV heads x {c.head_dim}, "
@@ -1007,6 +1027,7 @@ class Trainer:
                     or save_now)
             self._train_step(batch, plan, sync)
             evaluated = False
+            steps = self._maybe_fit(steps)
             if self.step == steps:
                 break
             if eval_now:
@@ -1075,6 +1096,29 @@ class Trainer:
                  tokens_per_s=tokens / dt, fill=fill,
                  questions=stats[1], tokens_seen=self.tokens_seen)
         self._window = (time.time(), self.tokens_seen, [])
+
+    def _maybe_fit(self, steps: int) -> int:
+        """--fit-steps: shorten the last stage once, from its measured step time (the invocation's first
+        step, which carries start-up costs, is not timed), so the cosine ends inside --time-budget."""
+        a = self.args
+        if (not a.fit_steps or a.time_budget is None or self.stage_i != len(self.stages) - 1
+                or str(self.stage_i) in self.fitted):
+            return steps
+        if self._fit_clock is None:
+            self._fit_clock = (time.time(), self.step)
+            return steps
+        t0, s0 = self._fit_clock
+        if self.step - s0 < FIT_AFTER_STEPS:
+            return steps
+        now = time.time()
+        left = a.time_budget - (now - self.t_start) - self.seconds["save"] - self.seconds["eval"]
+        eval_s = max(self.seconds["eval"], 5.0)  # before the stage's first evaluation: a guess
+        fitted = self._agree(fit_steps(self.step, steps, left, (now - t0) / (self.step - s0), a.eval_every, eval_s))
+        self.fitted[str(self.stage_i)] = self.steps[self.stage_i] = fitted
+        self.log(f"fitted stage {self.stages[self.stage_i].name} to {fitted} steps (asked {steps}) for --time-budget "
+                 f"{a.time_budget:g}s: {(now - t0) / (self.step - s0):.3f}s a step", event="fit", stage=self.stage_i,
+                 step=self.step, steps=fitted, asked=steps)
+        return fitted
 
     def _questions(self, stage: Stage) -> int:
         return stage.questions or self.args.questions_per_context
