@@ -236,3 +236,28 @@ def test_a_stopped_run_keeps_the_records_it_finished(setup, monkeypatch):
     assert [r["id"] for r in saved["records"]] == [RECORDS[0]["id"]]
     assert saved["methods"]["full_reuse"]["n"] == 1 and calls == ["dense", "full_reuse"]
     assert not (tmp / "partial.json.tmp").exists()
+
+
+def test_a_reasoned_answers_bridge_is_scored_per_type(monkeypatch):
+    """A record made with --meta names its bridge: a reasoned answer's bridge is scored, and the
+    summary gives how often it was right and how often the answer followed a right one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.setattr(quality, "dense_prefill_flops", lambda cfg, n: 100 * n)
+    logits = torch.randn(32)
+
+    def row(text, rec):
+        out = SimpleNamespace(outputs=[SimpleNamespace(text=text)], metrics={}, prompt_token_ids=[1, 2, 3],
+                              first_token_logits=logits)
+        return {**quality._score(SimpleNamespace(config=None), rec, "dense", out, logits), "type": rec["type"]}
+
+    rec = {"answers": ["Brar"], "type": "multi_hop", "meta": {"bridge": "Kestrel Works"}}
+    rows = [row("Kestrel Works => Brar", rec), row("Kestrel Works => Lund", rec), row("Vell Mills => Brar", rec),
+            row("Brar", rec), row("Brar", {"answers": ["Brar"], "type": "single_hop"})]
+    assert [r["bridge_em"] for r in rows] == [1.0, 1.0, 0.0, None, None]
+    summary = quality._aggregate(rows)
+    mh = summary["by_type"]["multi_hop"]
+    assert (mh["bridge_em"], mh["bridge_n"], mh["em_given_bridge"]) == (pytest.approx(2 / 3), 3, 0.5)
+    assert "bridge_em" not in summary["by_type"]["single_hop"]

@@ -136,9 +136,13 @@ def _score(llm, rec: dict, method: str, out, ref_logits: torch.Tensor) -> dict:
     dense_flops = dense_prefill_flops(llm.config, len(out.prompt_token_ids))
     if method == REFERENCE:
         flops = dense_flops
+    # a reasoned answer ("BRIDGE => ANSWER") to a record that names its bridge (make-data --meta): was it right?
+    head, mark, _ = text.rpartition(ANSWER_MARK)
+    bridge = (rec.get("meta") or {}).get("bridge")
     return {"text": text, "em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
             **logit_agreement(out.first_token_logits, ref_logits), "cached_tokens": metrics.get("cached_tokens"),
-            "flops": flops, "dense_flops": dense_flops, "prompt_tokens": len(out.prompt_token_ids)}
+            "flops": flops, "dense_flops": dense_flops, "prompt_tokens": len(out.prompt_token_ids),
+            "bridge_em": exact_match(head, bridge) if mark and bridge else None}
 
 
 def _mean(xs):
@@ -149,6 +153,11 @@ def _mean(xs):
 def _summary(rows: list[dict]) -> dict:
     out = {k: _mean(r[k] for r in rows) for k in SCORES}
     out["n"] = len(rows)
+    bridged = [r for r in rows if r.get("bridge_em") is not None]
+    if bridged:  # reasoned answers: how often the bridge was right, and the answer after a right one
+        right = [r for r in bridged if r["bridge_em"]]
+        out.update(bridge_em=_mean(r["bridge_em"] for r in bridged), bridge_n=len(bridged),
+                   em_given_bridge=_mean(r["em"] for r in right))
     return out
 
 
