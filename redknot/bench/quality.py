@@ -57,6 +57,13 @@ def final_answer(prediction: str) -> str:
     return prediction.rpartition(ANSWER_MARK)[2]
 
 
+def bridge_match(prediction: str, bridge: str | None) -> float | None:
+    """Exact match of a reasoned answer's bridge (the text before its last ``=>``); None when the
+    prediction is not reasoned or there is no bridge to compare with."""
+    head, mark, _ = prediction.rpartition(ANSWER_MARK)
+    return exact_match(head, bridge) if mark and bridge else None
+
+
 def exact_match(prediction: str, answers: str | list[str]) -> float:
     """1.0 if the normalised prediction (its conclusion) equals any normalised gold answer."""
     pred = normalize_answer(final_answer(prediction))
@@ -136,13 +143,10 @@ def _score(llm, rec: dict, method: str, out, ref_logits: torch.Tensor) -> dict:
     dense_flops = dense_prefill_flops(llm.config, len(out.prompt_token_ids))
     if method == REFERENCE:
         flops = dense_flops
-    # a reasoned answer ("BRIDGE => ANSWER") to a record that names its bridge (make-data --meta): was it right?
-    head, mark, _ = text.rpartition(ANSWER_MARK)
-    bridge = (rec.get("meta") or {}).get("bridge")
     return {"text": text, "em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
             **logit_agreement(out.first_token_logits, ref_logits), "cached_tokens": metrics.get("cached_tokens"),
             "flops": flops, "dense_flops": dense_flops, "prompt_tokens": len(out.prompt_token_ids),
-            "bridge_em": exact_match(head, bridge) if mark and bridge else None}
+            "bridge_em": bridge_match(text, (rec.get("meta") or {}).get("bridge"))}  # reasoned answers only
 
 
 def _mean(xs):

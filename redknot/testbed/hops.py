@@ -34,9 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from ..bench.quality import exact_match, load_records
+    from ..bench.quality import bridge_match, exact_match, load_records
     from ..engine import LLM, SamplingParams
-    from .data import ANSWER_MARK, hop_questions
+    from .data import hop_questions
 
     records = [r for r in load_records(args.data, args.limit) if r.get("type") == "multi_hop"]
     if not records:
@@ -52,9 +52,9 @@ def run(args) -> int:
             out = llm.generate(question, params, documents=rec["documents"], method=args.method)[0]
             text = out.outputs[0].text.strip()
             row[name] = {"question": question, "gold": gold, "text": text, "em": exact_match(text, gold)}
-        bridge, mark, _ = row["composed"]["text"].rpartition(ANSWER_MARK)
-        if mark:  # a reasoned answer: did it name the right bridge?
-            row["composed"]["bridge_em"] = exact_match(bridge, rec["meta"]["bridge"])
+        bridge = bridge_match(row["composed"]["text"], rec["meta"]["bridge"])
+        if bridge is not None:  # a reasoned answer: did it name the right bridge?
+            row["composed"]["bridge_em"] = bridge
         outcome = ",".join(f"{k}={int(row[k]['em'])}" for k in OUTCOMES)
         counts[outcome] += 1
         by_relation[row["relation"]][outcome] += 1
