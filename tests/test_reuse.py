@@ -337,6 +337,44 @@ def test_cross_chunk_mass_matches_a_direct_softmax():
     assert (got[2:5] == 0).all() and (got[5:10] > 0).all()  # the first chunk has no other chunk before it
 
 
+@pytest.mark.parametrize("n,d,n_chunks,rows", [(40, 8, 3, "all"), (40, 4, 9, "all"), (60, 8, 5, "few"),
+                                                 (33, 4, 12, "few")])
+def test_cross_chunk_mass_as_attention_matches_the_softmax(n, d, n_chunks, rows):
+    """The one-hot-values path (no score matrix) against the materialised softmax, on random
+    layouts: all rows or a few (explicit mask), chunk ids over one or several D-column groups."""
+    from redknot.reuse.recovery import _cross_mass_blocked, cross_chunk_mass
+
+    gen = torch.Generator().manual_seed(n + d + n_chunks)
+    hkv, g = 2, 3
+    keys, q = torch.randn(n, hkv, d, generator=gen), torch.randn(n, hkv * g, d, generator=gen)
+    cuts = sorted(torch.randperm(n - 4, generator=gen)[:n_chunks - 1].add(2).tolist())
+    chunk_id = torch.full((n,), -1)
+    for c, (a, b) in enumerate(zip([2] + cuts, cuts + [n - 2])):
+        chunk_id[a:b] = c
+    pos = torch.arange(n) if rows == "all" else torch.sort(torch.randperm(n, generator=gen)[:n // 3]).values
+    window, sink = torch.tensor([n, 5]), torch.tensor([0, 2])
+    got = cross_chunk_mass(q[pos], pos, keys, window, sink, 0.3, chunk_id)
+    # the reference over the full-context head alone: its keys and query heads, every head global
+    want = _cross_mass_blocked(q[pos][:, :g], pos, keys[:, :1], torch.tensor([n]), torch.tensor([0]), 0.3, chunk_id)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert (got[chunk_id[pos] < 0] == 0).all()
+
+
+def test_cross_chunk_mass_without_a_full_context_head_uses_each_heads_window():
+    from redknot.reuse.recovery import cross_chunk_mass
+
+    torch.manual_seed(1)
+    n, d = 16, 4
+    keys, q = torch.randn(n, 1, d), torch.randn(n, 2, d)
+    chunk_id = torch.tensor([-1] * 2 + [0] * 7 + [1] * 7)
+    got = cross_chunk_mass(q, torch.arange(n), keys, torch.tensor([4]), torch.tensor([1]), 0.5, chunk_id)
+    r = 15  # sees sink key 0 and keys 12..15, all in its own chunk or the prefix
+    assert got[r] == 0
+    r = 10  # sees key 0 and keys 7..10: keys 7, 8 are in chunk 0
+    p = (q[r] @ keys[[0, 7, 8, 9, 10], 0].T * 0.5).softmax(-1)
+    torch.testing.assert_close(got[r], p[:, 1:3].sum(-1).mean())
+
+
 def test_keep_fraction_picks_a_fixed_share_once(tiny_checkpoint):
     """keep_fraction: the first sparse layer keeps that share of the recomputed chunk tokens (cross
     ranking), redknot_kv keeps that set; keep_fraction 1 is every token through every FFN."""

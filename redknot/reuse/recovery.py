@@ -218,14 +218,67 @@ def cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Ten
     """Per query row: the attention mass it gives keys of chunks other than its own (keys outside
     any chunk, e.g. the prefix, count as its own context: its cache saw them), averaged over the KV
     heads that see the whole context here (all heads if none does). float32 [R]; 0 for rows outside
-    chunks. Plain torch in query blocks: it runs at the selecting layers only."""
+    chunks."""
+    n = keys.shape[0]
+    heads = (window >= n).nonzero().flatten()
+    if heads.numel():
+        return _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id)
+    return _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id)
+
+
+def _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id) -> torch.Tensor:
+    """``cross_chunk_mass`` over full-context heads as attention itself: with one-hot chunk
+    indicators as the values, SDPA's output row is the mass the query gives each chunk, so the
+    scores are never materialised (flash / memory-efficient kernels on a GPU). Values: column 0
+    is "in any chunk", column 1 + c is chunk c, in groups of D columns (one call up to D - 1 chunks).
+    other = mass in any chunk - mass in its own."""
+    r, hq, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    g, dev = hq // hkv, q.device
+    own = chunk_id[q_pos]
+    out = torch.zeros(r, dtype=torch.float32, device=dev)
+    if not bool((own >= 0).any()):
+        return out
+    qh = q.view(r, hkv, g, d)[:, heads].reshape(r, -1, d).transpose(0, 1)[None]  # [1, h*g, R, D]
+    kh = keys[:, heads].transpose(0, 1)[None]  # [1, h, N, D]
+    n_cols = int(chunk_id.max()) + 2
+    col = torch.where(chunk_id >= 0, chunk_id + 1, 0)
+    padded = r * _CAUSAL_MIN_SHARE[1] >= n * _CAUSAL_MIN_SHARE[0]
+    if padded:  # (nearly) every position is a query: zero rows at the others, one causal call
+        qp = qh.new_zeros(1, qh.shape[1], n, d)
+        qp[:, :, q_pos] = qh
+    own_mass = torch.zeros(r, dtype=torch.float32, device=dev)
+    any_mass = None
+    for c0 in range(0, n_cols, d):
+        values = torch.zeros(n, d, dtype=q.dtype, device=dev)
+        sel = (col >= c0) & (col < c0 + d)
+        values[sel.nonzero().flatten(), col[sel] - c0] = 1
+        if c0 == 0:
+            values[:, 0] = (chunk_id >= 0).to(q.dtype)
+        v = values[None, None].expand(1, kh.shape[1], n, d)
+        if padded:
+            o = F.scaled_dot_product_attention(qp, kh, v, is_causal=True, scale=scale, enable_gqa=True)[0][:, q_pos]
+        else:  # a few rows: block by block under an explicit causal mask
+            o = torch.cat([F.scaled_dot_product_attention(
+                qh[:, :, r0:r0 + _QUERY_BLOCK], kh, v, scale=scale, enable_gqa=True,
+                attn_mask=torch.arange(n, device=dev)[None, :] <= q_pos[r0:r0 + _QUERY_BLOCK, None])[0]
+                for r0 in range(0, r, _QUERY_BLOCK)], dim=1)
+        mass = o.float().mean(0)  # [R, D]: mean over the heads
+        if c0 == 0:
+            any_mass = mass[:, 0]
+        mine = (own + 1 >= c0) & (own + 1 < c0 + d) & (own >= 0)
+        own_mass[mine] = mass[mine, (own + 1 - c0)[mine]]
+    return torch.where(own >= 0, (any_mass - own_mass).clamp(min=0), out)
+
+
+def _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Tensor:
+    """``cross_chunk_mass`` when no head sees the whole context: every head under its own
+    (window, sink), the softmax materialised in fp32 query block by query block."""
     r, hq, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
     g = hq // hkv
-    heads = (window >= n).nonzero().flatten()
-    heads = heads if heads.numel() else torch.arange(hkv, device=q.device)
-    k = keys[:, heads].float()  # [N, h, D]
-    w, s = window[heads][:, None, None], sink[heads][:, None, None]
+    k = keys.float()  # [N, h, D]
+    w, s = window[:, None, None], sink[:, None, None]
     j = torch.arange(n, device=q.device)[None, None, :]
     out = torch.zeros(r, dtype=torch.float32, device=q.device)
     key_chunk = chunk_id[None, :]
@@ -234,7 +287,7 @@ def cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Ten
         own = chunk_id[pos]
         if not bool((own >= 0).any()):
             continue
-        qb = q[r0:r0 + _QUERY_BLOCK].view(-1, hkv, g, d)[:, heads].float()  # [b, h, g, D]
+        qb = q[r0:r0 + _QUERY_BLOCK].view(-1, hkv, g, d).float()  # [b, h, g, D]
         p = pos[None, :, None]
         mask = (j <= p) & ((j < s) | (p - j < w))  # [h, b, N]
         scores = torch.einsum("bhgd,nhd->hgbn", qb, k) * scale
