@@ -96,6 +96,23 @@ def test_dense_and_block_mask_follow_one_rule():
     assert m[8].tolist() == [False] * 8 + [True]                                          # padding sees itself
 
 
+def test_flex_block_mask_gives_the_sdpa_loss(tokenizer):
+    """The FlexAttention path (eager block mask) computes the masked-SDPA loss on a packed batch.
+    CPU runs flex forward only; training with it needs CUDA."""
+    batch = T.build_batch(tokenizer, T.Stage("easy", 128), 0, step=0, seed=0, rows=2, row_len=512,
+                          questions_per_context=4, tokens_per_word=2.8, est_group_tokens=200)
+    batch = T.to_device({k: v for k, v in batch.items() if k != "stats"}, CPU)
+    assert (batch["seg"] == 1).any()  # several groups share a row: the mask must keep them apart
+    sdpa = T.build_model(T.make_config("tiny", tokenizer, "sdpa"), seed=0).eval()
+    flex = T.build_model(T.make_config("tiny", tokenizer, "flex"), seed=1).eval()
+    flex.load_state_dict(sdpa.state_dict())
+    with torch.no_grad():
+        want = T.forward_loss(sdpa, batch, 0.1, "sdpa", first_weight=1.0)
+        got = T.forward_loss(flex, batch, 0.1, "flex", first_weight=1.0)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
 def test_model_fits_a_repeated_batch(tokenizer):
     stage = T.Stage("easy", 128)
     batch = T.build_batch(tokenizer, stage, 0, step=0, seed=0, rows=1, row_len=512, questions_per_context=4,
@@ -201,6 +218,8 @@ def test_fit_steps_counts_what_fits():
     assert T.fit_steps(20, 60, 100, 1.0, 10, 10) == 60       # the asked count is the most it runs
     assert T.fit_steps(20, 1000, -5, 1.0, 10, 10) == 21      # out of time: the next step ends the stage
     assert T.fit_steps(20, 1000, 100, 0.5, 0, 10) == 220     # no evaluations
+    # and a 20 s save every 20 steps: 3 s a step, 33 more
+    assert T.fit_steps(20, 1000, 100, 1.0, 10, 10, save_every=20, save_s=20) == 53
 
 
 def test_fit_steps_shortens_the_last_stage_once_and_a_resume_keeps_it(tmp_path, monkeypatch):
@@ -208,12 +227,16 @@ def test_fit_steps_shortens_the_last_stage_once_and_a_resume_keeps_it(tmp_path, 
     its cosine runs over the fitted count, and a resume keeps that count."""
     monkeypatch.setattr(T, "FIT_AFTER_STEPS", 1)
     asked = []
-    monkeypatch.setattr(T, "fit_steps", lambda step, steps, *rest: asked.append((step, steps)) or 4)
+    budget = []
+    monkeypatch.setattr(T, "fit_steps", lambda step, steps, left, *rest: asked.append((step, steps))
+                        or budget.append((left, rest[-2:])) or 4)
     out = tmp_path / "fit"
     stages = ["--stages", "easy:128,qa:256", "--steps-per-stage", "3", "8", "--eval-every", "0", "--warmup", "1"]
     assert T.run(_args(out, *stages, "--fit-steps", "--time-budget", "3600", "--stop-after-steps", "5")) == 0
     log = _log(out)
     assert asked == [(2, 8)]  # stage 1 (not the last) untouched; stage 2 timed from its 1st step, fitted at its 2nd
+    # the stop rule's reserve (a final save's 30 s at least) is not the stage's; periodic saves are costed
+    assert budget[0][0] < 3600 - 30 and budget[0][1][0] == 250
     assert [(r["stage"], r["steps"], r["asked"]) for r in log if r["event"] == "fit"] == [(1, 4, 8)]
     assert T.run(_args(out, *stages, "--fit-steps", "--time-budget", "3600", "--resume")) == 0
     log = _log(out)

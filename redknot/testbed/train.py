@@ -35,7 +35,8 @@ the context. Hence:
 
 Efficiency (the real run is ~10 minutes at a time on one H200, resumed across runs): examples are
 packed into fixed-shape rows of ``--batch-tokens`` per step (static shapes, torch.compile-friendly),
-bf16 autocast, TF32 matmuls, fused AdamW, cosine schedule with warmup per stage, background data
+attention through FlexAttention on CUDA (a block mask skips the blocks between a row's contexts and
+QA blocks; masked SDPA on CPU), bf16 autocast, TF32 matmuls, fused AdamW, cosine schedule with warmup per stage, background data
 workers, and ``--time-budget`` stops cleanly (state + model saved) before the machine is taken away;
 with ``--fit-steps`` the last stage is shortened instead, so its cosine ends inside the budget.
 Batches are a pure function of (seed, stage, step), so ``--resume`` from an exact state continues
@@ -493,11 +494,14 @@ def dense_mask(seg: torch.Tensor, qa: torch.Tensor) -> torch.Tensor:
 
 
 def block_mask(seg: torch.Tensor, qa: torch.Tensor):
-    """``visibility`` as a FlexAttention BlockMask: blocks that no query sees are skipped entirely."""
+    """``visibility`` as a FlexAttention BlockMask: blocks that no query sees are skipped entirely.
+
+    Built eagerly: on an H200 (torch 2.11, triton 3.6) the compiled ``create_block_mask`` never left
+    ``ptxas``, while the eager one takes ~12 ms for 3 rows of 8,832 tokens (testbed.md, tenth session)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, L = seg.shape
-    return create_block_mask(visibility(seg, qa), B, None, L, L, device=seg.device, _compile=seg.is_cuda)
+    return create_block_mask(visibility(seg, qa), B, None, L, L, device=seg.device, _compile=False)
 
 
 def attention_mask(seg, qa, attn: str):
@@ -550,11 +554,12 @@ def train_step(model, optimizer, batch: dict, lm_weight: float, attn: str, devic
     return (loss.detach(), *metrics)  # loss, answer CE, text CE, first-answer-token CE
 
 
-def fit_steps(step: int, steps: int, seconds_left: float, step_s: float, eval_every: int, eval_s: float) -> int:
-    """The stage length (at most ``steps``, at least ``step + 1``) whose remaining steps and the
-    held-out evaluations among them fit in ``seconds_left``, at ``step_s`` per step and ``eval_s``
-    per evaluation."""
-    per_step = step_s + (eval_s / eval_every if eval_every else 0.0)
+def fit_steps(step: int, steps: int, seconds_left: float, step_s: float, eval_every: int, eval_s: float,
+              save_every: int = 0, save_s: float = 0.0) -> int:
+    """The stage length (at most ``steps``, at least ``step + 1``) whose remaining steps, and the
+    held-out evaluations and periodic saves among them, fit in ``seconds_left``, at ``step_s`` per
+    step, ``eval_s`` per evaluation and ``save_s`` per save."""
+    per_step = step_s + (eval_s / eval_every if eval_every else 0.0) + (save_s / save_every if save_every else 0.0)
     return max(step + 1, min(steps, step + int(max(0.0, seconds_left) / per_step)))
 
 
@@ -754,10 +759,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-every", type=int, default=250, help="write OUT/train_state.pt every N steps")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--attn", choices=("sdpa", "flex"), default="sdpa",
-                   help="sdpa: masked SDPA (robust, what trained the bundled model); flex: FlexAttention block mask "
-                        "(skips masked blocks; on an H200, torch 2.11, with 14 data workers its first block-mask "
-                        "compile had not finished after 9 minutes: docs/results/testbed.md, run N)")
+    p.add_argument("--attn", choices=("auto", "sdpa", "flex"), default="auto",
+                   help="flex: FlexAttention with a block mask (skips the blocks no query sees; 1.5x the tokens/s "
+                        "of sdpa on an H200; training needs CUDA); sdpa: masked SDPA (computes every pair of a row; "
+                        "what trained the bundled model); auto: flex on CUDA, else sdpa")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     p.add_argument("--workers", type=int, default=None,
                    help="data-building processes (default: all cores but two on GPU, 0 = in-process on CPU)")
@@ -825,6 +830,8 @@ class Trainer:
         if self.device.type == "cuda" and self.world > 1:
             self.device = torch.device("cuda", local_rank)
         _fast_math(self.device)
+        if args.attn == "auto":
+            args.attn = "flex" if self.device.type == "cuda" else "sdpa"
         state = self._read_state()
         init_dir = Path(args.init_weights) if state is None and args.init_weights else None
         init_dir = init_dir if init_dir is not None and init_dir.is_dir() else None
@@ -898,6 +905,7 @@ class Trainer:
             max(1, ((os.cpu_count() or 2) - 2) // self.world) if self.device.type == "cuda" else 0)
         self.last_em, self.stop_signal = None, None
         self.seconds = {"save": 30.0, "eval": 0.0, "step": 0.0}  # what a clean stop must leave time for
+        self.periodic_save_s = None  # the last --save-every checkpoint's duration
         self.run_args = {"stages": [st.as_dict() for st in self.stages], "steps": self.steps, "size": args.size,
                          "seed": args.seed, "lr": args.lr, "batch_tokens": args.batch_tokens,
                          "lm_weight": args.lm_weight, "first_weight": args.first_weight,
@@ -964,6 +972,8 @@ class Trainer:
                        {"run": self.run_args, "stage": self.stage_i, "step": self.step,
                         "tokens_seen": self.tokens_seen, "heldout": self.last_em})
         self.seconds["save"] = max(self.seconds["save"], 2 * (time.time() - t0))
+        if not write_model:
+            self.periodic_save_s = time.time() - t0
 
     # -- the loop --
     def export(self) -> int:
@@ -1111,9 +1121,12 @@ class Trainer:
         if self.step - s0 < FIT_AFTER_STEPS:
             return steps
         now = time.time()
-        left = a.time_budget - (now - self.t_start) - self.seconds["save"] - self.seconds["eval"]
+        # what the stop rule keeps in reserve (a final save, an evaluation, a slow step) is not the stage's
+        left = a.time_budget - (now - self.t_start) - sum(self.seconds.values())
         eval_s = max(self.seconds["eval"], 5.0)  # before the stage's first evaluation: a guess
-        fitted = self._agree(fit_steps(self.step, steps, left, (now - t0) / (self.step - s0), a.eval_every, eval_s))
+        save_s = self.periodic_save_s if self.periodic_save_s is not None else 5.0  # before the first: a guess
+        fitted = self._agree(fit_steps(self.step, steps, left, (now - t0) / (self.step - s0), a.eval_every, eval_s,
+                                       a.save_every, save_s))
         self.fitted[str(self.stage_i)] = self.steps[self.stage_i] = fitted
         self.log(f"fitted stage {self.stages[self.stage_i].name} to {fitted} steps (asked {steps}) for --time-budget "
                  f"{a.time_budget:g}s: {(now - t0) / (self.step - s0):.3f}s a step", event="fit", stage=self.stage_i,
