@@ -1,6 +1,9 @@
 """CPU smoke test of the TTFT benchmark harness (the real run is on a GPU)."""
 
 import json
+import re
+
+import pytest
 
 from redknot.cli import main
 
@@ -54,3 +57,15 @@ def test_ttft_profile_names_the_recovery_phases(tmp_path):
     tables = sorted(p.name for p in folder.iterdir())
     assert tables == sorted(f"tiny_g50-w16_4x64_{m}.txt" for m in ("hf_dense", "dense", "redknot"))
     assert "recover.attention" in (folder / "tiny_g50-w16_4x64_redknot.txt").read_text()
+
+
+@pytest.mark.parametrize("option,value,match", [("--archs", "tiny,mistral7b", "unknown arch"),
+                                                ("--layouts", "2x64", "unknown layout.*4x64"),
+                                                ("--methods", "dense,redknotkv", "unknown method"),
+                                                ("--head-configs", "g15", "head config")])
+def test_ttft_bench_names_a_bad_option_before_building_a_model(tmp_path, capsys, option, value, match):
+    args = {"--archs": "tiny", "--layouts": "4x64", "--methods": "dense", "--head-configs": "g50-w16", option: value}
+    assert main(["bench", "ttft", "--device", "cpu", "--out", str(tmp_path / "t.json")]
+                + [x for kv in args.items() for x in kv]) != 0
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "t.json").exists()

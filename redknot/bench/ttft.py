@@ -14,6 +14,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -93,6 +94,15 @@ def _profile_row(row: dict, call, dev, folder: str) -> None:
     print(f"{name}: {format_summary(summary)}", flush=True)
 
 
+def _names(spec: str, known, what: str) -> list[str]:
+    """A comma list of names, each one of ``known``: a typo fails before any model is built."""
+    names = [x for x in spec.split(",") if x]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        raise ValueError(f"unknown {what}(s) {unknown or [spec]}; available: {', '.join(known)}")
+    return names
+
+
 def _head_config(name: str, cfg: ModelConfig, anchor: str | None) -> HeadConfig:
     if name == "anchor":
         if not anchor:
@@ -131,36 +141,38 @@ def run(args) -> dict:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     sparse = SparseFFNConfig.from_json(args.sparse_ffn) if args.sparse_ffn else SparseFFNConfig()
-    methods = [m for m in args.methods.split(",") if m]
-    unknown = sorted(set(methods) - set(METHODS))
-    if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; available: {', '.join(METHODS)}")
+    methods = _names(args.methods, METHODS, "method")
+    arch_names, layouts = _names(args.archs, ARCHS, "arch"), _names(args.layouts, LAYOUTS, "layout")
+    head_names = [h for h in args.head_configs.split(",") if h]
+    bad = [h for h in head_names if h != "anchor" and not re.fullmatch(r"g\d+-w\d+", h)]
+    if bad or not head_names:
+        raise ValueError(f"head config(s) {bad}: each is 'anchor' or gPERCENT-wWINDOW (e.g. g15-w1024)")
     out = args.out or os.path.join(os.environ.get("OUT", "."), "ttft.json")
     deadline = time.perf_counter() + args.time_budget_s
     result = {"benchmark": "ttft", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "torch": torch.__version__, "argv": ["redknot", "bench", "ttft"] + sys.argv[3:],
               "sparse_ffn": vars(sparse), "rows": []}
-    for arch_name in args.archs.split(","):
+    for arch_name in arch_names:
         arch = ARCHS[arch_name]
         cfg = ModelConfig.from_dict(arch)
         torch.manual_seed(0)
         model = build_model(cfg, dtype, dev)
         hf = _hf_model(arch, dev, dtype) if "hf_dense" in methods else None
-        for hc_name in args.head_configs.split(","):
+        for hc_name in head_names:
             if hc_name == "anchor" and arch_name != "mistral-7b":
                 continue
             head = _head_config(hc_name, cfg, args.anchor_head_config)
             store = ChunkStore(f"bench-{arch_name}", 100 << 30, 0, dev)
             engine = ReuseEngine(model, cfg, f"bench-{arch_name}", head, sparse, store,
                                  ChunkStore(f"bench-{arch_name}", 1 << 30, 0, dev), dev)
-            for layout in args.layouts.split(","):
+            for layout in layouts:
                 n_docs, doc_len = LAYOUTS[layout]
                 prompt = _prompt(n_docs, doc_len, cfg.vocab_size, seed=n_docs * doc_len)
                 n = len(prompt)
                 dense_row = None
                 for m in methods:
-                    if m == "hf_dense" and hc_name != args.head_configs.split(",")[0]:
+                    if m == "hf_dense" and hc_name != head_names[0]:
                         continue  # head config does not affect HF: once per layout
                     if time.perf_counter() > deadline:
                         result.setdefault("skipped", []).append(f"{arch_name}/{hc_name}/{layout}/{m}: time budget")
