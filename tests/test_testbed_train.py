@@ -341,6 +341,46 @@ def test_reasoned_answers_name_the_bridge_and_train(tmp_path, tokenizer):
             T.run(_args(tmp_path / "bad", *st, "--reasoned-answers", bad))
 
 
+def test_restated_bridge_answers_state_the_first_hop(tmp_path, tokenizer):
+    """--restate-bridge: a reasoned multi_hop answer is 'X was born in BRIDGE => ANSWER' (the easy
+    stages' fact sentence up to the bridge); description keeps 'BRIDGE => ANSWER'; a run refuses it
+    without reasoned multi_hop, and a resume must keep it."""
+    from redknot.bench.quality import bridge_match, exact_match
+    from redknot.testbed.data import restated_fact, target_answer
+
+    stage = T.Stage("qa", 1024, types=("multi_hop", "description"), reasoned=("multi_hop", "description"),
+                    restate=True)
+    assert T.Stage(**stage.as_dict()) == stage and "restate" not in T.Stage("qa", 1024).as_dict()
+    recs = T.stage_records(stage, seed=5, contexts=3, questions_per_context=4)
+    for r in recs:
+        m, answer = r["meta"], r["answers"][0]
+        got = target_answer(r, stage.reasoned, stage.restate)
+        if r["type"] == "description":
+            assert got == f"{m['bridge']} => {answer}"
+            continue
+        link = m["relation"].split("->")[0]
+        fact = {"birth_city": "was born in", "employer": "works for", "school": "studied at",
+                "residence": "lives in"}[link]
+        assert got == f"{m['entity']} {fact} {m['bridge']} => {answer}"
+        # scored: the bridge after the restated fact, the answer after '=>'
+        assert bridge_match(got, m["bridge"], restated_fact(r)) == 1.0 and exact_match(got, answer) == 1.0
+        assert bridge_match(f"{m['entity']} {fact} Nowhere => {answer}", m["bridge"], restated_fact(r)) == 0.0
+        assert bridge_match(f"{m['bridge']} => {answer}", m["bridge"], restated_fact(r)) == 1.0  # short form too
+    assert {r["type"] for r in recs} == {"multi_hop", "description"}
+    g = T.tokenize_group(tokenizer, T.group_records(recs)[0], stage.reasoned, stage.restate)
+    r0 = T.group_records(recs)[0][0]
+    assert g.blocks[0][1][:-1] == tokenizer.encode(target_answer(r0, stage.reasoned, True), add_special_tokens=False)
+    out = tmp_path / "restated"
+    st = ["--stages", "qa:512@multi_hop+single_hop", "--reasoned-answers", "multi_hop"]
+    assert T.run(_args(out, *st, "--restate-bridge", "--stop-after-steps", "1")) == 0
+    names = [r["stage_name"] for r in _log(out) if r["event"] == "stage"]
+    assert names == ["qa:512@multi_hop+single_hop reasoned:multi_hop restated"]
+    with pytest.raises(SystemExit, match="does not match"):
+        T.run(_args(out, *st, "--resume"))
+    with pytest.raises(ValueError, match="--restate-bridge"):
+        T.run(_args(tmp_path / "bad", "--stages", "qa:512", "--reasoned-answers", "description", "--restate-bridge"))
+
+
 def test_typed_stage_asks_its_types_in_their_weights():
     """``@TYPE+TYPE`` restricts a qa stage's questions to those types, a repeat weighting one."""
     stage = T.parse_stages("qa:1024@cross_doc+cross_doc+single_hop")[0]

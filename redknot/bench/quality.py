@@ -22,7 +22,7 @@ import string
 import sys
 from pathlib import Path
 
-from ..testbed.data import ANSWER_MARK, read_jsonl
+from ..testbed.data import ANSWER_MARK, read_jsonl, restated_fact
 
 import torch
 
@@ -57,11 +57,17 @@ def final_answer(prediction: str) -> str:
     return prediction.rpartition(ANSWER_MARK)[2]
 
 
-def bridge_match(prediction: str, bridge: str | None) -> float | None:
-    """Exact match of a reasoned answer's bridge (the text before its last ``=>``); None when the
-    prediction is not reasoned or there is no bridge to compare with."""
+def bridge_match(prediction: str, bridge: str | None, fact: str | None = None) -> float | None:
+    """Exact match of a reasoned answer's bridge: the text before its last ``=>``, after ``fact`` when
+    the answer restates its first hop (``testbed.data.restated_fact``: "X was born in BRIDGE => …").
+    None when the prediction is not reasoned or there is no bridge to compare with."""
     head, mark, _ = prediction.rpartition(ANSWER_MARK)
-    return exact_match(head, bridge) if mark and bridge else None
+    if not (mark and bridge):
+        return None
+    head, fact = normalize_answer(head), normalize_answer(fact or "")
+    if fact and head.startswith(fact + " "):
+        head = head[len(fact) + 1:]
+    return float(head == normalize_answer(bridge))
 
 
 def exact_match(prediction: str, answers: str | list[str]) -> float:
@@ -146,7 +152,8 @@ def _score(llm, rec: dict, method: str, out, ref_logits: torch.Tensor) -> dict:
     return {"text": text, "em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
             **logit_agreement(out.first_token_logits, ref_logits), "cached_tokens": metrics.get("cached_tokens"),
             "flops": flops, "dense_flops": dense_flops, "prompt_tokens": len(out.prompt_token_ids),
-            "bridge_em": bridge_match(text, (rec.get("meta") or {}).get("bridge"))}  # reasoned answers only
+            # reasoned answers only
+            "bridge_em": bridge_match(text, (rec.get("meta") or {}).get("bridge"), restated_fact(rec))}
 
 
 def _mean(xs):

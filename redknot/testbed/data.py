@@ -782,15 +782,28 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
             for r in _context_records(seed, i, context_tokens, questions_per_context, types, tokens_per_word, meta)]
 
 
-ANSWER_MARK = "=>"  # a reasoned answer: "BRIDGE => ANSWER"
+ANSWER_MARK = "=>"  # a reasoned answer: "BRIDGE => ANSWER" (or "X was born in BRIDGE => ANSWER")
 BRIDGED_TYPES = ("multi_hop", "description")  # the types whose records name a bridge entity
 
 
-def target_answer(record: dict, reasoned=()) -> str:
+def restated_fact(record: dict) -> str | None:
+    """A ``multi_hop`` record's first hop as the easy stages state a fact, up to the bridge
+    ("Sagern Ikethov was born in"); None for other records or without meta."""
+    meta = record.get("meta") or {}
+    if record.get("type") != "multi_hop" or not meta.get("relation"):
+        return None
+    return EASY_FACTS[meta["relation"].split("->")[0]].split("{V}")[0].format(X=meta["entity"]).rstrip()
+
+
+def target_answer(record: dict, reasoned=(), restate: bool = False) -> str:
     """The text a model is trained to answer ``record`` with: its first gold answer or, when its type is
     in ``reasoned`` (a subset of BRIDGED_TYPES; the record made with ``meta``), the bridge entity first:
     ``"Kestrel Works => Brar"``, so the second lookup reads a name the model has just written instead
-    of one it must compose internally. Scoring reads the part after ``=>`` (bench.quality.final_answer)."""
+    of one it must compose internally. With ``restate`` a ``multi_hop`` answer first writes its first
+    hop as a fact, ``"Sagern Ikethov was born in Gubury => Orgai River"``: the bridge is then looked up
+    right after the entity's name, as a single-hop answer is (``description`` keeps the short form:
+    its first hop starts from the bridge). Scoring reads the part after ``=>``
+    (bench.quality.final_answer)."""
     answer = record["answers"][0]
     if record.get("type") not in reasoned:
         return answer
@@ -798,7 +811,8 @@ def target_answer(record: dict, reasoned=()) -> str:
     if not bridge:
         raise ValueError(f"record {record.get('id')!r}: a reasoned answer needs the bridge entity "
                          f"(generate_records(meta=True) / make-data --meta)")
-    return f"{bridge} {ANSWER_MARK} {answer}"
+    fact = restated_fact(record) if restate else None
+    return f"{fact + ' ' if fact else ''}{bridge} {ANSWER_MARK} {answer}"
 
 
 # ---- multi_hop split into its hops ----------------------------------------------------------------

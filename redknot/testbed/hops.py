@@ -36,7 +36,7 @@ def run(args) -> int:
 
     from ..bench.quality import bridge_match, exact_match, load_records
     from ..engine import LLM, SamplingParams
-    from .data import hop_questions
+    from .data import hop_questions, restated_fact
 
     records = [r for r in load_records(args.data, args.limit) if r.get("type") == "multi_hop"]
     if not records:
@@ -52,7 +52,7 @@ def run(args) -> int:
             out = llm.generate(question, params, documents=rec["documents"], method=args.method)[0]
             text = out.outputs[0].text.strip()
             row[name] = {"question": question, "gold": gold, "text": text, "em": exact_match(text, gold)}
-        bridge = bridge_match(row["composed"]["text"], rec["meta"]["bridge"])
+        bridge = bridge_match(row["composed"]["text"], rec["meta"]["bridge"], restated_fact(rec))
         if bridge is not None:  # a reasoned answer: did it name the right bridge?
             row["composed"]["bridge_em"] = bridge
         outcome = ",".join(f"{k}={int(row[k]['em'])}" for k in OUTCOMES)

@@ -36,9 +36,10 @@ the context. Hence:
 Efficiency (the real run is ~10 minutes at a time on one H200, resumed across runs): examples are
 packed into fixed-shape rows of ``--batch-tokens`` per step (static shapes, torch.compile-friendly),
 attention through FlexAttention on CUDA (a block mask skips the blocks between a row's contexts and
-QA blocks; masked SDPA on CPU), bf16 autocast, TF32 matmuls, fused AdamW, cosine schedule with warmup per stage, background data
-workers, and ``--time-budget`` stops cleanly (state + model saved) before the machine is taken away;
-with ``--fit-steps`` the last stage is shortened instead, so its cosine ends inside the budget.
+QA blocks; masked SDPA on CPU), bf16 autocast, TF32 matmuls, fused AdamW, cosine schedule with warmup
+per stage, background data workers, and ``--time-budget`` stops cleanly (state + model saved) before
+the machine is taken away; with ``--fit-steps`` the last stage is shortened instead, so its cosine
+ends inside the budget.
 Batches are a pure function of (seed, stage, step), so ``--resume`` from an exact state continues
 exactly. ``qa:N`` asks the corpus for N tokens of documents, calibrated to this tokenizer; with many
 questions the documents they need can pass a short budget (8 questions: ~2.6K tokens at qa:2048).
@@ -121,6 +122,7 @@ class Stage:
     mix: tuple[int, ...] = ()     # shorter context lengths drawn into the same batches
     types: tuple[str, ...] = ()   # qa question types, round-robin (a repeat weights a type); () = all
     reasoned: tuple[str, ...] = ()  # types answered "BRIDGE => ANSWER" (data.target_answer)
+    restate: bool = False  # reasoned multi_hop answers restate the first hop: "X was born in BRIDGE => ANSWER"
 
     def __post_init__(self):
         object.__setattr__(self, "mix", tuple(self.mix))  # a saved state gives a list
@@ -132,10 +134,10 @@ class Stage:
         return (self.context_tokens,) + self.mix
 
     def as_dict(self) -> dict:
-        """For the saved state: ``mix``, ``types`` and ``reasoned`` only when the stage has them (earlier
-        states have none)."""
+        """For the saved state: ``mix``, ``types``, ``reasoned`` and ``restate`` only when the stage has them
+        (earlier states have none)."""
         d = asdict(self)
-        for k in ("mix", "types", "reasoned"):
+        for k in ("mix", "types", "reasoned", "restate"):
             if not d[k]:
                 del d[k]
         return d
@@ -143,7 +145,9 @@ class Stage:
     @property
     def name(self) -> str:
         return (f"{self.kind}:{'+'.join(map(str, self.lengths))}" + (f"/{self.questions}" if self.questions else "")
-                + (f"@{'+'.join(self.types)}" if self.types else "") + (f" reasoned:{'+'.join(self.reasoned)}" if self.reasoned else ""))
+                + (f"@{'+'.join(self.types)}" if self.types else "")
+                + (f" reasoned:{'+'.join(self.reasoned)}" if self.reasoned else "")
+                + (" restated" if self.restate else ""))
 
 
 def parse_stages(spec: str) -> list[Stage]:
@@ -310,7 +314,7 @@ class Group:
     blocks: list[tuple[list[int], list[int]]]  # per question: (question suffix, answer + </s>)
 
 
-def tokenize_group(tokenizer, records: list[dict], reasoned=()) -> Group:
+def tokenize_group(tokenizer, records: list[dict], reasoned=(), restate: bool = False) -> Group:
     """Tokens of one context and its questions, identical to what redknot serves.
 
     build_prompt tokenizes the prefix, each document and the suffix separately, so
@@ -321,7 +325,8 @@ def tokenize_group(tokenizer, records: list[dict], reasoned=()) -> Group:
     blocks = []
     for r in records:
         suffix = list(build_prompt(tokenizer, r["question"], []).suffix)
-        answer = tokenizer.encode(target_answer(r, reasoned), add_special_tokens=False) + [tokenizer.eos_token_id]
+        answer = tokenizer.encode(target_answer(r, reasoned, restate), add_special_tokens=False)
+        answer.append(tokenizer.eos_token_id)
         blocks.append((suffix, answer))
     return Group(context, blocks)
 
@@ -407,7 +412,7 @@ def build_batch(tokenizer, stage: Stage, stage_index: int, step: int, seed: int,
         records = stage_records(stage, batch_seed(seed, stage_index, step, call, shard), contexts,
                                 questions_per_context, tokens_per_word)
         for grp in group_records(records):
-            g = tokenize_group(tokenizer, grp, stage.reasoned)
+            g = tokenize_group(tokenizer, grp, stage.reasoned, stage.restate)
             need = len(g.context) + sum(map(len, g.blocks[0]))
             min_need = need if min_need is None else min(min_need, need)
             packed.add(g)
@@ -456,7 +461,7 @@ def plan_stage(tokenizer, stage: Stage, stage_index: int, batch_tokens: int, que
 
     def probe(st: Stage, questions: int, tpw: float) -> list[Group]:
         records = stage_records(st, seed, probe_contexts, questions, tpw)
-        return [tokenize_group(tokenizer, g, st.reasoned) for g in group_records(records)]
+        return [tokenize_group(tokenizer, g, st.reasoned, st.restate) for g in group_records(records)]
 
     tpw = 1.3  # calibrated on the longest length alone (a mixed stage's mean context is shorter)
     mean_ctx = sum(len(g.context) for g in probe(replace(stage, mix=()), 1, tpw)) / probe_contexts
@@ -605,10 +610,10 @@ def greedy_answers(model, tokenizer, prompts: list[list[int]], max_new_tokens: i
     return texts
 
 
-def evaluate(model, tokenizer, records: list[dict], device: torch.device, reasoned=()) -> dict:
+def evaluate(model, tokenizer, records: list[dict], device: torch.device, reasoned=(), restate: bool = False) -> dict:
     """Held-out exact match (of a reasoned answer's conclusion), overall and per question type."""
     prompts = [build_prompt(tokenizer, r["question"], r["documents"]).token_ids for r in records]
-    longest = max(len(tokenizer.encode(target_answer(r, reasoned), add_special_tokens=False)) for r in records)
+    longest = max(len(tokenizer.encode(target_answer(r, reasoned, restate), add_special_tokens=False)) for r in records)
     if model.config._attn_implementation != "sdpa":
         # decoding with a KV cache is SDPA's home ground; a copy leaves the (compiled) training model as it is
         model = copy.deepcopy(model)
@@ -745,6 +750,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="qa stages: questions of these two-hop types (default " + "+".join(BRIDGED_TYPES) + ") are "
                         "answered 'BRIDGE => ANSWER', naming the entity that links the two documents first "
                         "(scoring reads the part after '=>')")
+    p.add_argument("--restate-bridge", action="store_true",
+                   help="with --reasoned-answers including multi_hop: a multi_hop answer first states its first hop "
+                        "as the easy stages state a fact, 'X was born in BRIDGE => ANSWER', so the bridge is looked "
+                        "up right after X's name")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default: by --size)")
@@ -824,7 +833,11 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = Log(self.out / LOG_FILE if self.rank == 0 else None)  # rank 0 logs, evaluates and saves
         reasoned = _reasoned_types(args.reasoned_answers)
-        self.stages = [replace(st, reasoned=reasoned) if st.kind == "qa" else st for st in parse_stages(args.stages)]
+        if args.restate_bridge and "multi_hop" not in reasoned:
+            raise ValueError("--restate-bridge restates reasoned multi_hop answers: "
+                             "add --reasoned-answers with multi_hop")
+        self.stages = [replace(st, reasoned=reasoned, restate=args.restate_bridge) if st.kind == "qa" else st
+                       for st in parse_stages(args.stages)]
         self.steps = _steps(args, self.stages)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and self.world > 1:
@@ -1159,7 +1172,7 @@ class Trainer:
         qpc = self._questions(stage)
         records = stage_records(stage, HELDOUT_SEED + s_i, math.ceil(self.args.eval_n / qpc), qpc,
                                 self.plans[str(s_i)].tokens_per_word)[:self.args.eval_n]
-        res = evaluate(self.model, self.tokenizer, records, self.device, stage.reasoned)
+        res = evaluate(self.model, self.tokenizer, records, self.device, stage.reasoned, stage.restate)
         self.last_em = {"stage": stage.name, **{k: res[k] for k in ("em", "em_by_type", "n")}}
         self.seconds["eval"] = time.time() - t0
         by_type = " ".join(f"{k} {v:.3f}" for k, v in res["em_by_type"].items())
