@@ -21,3 +21,15 @@ def test_serve_bench_runs_methods_with_shared_documents(tmp_path):
         assert r["ttft_p50_s"] > 0 and r["throughput_tok_s"] > 0
     assert methods["dense"]["cached_tokens_mean"] == 0
     assert methods["full_reuse"]["cached_tokens_mean"] > 0  # documents recur across requests
+
+
+@pytest.mark.parametrize("option,value,match", [("--methods", "dense,redknotkv", "unknown method"),
+                                                ("--arch", "mistral7b", "unknown arch")])
+def test_serve_bench_names_a_bad_option_before_building_a_model(tmp_path, capsys, monkeypatch, option, value, match):
+    from redknot.bench import serve
+
+    monkeypatch.setattr(serve, "_llm", lambda *a: pytest.fail("built a model for a bad option"))
+    args = {"--arch": "tiny", "--methods": "dense", option: value}
+    assert main(["bench", "serve", "--device", "cpu", "--out", str(tmp_path / "s.json")]
+                + [x for kv in args.items() for x in kv]) != 0
+    assert match in capsys.readouterr().err and not (tmp_path / "s.json").exists()

@@ -108,6 +108,12 @@ def run(args) -> dict:
     from ..engine.async_engine import AsyncLLMEngine
     from ..serve.background import BackgroundServer
 
+    from ..engine.llm import METHODS
+    from .ttft import ARCHS, _names
+
+    methods = _names(args.methods, METHODS, "method")  # before a model is built: a typo fails at once
+    if not args.model:
+        _names(args.arch, ARCHS, "arch")
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rng = random.Random(args.seed)
     pool = _documents(args.pool_docs, args.doc_words, rng)
@@ -125,7 +131,7 @@ def run(args) -> dict:
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
               "argv": ["redknot", "bench", "serve"] + sys.argv[3:],
               "args": {k: v for k, v in vars(args).items() if not callable(v)}, "methods": {}}
-    for method in args.methods.split(","):
+    for method in methods:
         llm.chunk_store.clear()
         server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs), "bench")
         print(f"{method}: server up at {server.base}, {args.requests} requests from {args.clients} clients", flush=True)
