@@ -481,3 +481,11 @@ def test_data_parallel_step_is_the_mean_gradient_of_every_ranks_batch(tmp_path):
     opt.step()
     for k, v in model.state_dict().items():
         torch.testing.assert_close(state["model"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_bad_settings_fail_before_any_training(tmp_path):
+    with pytest.raises(ValueError, match="--init-weights .*no such file"):
+        T.run(_args(tmp_path / "a", "--init-weights", str(tmp_path / "missing")))
+    with pytest.raises(ValueError, match="--attn flex trains on CUDA only"):
+        T.run(_args(tmp_path / "b", "--attn", "flex"))
+    assert not (tmp_path / "a" / T.STATE_FILE).exists() and not (tmp_path / "b" / T.STATE_FILE).exists()

@@ -845,6 +845,12 @@ class Trainer:
         _fast_math(self.device)
         if args.attn == "auto":
             args.attn = "flex" if self.device.type == "cuda" else "sdpa"
+        if args.attn == "flex" and self.device.type != "cuda" and not args.export:
+            raise ValueError(f"--attn flex trains on CUDA only (FlexAttention has no backward on {self.device.type}); "
+                             f"use --attn sdpa or auto")
+        if args.init_weights and not Path(args.init_weights).exists():
+            raise ValueError(f"--init-weights {args.init_weights}: no such file or directory "
+                             f"(a train_state.pt or an HF checkpoint directory)")
         state = self._read_state()
         init_dir = Path(args.init_weights) if state is None and args.init_weights else None
         init_dir = init_dir if init_dir is not None and init_dir.is_dir() else None
