@@ -106,9 +106,8 @@ def _pct(xs, q):
 
 def run(args) -> dict:
     from ..engine.async_engine import AsyncLLMEngine
-    from ..serve.background import BackgroundServer
-
     from ..engine.llm import METHODS
+    from ..serve.background import BackgroundServer
     from .ttft import ARCHS, _names
 
     methods = _names(args.methods, METHODS, "method")  # before a model is built: a typo fails at once
