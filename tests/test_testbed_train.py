@@ -489,3 +489,54 @@ def test_bad_settings_fail_before_any_training(tmp_path):
     with pytest.raises(ValueError, match="--attn flex trains on CUDA only"):
         T.run(_args(tmp_path / "b", "--attn", "flex"))
     assert not (tmp_path / "a" / T.STATE_FILE).exists() and not (tmp_path / "b" / T.STATE_FILE).exists()
+
+
+def _block_sets(bm):
+    """A BlockMask's (partial, full) kv blocks per query block as bool [B, nq, nk]."""
+    def dense(num, idx):
+        B, _, nq, nk = idx.shape
+        out = torch.zeros(B, nq, nk, dtype=torch.bool)
+        for b in range(B):
+            for q in range(nq):
+                out[b, q, idx[b, 0, q, :num[b, 0, q]].long()] = True
+        return out
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+def test_structural_block_mask_is_sound_against_the_exact_one(tokenizer):
+    """The block-level mask built from the rows' structure never skips a block holding a visible
+    pair and calls a block full only when every pair in it is visible (create_block_mask, eager,
+    is the exact reference); on packed training rows it finds every full block too."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    gen = torch.Generator().manual_seed(0)
+    layouts = []
+    for _ in range(6):  # random rows: groups of a context and QA blocks, then padding
+        seg, qa = torch.full((2, 1024), -1), torch.zeros(2, 1024, dtype=torch.long)
+        for b in range(2):
+            pos, gid = 0, 0
+            while True:
+                ctx = int(torch.randint(20, 400, (1,), generator=gen))
+                blocks = torch.randint(3, 90, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+                if pos + ctx + sum(blocks) > 1024:
+                    break
+                seg[b, pos:pos + ctx + sum(blocks)] = gid
+                o = pos + ctx
+                for k, n in enumerate(blocks, 1):
+                    qa[b, o:o + n] = k
+                    o += n
+                pos, gid = o, gid + 1
+        layouts.append((seg, qa))
+    batch = T.build_batch(tokenizer, T.Stage("easy", 128), 0, step=0, seed=0, rows=2, row_len=512,
+                          questions_per_context=4, tokens_per_word=2.8, est_group_tokens=200)
+    packed = (torch.as_tensor(batch["seg"]), torch.as_tensor(batch["qa"]))
+    for seg, qa in layouts + [packed]:
+        B, L = seg.shape
+        ours = _block_sets(T.block_mask(seg, qa))
+        exact = _block_sets(create_block_mask(T.visibility(seg, qa), B, None, L, L, device="cpu", _compile=False))
+        assert ((exact[0] | exact[1]) & ~(ours[0] | ours[1])).sum() == 0  # nothing visible is skipped
+        assert (ours[1] & ~exact[1]).sum() == 0                             # full only where it is
+        assert not (ours[0] & ours[1]).any()
+    assert (ours[1] == exact[1]).all() and ((ours[0] | ours[1]) == (exact[0] | exact[1])).all()  # packed rows
+    with pytest.raises(ValueError, match="multiple of"):
+        T.block_mask(seg[:, :500], qa[:, :500])

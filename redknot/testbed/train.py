@@ -498,15 +498,44 @@ def dense_mask(seg: torch.Tensor, qa: torch.Tensor) -> torch.Tensor:
     return visibility(seg, qa)(b, None, i[None, :, None], i[None, None, :])[:, None]
 
 
-def block_mask(seg: torch.Tensor, qa: torch.Tensor):
-    """``visibility`` as a FlexAttention BlockMask: blocks that no query sees are skipped entirely.
+def block_mask(seg: torch.Tensor, qa: torch.Tensor, block: int = 128):
+    """``visibility`` as a FlexAttention BlockMask, built from the rows' structure at block level:
+    blocks that no query sees are skipped, blocks that every query sees entirely run without the
+    mask, the rest apply ``visibility`` per pair. Sound by construction (a block holding a visible
+    pair is never skipped; "full" is only claimed when every pair is visible); it may leave a
+    full block marked partial, which costs time, not correctness.
 
-    Built eagerly: on an H200 (torch 2.11, triton 3.6) the compiled ``create_block_mask`` never left
-    ``ptxas``, while the eager one takes ~12 ms for 3 rows of 8,832 tokens (testbed.md, tenth session)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    Not ``create_block_mask``: compiled (``_compile=True``) it never left ``ptxas`` on an H200
+    (torch 2.11, triton 3.6); eager it evaluates every (query, key) pair, ~12 ms for 3 rows of
+    8,832 tokens (testbed.md, tenth session)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     B, L = seg.shape
-    return create_block_mask(visibility(seg, qa), B, None, L, L, device=seg.device, _compile=False)
+    if L % block:
+        raise ValueError(f"row length {L} is not a multiple of the {block}-token block")
+    nb = L // block
+    # padding (-1, at the end of a row) sees only padding: as one more group after the others
+    s = torch.where(seg < 0, torch.iinfo(torch.int32).max, seg).view(B, nb, block)
+    a = qa.view(B, nb, block)
+    s_lo, s_hi, a_lo, a_hi = s.amin(-1), s.amax(-1), a.amin(-1), a.amax(-1)  # [B, nb] per block
+    i = torch.arange(nb, device=seg.device)
+    below = (i[None, :] <= i[:, None])[None]  # [1, q block, kv block]: no key after every query
+    # a visible pair needs a shared group (the blocks' group ranges overlap) and a context key or a
+    # shared QA block (the QA ranges overlap)
+    meet = below & (s_lo[:, :, None] <= s_hi[:, None, :]) & (s_lo[:, None, :] <= s_hi[:, :, None])
+    meet &= (a_lo == 0)[:, None, :] | ((a_lo[:, :, None] <= a_hi[:, None, :]) & (a_lo[:, None, :] <= a_hi[:, :, None]))
+    one_group = (s_lo == s_hi)[:, :, None] & (s_lo == s_hi)[:, None, :] & (s_lo[:, :, None] == s_lo[:, None, :])
+    one_qa = (a_lo == a_hi)[:, :, None] & (a_lo == a_hi)[:, None, :] & (a_lo[:, :, None] == a_lo[:, None, :])
+    keys_context = (a_hi == 0)[:, None, :]
+    full = (i[None, :] < i[:, None])[None] & one_group & (keys_context | one_qa)
+    partial = meet & ~full
+
+    def indices(m):  # [B, nb, nb] bool -> counts [B, 1, nb], the True columns first [B, 1, nb, nb]
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)
+        return m.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    return BlockMask.from_kv_blocks(*indices(partial), *indices(full), BLOCK_SIZE=block,
+                                    mask_mod=visibility(seg, qa), seq_lengths=(L, L))
 
 
 def attention_mask(seg, qa, attn: str):
