@@ -38,6 +38,7 @@ def _requests(seed: int = 7):
 def run(args) -> int:
     from .bench.quality import exact_match
     from .engine import LLM, SamplingParams
+    from .testbed.data import MAX_ANSWER_TOKENS
 
     llm = LLM(model=args.model, device=args.device)  # default: the bundled model and its heads.json
     if llm.head_config is None:
@@ -49,7 +50,7 @@ def run(args) -> int:
           f"{counts['local'] + counts['retrieval']} local KV heads")
     requests = _requests()
     _check_against_transformers(llm, llm.model_dir, requests[0][0]["question"], requests[0][1])
-    params = SamplingParams(max_tokens=24, temperature=0)
+    params = SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0)
     rows, answers, dense_first = [], {}, []
     for m in METHODS:  # dense first: its first tokens are the reference
         llm.chunk_store.clear()

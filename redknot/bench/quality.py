@@ -22,7 +22,7 @@ import string
 import sys
 from pathlib import Path
 
-from ..testbed.data import ANSWER_MARK, read_jsonl, restated_fact
+from ..testbed.data import ANSWER_MARK, MAX_ANSWER_TOKENS, read_jsonl, restated_fact
 
 import torch
 
@@ -240,7 +240,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "widest local window; at least the context length: global heads read everything there)")
     p.add_argument("--out", required=True, help="results JSON")
     p.add_argument("--limit", type=int, default=None, help="first N records only")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=MAX_ANSWER_TOKENS)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
 

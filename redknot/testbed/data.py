@@ -784,6 +784,9 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
 
 ANSWER_MARK = "=>"  # a reasoned answer: "BRIDGE => ANSWER" (or "X was born in BRIDGE => ANSWER")
 BRIDGED_TYPES = ("multi_hop", "description")  # the types whose records name a bridge entity
+# answer budget of the harness, hops and demo: the longest trained answer, a restated multi_hop one
+# ("X was born in BRIDGE => ANSWER"), is up to ~24 tokens; plain answers stop at </s> long before
+MAX_ANSWER_TOKENS = 32
 
 
 def restated_fact(record: dict) -> str | None:

@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from .data import MAX_ANSWER_TOKENS
+
 OUTCOMES = ("hop1", "hop2", "composed")
 
 
@@ -26,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
     p.add_argument("--method", default="dense", help="how the model serves the documents (default: dense)")
     p.add_argument("--limit", type=int, default=None, help="read only the first N records")
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=MAX_ANSWER_TOKENS)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
 
