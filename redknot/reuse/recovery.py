@@ -250,9 +250,9 @@ def _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id) -> torch.Tensor:
     own_mass = torch.zeros(r, dtype=torch.float32, device=dev)
     any_mass = None
     for c0 in range(0, n_cols, d):
-        values = torch.zeros(n, d, dtype=q.dtype, device=dev)
-        sel = (col >= c0) & (col < c0 + d)
-        values[sel.nonzero().flatten(), col[sel] - c0] = 1
+        sel = (col >= c0) & (col < c0 + d)  # keys whose column is in this group (no host sync)
+        values = torch.zeros(n, d, dtype=q.dtype, device=dev).scatter_(
+            1, (col - c0).clamp(0, d - 1)[:, None], sel[:, None].to(q.dtype))
         if c0 == 0:
             values[:, 0] = (chunk_id >= 0).to(q.dtype)
         v = values[None, None].expand(1, kh.shape[1], n, d)
