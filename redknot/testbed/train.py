@@ -519,15 +519,17 @@ def block_mask(seg: torch.Tensor, qa: torch.Tensor, block: int = 128):
     a = qa.view(B, nb, block)
     s_lo, s_hi, a_lo, a_hi = s.amin(-1), s.amax(-1), a.amin(-1), a.amax(-1)  # [B, nb] per block
     i = torch.arange(nb, device=seg.device)
-    below = (i[None, :] <= i[:, None])[None]  # [1, q block, kv block]: no key after every query
-    # a visible pair needs a shared group (the blocks' group ranges overlap) and a context key or a
-    # shared QA block (the QA ranges overlap)
-    meet = below & (s_lo[:, :, None] <= s_hi[:, None, :]) & (s_lo[:, None, :] <= s_hi[:, :, None])
-    meet &= (a_lo == 0)[:, None, :] | ((a_lo[:, :, None] <= a_hi[:, None, :]) & (a_lo[:, None, :] <= a_hi[:, :, None]))
-    one_group = (s_lo == s_hi)[:, :, None] & (s_lo == s_hi)[:, None, :] & (s_lo[:, :, None] == s_lo[:, None, :])
-    one_qa = (a_lo == a_hi)[:, :, None] & (a_lo == a_hi)[:, None, :] & (a_lo[:, :, None] == a_lo[:, None, :])
-    keys_context = (a_hi == 0)[:, None, :]
-    full = (i[None, :] < i[:, None])[None] & one_group & (keys_context | one_qa)
+
+    def pairs(lo, hi):  # per (q block, kv block): value ranges overlap; both hold one and the same value
+        one = lo == hi
+        return ((lo[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] <= hi[:, :, None]),
+                one[:, :, None] & one[:, None, :] & (lo[:, :, None] == lo[:, None, :]))
+
+    (group_meet, one_group), (qa_meet, one_qa) = pairs(s_lo, s_hi), pairs(a_lo, a_hi)
+    # a visible pair needs a key not after the query, a shared group and a context key or a shared QA block
+    meet = (i[None, :] <= i[:, None])[None] & group_meet & ((a_lo == 0)[:, None, :] | qa_meet)
+    # every pair visible: all keys before all queries, one group, and context keys or one QA block
+    full = (i[None, :] < i[:, None])[None] & one_group & ((a_hi == 0)[:, None, :] | one_qa)
     partial = meet & ~full
 
     def indices(m):  # [B, nb, nb] bool -> counts [B, 1, nb], the True columns first [B, 1, nb, nb]
