@@ -229,9 +229,10 @@ def cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Ten
 def _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id) -> torch.Tensor:
     """``cross_chunk_mass`` over full-context heads as attention itself: with one-hot chunk
     indicators as the values, SDPA's output row is the mass the query gives each chunk, so the
-    scores are never materialised (flash / memory-efficient kernels on a GPU). Values: column 0
-    is "in any chunk", column 1 + c is chunk c, in groups of D columns (one call up to D - 1 chunks).
-    other = mass in any chunk - mass in its own."""
+    scores are never materialised (flash / memory-efficient kernels on a GPU). Column 1 + c is
+    chunk c (column 0: keys outside chunks), in groups of D columns (one call up to D - 1 chunks).
+    The other chunks' columns are summed, never "all minus own": a row that sees no other chunk
+    gets exactly 0, as the materialised softmax gives, so ties rank the same way."""
     r, hq, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
     g, dev = hq // hkv, q.device
@@ -241,20 +242,15 @@ def _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id) -> torch.Tensor:
         return out
     qh = q.view(r, hkv, g, d)[:, heads].reshape(r, -1, d).transpose(0, 1)[None]  # [1, h*g, R, D]
     kh = keys[:, heads].transpose(0, 1)[None]  # [1, h, N, D]
-    n_cols = int(chunk_id.max()) + 2
-    col = torch.where(chunk_id >= 0, chunk_id + 1, 0)
+    col = chunk_id + 1  # key -> its column
     padded = r * _CAUSAL_MIN_SHARE[1] >= n * _CAUSAL_MIN_SHARE[0]
     if padded:  # (nearly) every position is a query: zero rows at the others, one causal call
         qp = qh.new_zeros(1, qh.shape[1], n, d)
         qp[:, :, q_pos] = qh
-    own_mass = torch.zeros(r, dtype=torch.float32, device=dev)
-    any_mass = None
-    for c0 in range(0, n_cols, d):
+    for c0 in range(0, int(chunk_id.max()) + 2, d):
         sel = (col >= c0) & (col < c0 + d)  # keys whose column is in this group (no host sync)
         values = torch.zeros(n, d, dtype=q.dtype, device=dev).scatter_(
             1, (col - c0).clamp(0, d - 1)[:, None], sel[:, None].to(q.dtype))
-        if c0 == 0:
-            values[:, 0] = (chunk_id >= 0).to(q.dtype)
         v = values[None, None].expand(1, kh.shape[1], n, d)
         if padded:
             o = F.scaled_dot_product_attention(qp, kh, v, is_causal=True, scale=scale, enable_gqa=True)[0][:, q_pos]
@@ -263,12 +259,10 @@ def _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id) -> torch.Tensor:
                 qh[:, :, r0:r0 + _QUERY_BLOCK], kh, v, scale=scale, enable_gqa=True,
                 attn_mask=torch.arange(n, device=dev)[None, :] <= q_pos[r0:r0 + _QUERY_BLOCK, None])[0]
                 for r0 in range(0, r, _QUERY_BLOCK)], dim=1)
-        mass = o.float().mean(0)  # [R, D]: mean over the heads
-        if c0 == 0:
-            any_mass = mass[:, 0]
-        mine = (own + 1 >= c0) & (own + 1 < c0 + d) & (own >= 0)
-        own_mass[mine] = mass[mine, (own + 1 - c0)[mine]]
-    return torch.where(own >= 0, (any_mass - own_mass).clamp(min=0), out)
+        cols = torch.arange(c0, c0 + d, device=dev)[None, :]
+        other_chunks = (cols >= 1) & (cols != own[:, None] + 1)  # [R, D]
+        out += (o.float().mean(0) * other_chunks).sum(-1)  # mean over the heads, then the other chunks
+    return torch.where(own >= 0, out, torch.zeros((), device=dev))
 
 
 def _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Tensor:
