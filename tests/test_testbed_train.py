@@ -97,7 +97,8 @@ def test_dense_and_block_mask_follow_one_rule():
 
 
 def test_flex_block_mask_gives_the_sdpa_loss(tokenizer):
-    """The FlexAttention path (eager block mask) computes the masked-SDPA loss on a packed batch.
+    """The FlexAttention path (block mask from the rows' structure) computes the masked-SDPA loss on a
+    packed batch.
     CPU runs flex forward only; training with it needs CUDA."""
     batch = T.build_batch(tokenizer, T.Stage("easy", 128), 0, step=0, seed=0, rows=2, row_len=512,
                           questions_per_context=4, tokens_per_word=2.8, est_group_tokens=200)
