@@ -343,31 +343,35 @@ def test_reasoned_answers_name_the_bridge_and_train(tmp_path, tokenizer):
 
 
 def test_restated_bridge_answers_state_the_first_hop(tmp_path, tokenizer):
-    """--restate-bridge: a reasoned multi_hop answer is 'X was born in BRIDGE => ANSWER' (the easy
-    stages' fact sentence up to the bridge); description keeps 'BRIDGE => ANSWER'; a run refuses it
-    without reasoned multi_hop, and a resume must keep it."""
+    """--restate-bridge: a reasoned answer states its first hop up to the bridge, then '=> ANSWER':
+    multi_hop 'X was born in BRIDGE' (the easy stages' fact sentence), description 'X is the founder
+    of BRIDGE' (the role document A gives X); a run refuses it without reasoned answers, and a resume
+    must keep it."""
     from redknot.bench.quality import bridge_match, exact_match
     from redknot.testbed.data import restated_fact, target_answer
 
     stage = T.Stage("qa", 1024, types=("multi_hop", "description"), reasoned=("multi_hop", "description"),
                     restate=True)
     assert T.Stage(**stage.as_dict()) == stage and "restate" not in T.Stage("qa", 1024).as_dict()
-    recs = T.stage_records(stage, seed=5, contexts=3, questions_per_context=4)
+    recs = T.stage_records(stage, seed=5, contexts=12, questions_per_context=4)
+    facts = {"birth_city": "was born in", "employer": "works for", "school": "studied at", "residence": "lives in",
+             "founder": "is the founder of", "mayor": "is the mayor of", "engineer": "is the chief engineer of"}
+    seen = set()
     for r in recs:
         m, answer = r["meta"], r["answers"][0]
+        first = m["relation"].split("->")[0]
+        seen.add(first)
         got = target_answer(r, stage.reasoned, stage.restate)
-        if r["type"] == "description":
-            assert got == f"{m['bridge']} => {answer}"
-            continue
-        link = m["relation"].split("->")[0]
-        fact = {"birth_city": "was born in", "employer": "works for", "school": "studied at",
-                "residence": "lives in"}[link]
-        assert got == f"{m['entity']} {fact} {m['bridge']} => {answer}"
+        assert got == f"{m['entity']} {facts[first]} {m['bridge']} => {answer}"
+        if r["type"] == "description":  # the restated role names the holder that the later document describes
+            assert m["description"].endswith(m["bridge"])
         # scored: the bridge after the restated fact, the answer after '=>'
         assert bridge_match(got, m["bridge"], restated_fact(r)) == 1.0 and exact_match(got, answer) == 1.0
-        assert bridge_match(f"{m['entity']} {fact} Nowhere => {answer}", m["bridge"], restated_fact(r)) == 0.0
+        assert bridge_match(f"{m['entity']} {facts[first]} Nowhere => {answer}", m["bridge"], restated_fact(r)) == 0.0
         assert bridge_match(f"{m['bridge']} => {answer}", m["bridge"], restated_fact(r)) == 1.0  # short form too
-    assert {r["type"] for r in recs} == {"multi_hop", "description"}
+        assert target_answer(r, stage.reasoned) == f"{m['bridge']} => {answer}"  # unrestated
+    assert {r["type"] for r in recs} == {"multi_hop", "description"} and {"founder", "mayor", "engineer"} <= seen
+    assert restated_fact({**recs[0], "type": "single_hop"}) is None
     g = T.tokenize_group(tokenizer, T.group_records(recs)[0], stage.reasoned, stage.restate)
     r0 = T.group_records(recs)[0][0]
     assert g.blocks[0][1][:-1] == tokenizer.encode(target_answer(r0, stage.reasoned, True), add_special_tokens=False)
@@ -379,7 +383,7 @@ def test_restated_bridge_answers_state_the_first_hop(tmp_path, tokenizer):
     with pytest.raises(SystemExit, match="does not match"):
         T.run(_args(out, *st, "--resume"))
     with pytest.raises(ValueError, match="--restate-bridge"):
-        T.run(_args(tmp_path / "bad", "--stages", "qa:512", "--reasoned-answers", "description", "--restate-bridge"))
+        T.run(_args(tmp_path / "bad", "--stages", "qa:512", "--restate-bridge"))
 
 
 def test_typed_stage_asks_its_types_in_their_weights():

@@ -784,29 +784,35 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
 
 ANSWER_MARK = "=>"  # a reasoned answer: "BRIDGE => ANSWER" (or "X was born in BRIDGE => ANSWER")
 BRIDGED_TYPES = ("multi_hop", "description")  # the types whose records name a bridge entity
-# answer budget of the harness, hops and demo: the longest trained answer, a restated multi_hop one
-# ("X was born in BRIDGE => ANSWER"), is up to ~24 tokens; plain answers stop at </s> long before
+# answer budget of the harness, hops and demo: the longest trained answer, a restated one ("X is the
+# chief engineer of BRIDGE => ANSWER"), is up to ~26 tokens; plain answers stop at </s> long before
 MAX_ANSWER_TOKENS = 32
 
 
 def restated_fact(record: dict) -> str | None:
-    """A ``multi_hop`` record's first hop as the easy stages state a fact, up to the bridge
-    ("Sagern Ikethov was born in"); None for other records or without meta."""
+    """A two-lookup record's first hop stated as a fact, up to the bridge: for ``multi_hop`` as the
+    easy stages state it ("Sagern Ikethov was born in"), for ``description`` the role that document A
+    gives the entity ("Orla Venn is the founder of"); None for other records or without meta."""
     meta = record.get("meta") or {}
-    if record.get("type") != "multi_hop" or not meta.get("relation"):
+    if not meta.get("relation"):
         return None
-    return EASY_FACTS[meta["relation"].split("->")[0]].split("{V}")[0].format(X=meta["entity"]).rstrip()
+    first = meta["relation"].split("->")[0]
+    if record.get("type") == "multi_hop":
+        return EASY_FACTS[first].split("{V}")[0].format(X=meta["entity"]).rstrip()
+    if record.get("type") == "description":  # the role's first phrasing without its holder
+        return f"{meta['entity']} is {DESCRIPTIONS[first][0].split('{')[0].rstrip()}"
+    return None
 
 
 def target_answer(record: dict, reasoned=(), restate: bool = False) -> str:
     """The text a model is trained to answer ``record`` with: its first gold answer or, when its type is
     in ``reasoned`` (a subset of BRIDGED_TYPES; the record made with ``meta``), the bridge entity first:
     ``"Kestrel Works => Brar"``, so the second lookup reads a name the model has just written instead
-    of one it must compose internally. With ``restate`` a ``multi_hop`` answer first writes its first
-    hop as a fact, ``"Sagern Ikethov was born in Gubury => Orgai River"``: the bridge is then looked up
-    right after the entity's name, as a single-hop answer is (``description`` keeps the short form:
-    its first hop starts from the bridge). Scoring reads the part after ``=>``
-    (bench.quality.final_answer)."""
+    of one it must compose internally. With ``restate`` the answer first writes its first hop as a fact
+    (``restated_fact``), ``"Sagern Ikethov was born in Gubury => Orgai River"``, ``"Orla Venn is the
+    founder of Kestrel Works => Brar"``: the bridge is then looked up right after the entity's name,
+    as a single-hop answer is, and written last, right before the second lookup it keys. Scoring reads
+    the part after ``=>`` (bench.quality.final_answer)."""
     answer = record["answers"][0]
     if record.get("type") not in reasoned:
         return answer

@@ -122,7 +122,7 @@ class Stage:
     mix: tuple[int, ...] = ()     # shorter context lengths drawn into the same batches
     types: tuple[str, ...] = ()   # qa question types, round-robin (a repeat weights a type); () = all
     reasoned: tuple[str, ...] = ()  # types answered "BRIDGE => ANSWER" (data.target_answer)
-    restate: bool = False  # reasoned multi_hop answers restate the first hop: "X was born in BRIDGE => ANSWER"
+    restate: bool = False  # reasoned answers restate the first hop: "X was born in BRIDGE => ANSWER"
 
     def __post_init__(self):
         object.__setattr__(self, "mix", tuple(self.mix))  # a saved state gives a list
@@ -782,9 +782,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "answered 'BRIDGE => ANSWER', naming the entity that links the two documents first "
                         "(scoring reads the part after '=>')")
     p.add_argument("--restate-bridge", action="store_true",
-                   help="with --reasoned-answers including multi_hop: a multi_hop answer first states its first hop "
-                        "as the easy stages state a fact, 'X was born in BRIDGE => ANSWER', so the bridge is looked "
-                        "up right after X's name")
+                   help="with --reasoned-answers: a reasoned answer first states its first hop as a fact, "
+                        "'X was born in BRIDGE => ANSWER' (multi_hop), 'X is the founder of BRIDGE => ANSWER' "
+                        "(description), so the bridge is looked up right after X's name")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", choices=sorted(SIZES), default="small")
     p.add_argument("--vocab-size", type=int, default=None, help="BPE vocabulary (default: by --size)")
@@ -864,9 +864,8 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = Log(self.out / LOG_FILE if self.rank == 0 else None)  # rank 0 logs, evaluates and saves
         reasoned = _reasoned_types(args.reasoned_answers)
-        if args.restate_bridge and "multi_hop" not in reasoned:
-            raise ValueError("--restate-bridge restates reasoned multi_hop answers: "
-                             "add --reasoned-answers with multi_hop")
+        if args.restate_bridge and not reasoned:
+            raise ValueError("--restate-bridge restates reasoned answers: add --reasoned-answers")
         self.stages = [replace(st, reasoned=reasoned, restate=args.restate_bridge) if st.kind == "qa" else st
                        for st in parse_stages(args.stages)]
         self.steps = _steps(args, self.stages)
