@@ -77,7 +77,8 @@ def run(args) -> int:
     for m, cold, warm, cached, agree, em, held in rows:
         print(f"{m:<14} {1e3 * cold:>12.1f} {1e3 * warm:>12.1f} {cached:>10.0f} {agree:>9}/3 {em:>3}/3 "
               f"{held:>10,} {held / dense_bytes:>8.2f}")
-    print("\nanswers (gold | dense | full_reuse | redknot):")
+    print("\nanswers (gold | dense | full_reuse | redknot; a multi_hop answer states its first hop, then '=>' and "
+          "the answer EM reads):")
     for i, (rec, _) in enumerate(requests):
         a = answers[i]
         print(f"  [{rec['type']}] {rec['question']}\n      {rec['answers'][0]} | {a['dense']} | {a['full_reuse']} | "
