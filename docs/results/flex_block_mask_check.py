@@ -5,9 +5,10 @@
 mask_eager: ``create_block_mask`` evaluated eagerly on a packed batch like the trainer's (3 rows of
 8,832 tokens: contexts, then 8 QA blocks that see the context and themselves); flex: compiled
 ``flex_attention`` forward + backward with that mask (8 query / 4 KV heads of 64, bf16) against
-masked SDPA; mask_compiled: ``torch.compile(create_block_mask)``; mask_structural: the trainer's ``train.block_mask`` (built from
-the rows' structure) against the eager mask, build time and compiled flex forward + backward with
-each, in one process. Results: testbed.md, tenth session.
+masked SDPA; mask_compiled: ``torch.compile(create_block_mask)``; mask_structural: the trainer's
+``train.block_mask`` (built from the rows' structure) against the eager mask, build time and
+compiled flex forward + backward with each, in one process. Results: testbed.md, tenth session
+(mask_structural: eleventh session, run V).
 """
 import sys, time, torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
