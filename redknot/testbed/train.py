@@ -1264,7 +1264,11 @@ def run(args) -> int:
         torch.cuda.set_device(local_rank)
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
     try:
-        return Trainer(args).run()
+        code = Trainer(args).run()
+        # rank 0 may still be saving: a gloo rank that tears its group down while its peer is busy
+        # can abort ("terminate called without an active exception"), so every rank leaves together
+        torch.distributed.barrier()
+        return code
     finally:
         torch.distributed.destroy_process_group()
 
