@@ -261,3 +261,60 @@ def test_a_reasoned_answers_bridge_is_scored_per_type(monkeypatch):
     mh = summary["by_type"]["multi_hop"]
     assert (mh["bridge_em"], mh["bridge_n"], mh["em_given_bridge"]) == (pytest.approx(2 / 3), 3, 0.5)
     assert "bridge_em" not in summary["by_type"]["single_hop"]
+
+
+def test_the_twins_answer_is_counted_apart_from_other_errors():
+    """A testbed record with --meta names its same-variant twins' answers: a wrong answer that is one
+    of them is a twin match (the right kind of fact about the wrong entity); other errors are not."""
+    rec = {"answers": ["Brar"], "type": "description", "meta": {"distractor_answers": ["Lund"]}}
+    assert [quality.twin_match(t, rec) for t in ("Brar", "Lund", "the Lund", "Vell", "Kestrel => Lund")] == \
+        [0.0, 1.0, 1.0, 0.0, 1.0]
+    assert quality.twin_match("Lund", {"answers": ["Brar"], "type": "single_hop"}) is None
+
+
+def _results_file(tmp_path, rows_by_record):
+    """A results JSON as `bench quality` writes it, from (record, text) pairs, without twin scores."""
+    entries, rows = [], []
+    for rec, text in rows_by_record:
+        row = {"text": text, "em": exact_match(text, rec["answers"]), "f1": 0.0, "top1_agreement": 1.0,
+               "top10_overlap": 1.0, "logit_cos": 1.0, "cached_tokens": 0, "flops": 10, "dense_flops": 10,
+               "prompt_tokens": 5, "bridge_em": None}
+        entries.append({"id": rec["id"], "type": rec["type"], "answers": rec["answers"],
+                        "predictions": {"dense": row}})
+        rows.append({**row, "type": rec["type"]})
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"methods": {"dense": quality._aggregate(rows)}, "records": entries,
+                                "model": "m", "n_records": len(entries)}))
+    return path
+
+
+def test_rescore_adds_the_twin_share_to_stored_answers(tmp_path, capsys):
+    """--rescore scores a results file's answers again against the records (no model): the twin
+    share appears per type, first-token figures are kept, and records that do not match fail."""
+    recs = [{"id": f"r{i}", "type": "description", "question": "q", "documents": ["d"], "answers": ["Brar"],
+             "meta": {"distractor_answers": ["Lund"]}} for i in range(4)]
+    recs.append({"id": "s", "type": "single_hop", "question": "q", "documents": ["d"], "answers": ["Vell"]})
+    old = _results_file(tmp_path, zip(recs, ["Brar", "Lund", "Lund", "Oss", "Vell"]))
+    data = _write(tmp_path / "data.jsonl", [json.dumps(r) for r in recs])
+    out = tmp_path / "new.json"
+    result = quality.run(_args(rescore=old, data=data, out=out))
+    saved = json.loads(out.read_text())
+    assert saved["methods"] == result["methods"] and saved["rescored"]["from"] == str(old)
+    dense = saved["methods"]["dense"]
+    assert dense["by_type"]["description"]["em"] == 0.25 and dense["by_type"]["description"]["twin_em"] == 0.5
+    assert "twin_em" not in dense["by_type"]["single_hop"] and dense["twin_em"] == 0.5
+    assert dense["top1_agreement"] == 1.0 and dense["flops_fraction"] == 1.0
+    assert "answered with the twin's answer" in capsys.readouterr().out
+
+    with pytest.raises(ValueError, match="drop --limit"):
+        quality.run(_args(rescore=old, data=data, out=out, limit=2))
+    other = _write(tmp_path / "other.jsonl", [json.dumps({**recs[0], "answers": ["Oss"]})] +
+                   [json.dumps(r) for r in recs[1:]])
+    with pytest.raises(ValueError, match="'r0' has other answers"):
+        quality.run(_args(rescore=old, data=other, out=out))
+    with pytest.raises(ValueError, match="'r1' is not in the data"):
+        quality.run(_args(rescore=old, data=_write(tmp_path / "few.jsonl", [json.dumps(recs[0])]), out=out))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\"methods\": ")
+    with pytest.raises(ValueError, match="not a results JSON"):
+        quality.run(_args(rescore=bad, data=data, out=out))

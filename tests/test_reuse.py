@@ -4,10 +4,11 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.config import HeadConfigError, SparseFFNConfig
-from redknot.reuse.methods import select_tokens
+from redknot.reuse.methods import rank_descending, select_tokens
 from redknot.reuse.prompt import build_prompt
 
 DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 2,
@@ -171,6 +172,25 @@ def test_select_tokens_covers_the_mass():
     assert select_tokens(score, cand, 0.2, recent_n=2, min_keep=0).tolist() == [0, 1, 4, 5]
     assert len(select_tokens(score, cand, 0.9, recent_n=0, min_keep=5)) == 5
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40))
+def test_rank_descending_breaks_ties_towards_the_later_row(values):
+    """Highest score first; among equal scores the later row first, the same order on any device."""
+    score = torch.tensor(values, dtype=torch.float32)
+    expected = sorted(range(len(values)), key=lambda i: (-values[i], -i))
+    assert rank_descending(score).tolist() == expected
+
+
+def test_select_tokens_fills_min_keep_with_the_latest_candidates():
+    """Where scores tie (a row that sees no other chunk scores exactly 0), min_keep takes the latest
+    candidates, and never spends a pick on a row that is kept anyway."""
+    score = torch.zeros(6)
+    cand = torch.tensor([True, True, True, True, False, False])
+    assert select_tokens(score, cand, 0.2, recent_n=0, min_keep=4).tolist() == [2, 3, 4, 5]
+    score = torch.tensor([0.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+    assert select_tokens(score, cand, 0.2, recent_n=0, min_keep=4).tolist() == [1, 3, 4, 5]
 
 def test_bad_requests(llm):
     with pytest.raises(TypeError, match="documents"):

@@ -70,6 +70,17 @@ def bridge_match(prediction: str, bridge: str | None, fact: str | None = None) -
     return float(head == normalize_answer(bridge))
 
 
+def twin_match(prediction: str, record: dict) -> float | None:
+    """1.0 if a wrong answer is the answer of the record's same-variant twin (``meta``'s
+    ``distractor_answers``, testbed records made with ``--meta``): the right kind of fact about the
+    wrong entity, where a model that finds the candidates but not the link ends up half the time.
+    None for records without twins."""
+    twins = (record.get("meta") or {}).get("distractor_answers")
+    if not twins:
+        return None
+    return float(not exact_match(prediction, record["answers"]) and bool(exact_match(prediction, twins)))
+
+
 def exact_match(prediction: str, answers: str | list[str]) -> float:
     """1.0 if the normalised prediction (its conclusion) equals any normalised gold answer."""
     pred = normalize_answer(final_answer(prediction))
@@ -141,6 +152,14 @@ def _generate(llm, rec: dict, method: str, max_tokens: int):
     return llm.generate(rec["question"], params, documents=rec["documents"], method=method)[0]
 
 
+def answer_scores(text: str, rec: dict) -> dict:
+    """The scores read from the answer's text alone (what ``--rescore`` recomputes)."""
+    return {"em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
+            # reasoned answers only
+            "bridge_em": bridge_match(text, (rec.get("meta") or {}).get("bridge"), restated_fact(rec)),
+            "twin_em": twin_match(text, rec)}  # records with twins (testbed --meta) only
+
+
 def _score(llm, rec: dict, method: str, out, ref_logits: torch.Tensor) -> dict:
     """The answer's scores, its first-token agreement with the reference and the prefill FLOPs."""
     text = out.outputs[0].text.strip()
@@ -149,11 +168,9 @@ def _score(llm, rec: dict, method: str, out, ref_logits: torch.Tensor) -> dict:
     dense_flops = dense_prefill_flops(llm.config, len(out.prompt_token_ids))
     if method == REFERENCE:
         flops = dense_flops
-    return {"text": text, "em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
-            **logit_agreement(out.first_token_logits, ref_logits), "cached_tokens": metrics.get("cached_tokens"),
-            "flops": flops, "dense_flops": dense_flops, "prompt_tokens": len(out.prompt_token_ids),
-            # reasoned answers only
-            "bridge_em": bridge_match(text, (rec.get("meta") or {}).get("bridge"), restated_fact(rec))}
+    return {"text": text, **answer_scores(text, rec), **logit_agreement(out.first_token_logits, ref_logits),
+            "cached_tokens": metrics.get("cached_tokens"), "flops": flops, "dense_flops": dense_flops,
+            "prompt_tokens": len(out.prompt_token_ids)}
 
 
 def _mean(xs):
@@ -169,6 +186,9 @@ def _summary(rows: list[dict]) -> dict:
         right = [r for r in bridged if r["bridge_em"]]
         out.update(bridge_em=_mean(r["bridge_em"] for r in bridged), bridge_n=len(bridged),
                    em_given_bridge=_mean(r["em"] for r in right))
+    twinned = [r["twin_em"] for r in rows if r.get("twin_em") is not None]
+    if twinned:  # the share answered with the twin's answer: em ~ twin_em is a coin flip between the two
+        out["twin_em"] = _mean(twinned)
     return out
 
 
@@ -239,6 +259,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="redknot's shallow layers: the window global heads recover within (default: the "
                         "widest local window; at least the context length: global heads read everything there)")
     p.add_argument("--out", required=True, help="results JSON")
+    p.add_argument("--rescore", default=None, metavar="RESULTS",
+                   help="no model: score the answers stored in a results JSON again against --data (its "
+                        "records, with --meta for bridge and twin matches); first-token agreement and FLOPs "
+                        "are kept as measured")
     p.add_argument("--limit", type=int, default=None, help="first N records only")
     p.add_argument("--max-tokens", type=int, default=MAX_ANSWER_TOKENS)
     p.add_argument("--device", default=None)
@@ -259,11 +283,44 @@ def parse_methods(spec: str, head_config) -> list[str]:
     return methods
 
 
+def rescore(results_path: str | Path, records: list[dict]) -> dict:
+    """A results JSON with every answer scored again against ``records`` (matched by id)."""
+    try:
+        result = json.loads(Path(results_path).read_text())
+        entries = result["records"]
+        methods = list(result["methods"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{results_path}: not a results JSON of `redknot bench quality` ({e})") from e
+    by_id = {r["id"]: r for r in records}
+    rows = {m: [] for m in methods}
+    for entry in entries:
+        rec = by_id.get(entry["id"])
+        if rec is None or rec["answers"] != entry["answers"]:
+            why = "is not in" if rec is None else "has other answers in"
+            raise ValueError(f"record {entry['id']!r} {why} the data: rescore with the records the results "
+                             f"were made from")
+        for m, row in entry["predictions"].items():
+            row.update(answer_scores(row["text"], rec))
+            rows[m].append({**row, "type": entry["type"]})
+    result["methods"] = {m: _aggregate(rows[m]) for m in methods if rows[m]}
+    return result
+
+
 def run(args) -> dict:
     from ..engine import LLM
     from ..reuse.prompt import build_prompt
     from ..testbed import model_path
 
+    if args.rescore:  # no model
+        if args.limit is not None:
+            raise ValueError("--rescore reads every record of the results: drop --limit")
+        result = rescore(args.rescore, load_records(args.data))
+        result["rescored"] = {"from": str(args.rescore), "data": str(args.data),
+                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(format_table(result))
+        return result
     args.model = Path(args.model) if args.model else model_path()
     if args.head_config is None and (args.model / "heads.json").is_file():
         args.head_config = args.model / "heads.json"
@@ -328,4 +385,9 @@ def format_table(result: dict) -> str:
                      f"{num(s['top10_overlap']):>5}  {num(s['logit_cos'], '{:.5f}'):>7}  "
                      f"{num(s['cached_tokens'], '{:.1f}'):>7}  {num(s['flops_fraction'], '{:.2f}'):>5}" +
                      "".join(f"  {num(s['by_type'].get(t, {}).get('em')):>12}" for t in types))
+    if any("twin_em" in t for s in methods.values() for t in s["by_type"].values()):
+        lines.append(f"{'':<{width}}  answered with the twin's answer (share of records):")
+        for m, s in methods.items():
+            lines.append(f"{m:<{width}}  {num(s.get('twin_em')):>5}" + " " * 48 +
+                         "".join(f"  {num(s['by_type'].get(t, {}).get('twin_em')):>12}" for t in types))
     return "\n".join(lines)

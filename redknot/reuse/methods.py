@@ -91,7 +91,7 @@ class CacheBlend(FixedSet):
             return None
         chunk_rows = self.is_chunk[cur].nonzero().flatten()
         n_keep = int(round(self.ratio * chunk_rows.numel()))
-        top = chunk_rows[info["v_deviation"][chunk_rows].topk(n_keep).indices]
+        top = chunk_rows[rank_descending(info["v_deviation"][chunk_rows])[:n_keep]]
         rest = (~self.is_chunk[cur]).nonzero().flatten()
         return torch.cat([top, rest]).sort().values
 
@@ -152,12 +152,21 @@ class RedKnot(FixedSet):
             return None
         keep = ~cand
         s = torch.where(cand, score.float(), torch.full((), float("-inf"), device=score.device))
-        keep[s.topk(self._n_keep).indices] = True
+        keep[rank_descending(s)[:self._n_keep]] = True
         self._rows = keep.nonzero().flatten()
         return self._rows
 
     def keep_rows(self, layer, cur, info):
         return self._rows if self.keep_cached else None
+
+
+def rank_descending(score: torch.Tensor) -> torch.Tensor:
+    """Indices of a 1-D score, highest first; equal scores rank the later row first. topk and an
+    unstable argsort leave ties in an order that differs between devices and kernels, and a keep
+    threshold often falls among ties (every row that sees no other chunk scores exactly 0): a fixed
+    rule keeps the same rows everywhere, and the later of two equal rows is the nearer the question."""
+    n = score.numel()
+    return (n - 1) - score.flip(0).sort(descending=True, stable=True).indices
 
 
 def select_tokens(score: torch.Tensor, candidate: torch.Tensor, drop_share: float, recent_n: int,
@@ -167,19 +176,18 @@ def select_tokens(score: torch.Tensor, candidate: torch.Tensor, drop_share: floa
     t = score.numel()
     keep = ~candidate.clone()
     keep[max(0, t - recent_n):] = True
-    cand = candidate & ~keep
-    s = torch.where(cand, score.float().clamp_min(0), torch.zeros((), device=score.device))
-    total = s.sum()
-    n_cand = int(cand.sum())
-    if n_cand:
-        order = s.argsort(descending=True)
+    rows = (candidate & ~keep).nonzero().flatten()
+    if rows.numel():
+        s = score[rows].float().clamp_min(0)
+        by_score = rank_descending(s)
+        total = s.sum()
         if total > 0:
-            share = s[order].cumsum(0) / total
+            share = s[by_score].cumsum(0) / total
             n_take = int((share < 1 - drop_share).sum()) + 1
         else:
             n_take = 0
-        n_take = min(n_cand, max(n_take, min_keep - int(keep.sum())))
-        keep[order[:n_take]] = True
+        n_take = min(rows.numel(), max(n_take, min_keep - int(keep.sum())))
+        keep[rows[by_score[:n_take]]] = True
     return keep.nonzero().flatten()
 
 
