@@ -163,8 +163,8 @@ class RedKnot(FixedSet):
 def rank_descending(score: torch.Tensor) -> torch.Tensor:
     """Indices of a 1-D score, highest first; equal scores rank the later row first. topk and an
     unstable argsort leave ties in an order that differs between devices and kernels, and a keep
-    threshold often falls among ties (every row that sees no other chunk scores exactly 0): a fixed
-    rule keeps the same rows everywhere, and the later of two equal rows is the nearer the question."""
+    threshold can fall among ties (a row that sees no other chunk scores exactly 0): a fixed rule
+    keeps the same rows everywhere, and the later of two equal rows is the nearer the question."""
     n = score.numel()
     return (n - 1) - score.flip(0).sort(descending=True, stable=True).indices
 
