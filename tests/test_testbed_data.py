@@ -31,7 +31,7 @@ def check_invariants(rec):
     answer_doc = docs[support[-1]]
     assert has(answer_doc, answer)
     name_words = meta["entity"].split()
-    if rec["type"] == "single_hop":
+    if rec["type"] in ("single_hop", "role"):
         assert len(support) == 1 and has(answer_doc, meta["entity"])
     else:
         assert len(support) == 2
@@ -85,6 +85,28 @@ def test_record_format_and_round_robin_types():
 def test_invariants_of_every_type(seed):
     for rec in generate_records(seed, 3, context_tokens=2048, meta=True):
         check_invariants(rec)
+    for rec in generate_records(seed, 2, context_tokens=2048, types=data.ALL_TYPES, meta=True):
+        check_invariants(rec)
+
+
+def test_role_asks_the_holder_of_the_described_role():
+    """``role``: the answer is the subject of the document that names X in a role (the first hop of
+    a ``description`` record, backwards); its twin holds the same role elsewhere. It is asked only
+    where named, so the default records (the held-out seeds) do not change."""
+    recs = generate_records(7, 6, context_tokens=1024, questions_per_context=2, types=("role",), meta=True)
+    assert {r["type"] for r in recs} == {"role"}
+    for r in recs:
+        docs, meta, (holder,) = r["documents"], r["meta"], r["answers"]
+        (a,) = r["supporting"]
+        assert meta["relation"] in data.DESCRIPTIONS and holder in meta["description"]
+        assert has(docs[a], meta["entity"]) and docs[a].startswith(holder)  # the holder's own document
+        # the later document describing X by the role is in the context too, never naming X
+        later = [k for k, d in enumerate(docs) if meta["description"].lower() in d.lower() and k != a]
+        assert later and all(k > a and not has(docs[k], meta["entity"].split()[0]) for k in later)
+        assert meta["distractor_answers"] and holder not in meta["distractor_answers"]
+    assert "role" not in data.TYPES and "role" not in {r["type"] for r in generate_records(20000, 16)}
+    with pytest.raises(ValueError, match="role"):
+        generate_records(0, 1, types=("rol",))
 
 
 def test_description_later_document_describes_but_never_names():

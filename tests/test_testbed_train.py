@@ -46,6 +46,7 @@ def test_parse_stages_and_em():
     assert typed == T.Stage("qa", 8192, None, (2048,), ("cross_doc", "cross_doc", "single_hop"))
     assert typed.name == "qa:8192+2048@cross_doc+cross_doc+single_hop" and T.parse_stages(typed.name) == [typed]
     assert T.Stage(**typed.as_dict()) == typed and "types" not in mixed.as_dict()
+    assert T.parse_stages("qa:1024/2@role+description")[0].types == ("role", "description")
     for bad in ("hard:512", "qa", "qa:0", "qa:2k", "easy:64/", "easy:64/0", "easy:64/x", "qa:2048+2048",
                 "qa:2048+", "qa:+512", "qa:2048@", "qa:2048@nope", "easy:64@single_hop"):
         with pytest.raises(ValueError, match="--stages"):

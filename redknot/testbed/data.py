@@ -19,6 +19,9 @@ from templates plus neutral filler, 150-400 words each. Facts come in *clusters*
   testbed model, it is linked at question time (the question finds A, A's role finds B's
   description), so independently encoded chunks answer it as well as dense does — hence
   ``cross_doc`` above.
+- ``role`` (for training stages only, not among the default types): a ``description`` cluster asked
+  for the holder of X's role ("Which city is Orla Venn the mayor of?" -> the city whose document
+  names X as its mayor), the backward first hop of ``description`` on its own.
 
 Every asked cluster has a twin of the same variant with other names (asked too when there is more
 than one question per context), and the rest of the budget is filled with clusters of the same
@@ -39,6 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 TYPES = ("single_hop", "multi_hop", "cross_doc", "description")
+# asked only where a stage or make-data names them: the default records (held-out seeds) stay as they were
+TRAINING_TYPES = ("role",)
+ALL_TYPES = TYPES + TRAINING_TYPES
 MIN_DOC_WORDS, MAX_DOC_WORDS = 150, 400
 TARGET_DOC_WORDS = 270  # documents per context ~ words budget / this
 REQUIRED_FIELDS = {"id": (str, int), "documents": list, "question": str, "answers": list, "type": str}
@@ -287,6 +293,7 @@ VARIANTS = {
     "multi_hop": [f"{a}->{b}" for a, b in MULTI_HOP],
     "cross_doc": list(CONTINUATION_FACTS),
     "description": [f"{d}->{l}" for d in DESCRIPTIONS for l in LATER_FACTS],
+    "role": list(DESCRIPTIONS),
 }
 EASY_FACTS = {  # relation -> one sentence, key next to value
     "birth_city": "{X} was born in {V}.", "birth_year": "{X} was born in {V}.", "employer": "{X} works for {V}.",
@@ -382,6 +389,7 @@ class Cluster:
     description: str | None = None
     forbidden: dict = field(default_factory=dict)  # doc index -> words it must not contain
     gender: str | None = None  # of the question's person where the text refers to them by pronoun
+    support: tuple[int, ...] | None = None  # docs needed, in reasoning order (default: all of them)
 
 
 class World:
@@ -656,8 +664,25 @@ def description_cluster(world: World, variant: str) -> Cluster:
                    forbidden={1: [x.first, x.last]})
 
 
+ROLE_QUESTIONS = {
+    "founder": ["Which company did {X} found?", "What company was founded by {X}?"],
+    "mayor": ["Which city is {X} the mayor of?", "Of which city is {X} the mayor?"],
+    "engineer": ["Which company is {X} the chief engineer of?", "Where is {X} the chief engineer?"],
+}
+
+
+def role_cluster(world: World, variant: str) -> Cluster:
+    """A description cluster (A names X in a role, a later B describes X by it) asked for the holder
+    of the role: the answer is the subject of the document that names X, found from X backwards."""
+    later = world.rng.choice(list(LATER_FACTS))
+    c = description_cluster(world, f"{variant}->{later}")
+    q = world.rng.choice(ROLE_QUESTIONS[variant]).format(X=c.entity)
+    return Cluster("role", variant, c.docs, q, c.bridge, c.entity, description=c.description,
+                   forbidden=c.forbidden, support=(0,))
+
+
 MAKERS = {"single_hop": single_hop_cluster, "multi_hop": multi_hop_cluster, "cross_doc": cross_doc_cluster,
-          "description": description_cluster}
+          "description": description_cluster, "role": role_cluster}
 
 
 # ---- contexts -----------------------------------------------------------------------------------
@@ -679,6 +704,8 @@ def _check(c: Cluster, docs: list[str], support: list[int]) -> None:
         assert support[0] < support[1] and c.description in answer_doc.replace(_cap(c.description), c.description)
     if c.type == "cross_doc":  # the continuation follows its bio directly
         assert support[1] == support[0] + 1, c.question
+    if c.type == "role":  # the holder's own document names X
+        assert _contains(answer_doc, c.entity), c.question
 
 
 def _budget_clusters(world: World, rng: random.Random, words_budget: float, questions: int, types,
@@ -732,7 +759,7 @@ def _context_records(seed: int, i: int, context_tokens: int, questions: int, typ
     slots = [s for u in units for s in u]
     pos = {s: k for k, s in enumerate(slots)}
     for ci, c in enumerate(clusters):  # a described reference always points back
-        if c.type == "description" and pos[(ci, 0)] > pos[(ci, 1)]:
+        if c.type in ("description", "role") and pos[(ci, 0)] > pos[(ci, 1)]:
             a, b = pos[(ci, 0)], pos[(ci, 1)]
             slots[a], slots[b] = slots[b], slots[a]
             pos[(ci, 0)], pos[(ci, 1)] = b, a
@@ -740,7 +767,7 @@ def _context_records(seed: int, i: int, context_tokens: int, questions: int, typ
     docs = [render(clusters[ci].docs[di], w, world) for (ci, di), w in zip(slots, targets)]
     records = []
     for q, c in enumerate(asked):  # asked clusters come first: cluster index == q
-        support = [pos[(q, di)] for di in range(len(c.docs))]
+        support = [pos[(q, di)] for di in (c.support or range(len(c.docs)))]
         _check(c, docs, support)
         rec = {"id": f"s{seed}-{i}-{q}", "documents": docs, "question": c.question, "answers": [c.answer],
                "type": c.type, "supporting": support}
@@ -762,9 +789,9 @@ def _check_args(n: int, context_tokens: int, questions_per_context: int, tokens_
     if not tokens_per_word > 0:
         raise ValueError(f"tokens_per_word={tokens_per_word} must be > 0")
     types = (types,) if isinstance(types, str) else tuple(types)
-    bad = [t for t in types if t not in TYPES]
+    bad = [t for t in types if t not in ALL_TYPES]
     if not types or bad:
-        raise ValueError(f"types={list(types)}: use one or more of {list(TYPES)}")
+        raise ValueError(f"types={list(types)}: use one or more of {list(ALL_TYPES)}")
     return types
 
 

@@ -152,7 +152,7 @@ class Stage:
 
 def parse_stages(spec: str) -> list[Stage]:
     """``KIND:CONTEXT[+CONTEXT...][/QUESTIONS][@TYPE[+TYPE...]]`` per stage, stages comma-separated."""
-    from .data import TYPES
+    from .data import ALL_TYPES
 
     stages = []
     for part in spec.split(","):
@@ -164,10 +164,10 @@ def parse_stages(spec: str) -> list[Stage]:
         if (kind not in ("easy", "qa") or not all(x.isdigit() and int(x) > 0 for x in lengths)
                 or len(set(lengths)) != len(lengths)
                 or (slash and (not questions.isdigit() or int(questions) <= 0))
-                or (at and (kind != "qa" or not all(t in TYPES for t in types)))):
+                or (at and (kind != "qa" or not all(t in ALL_TYPES for t in types)))):
             raise ValueError(f"--stages: {part + at + type_spec!r} is not KIND:CONTEXT_TOKENS[+CONTEXT_TOKENS...]"
                              f"[/QUESTIONS][@TYPE[+TYPE...]] with KIND easy or qa, distinct lengths and qa types "
-                             f"from {list(TYPES)} (e.g. qa:2048, easy:64/2, qa:8192+2048 or "
+                             f"from {list(ALL_TYPES)} (e.g. qa:2048, easy:64/2, qa:8192+2048 or "
                              f"qa:2048@cross_doc+cross_doc+single_hop)")
         lengths = sorted(map(int, lengths), reverse=True)
         stages.append(Stage(kind, lengths[0], int(questions) if questions else None, tuple(lengths[1:]), types))
