@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     m.add_argument("--out", required=True, help="JSON-lines file to write")
     m.add_argument("--questions-per-context", type=int, default=1, help="records per context sharing its documents")
     m.add_argument("--types", nargs="+", choices=ALL_TYPES, default=list(TYPES),
-                   help="question types, round-robin (default: all but the training-only " + ", ".join(TRAINING_TYPES) + ")")
+                   help="question types, round-robin (default: all but the training-only "
+                        + ", ".join(TRAINING_TYPES) + ")")
     m.add_argument("--tokens-per-word", type=float, default=1.3, help="token estimate per word")
     m.add_argument("--meta", action="store_true",
                    help="add each record's meta (question entity, relation, bridge entity, twins' answers)")
