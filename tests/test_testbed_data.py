@@ -252,6 +252,25 @@ def test_easy_records():
                                                        for a in r["meta"]["distractor_answers"])
 
 
+def test_easy_role_records():
+    """Backward facts: the holder comes before the name it is asked by, as in description's document A."""
+    recs = easy_records(3, 6, context_tokens=128, questions_per_context=2, types=("role",), meta=True)
+    assert recs == easy_records(3, 6, context_tokens=128, questions_per_context=2, types=("role",), meta=True)
+    for r in recs:
+        sentence, x, holder = r["meta"]["sentence"], r["meta"]["entity"], r["answers"][0]
+        assert r["type"] == "easy_role" and sentence in r["documents"][r["supporting"][0]]
+        assert sentence.index(holder) < sentence.index(x) and x in r["question"] and holder not in r["question"]
+        assert r["meta"]["distractor_answers"] and holder not in r["meta"]["distractor_answers"]
+    mixed = easy_records(3, 8, context_tokens=256, questions_per_context=4, types=("single_hop", "role"))
+    assert {r["type"] for r in mixed} == {"easy", "easy_role"}
+    # the default stream is the single_hop one, unchanged by the role option
+    assert easy_records(2, 4, context_tokens=256, questions_per_context=2) == \
+        easy_records(2, 4, context_tokens=256, questions_per_context=2, types=("single_hop",))
+    for bad in ((), ("cross_doc",), ("role", "nope")):
+        with pytest.raises(ValueError, match="easy types"):
+            easy_records(0, 1, types=bad)
+
+
 def test_jsonl_round_trip(tmp_path):
     recs = generate_records(0, 3) + easy_records(0, 2)
     path = write_jsonl(recs, tmp_path / "sub" / "data.jsonl")
@@ -303,6 +322,13 @@ def test_cli_make_data(tmp_path, capsys):
     args = parser.parse_args(["make-data", "--n", "3", "--context-tokens", "128", "--out", str(out), "--easy"])
     assert testbed_cli.run(args) == 0
     assert [r["type"] for r in read_jsonl(out)] == ["easy"] * 3
+    args = parser.parse_args(["make-data", "--n", "3", "--context-tokens", "128", "--out", str(out), "--easy",
+                              "--types", "role"])
+    assert testbed_cli.run(args) == 0
+    assert read_jsonl(out) == easy_records(0, 3, 128, types=("role",))
+    with pytest.raises(ValueError, match="easy facts are single_hop or role"):
+        testbed_cli.run(parser.parse_args(["make-data", "--n", "1", "--out", str(out), "--easy", "--types",
+                                           "cross_doc"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["make-data", "--n", "1", "--out", str(out), "--types", "bogus"])
     args = parser.parse_args(["make-data", "--seed", "4", "--n", "2", "--context-tokens", "1024", "--out", str(out),

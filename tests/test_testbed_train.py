@@ -47,8 +47,11 @@ def test_parse_stages_and_em():
     assert typed.name == "qa:8192+2048@cross_doc+cross_doc+single_hop" and T.parse_stages(typed.name) == [typed]
     assert T.Stage(**typed.as_dict()) == typed and "types" not in mixed.as_dict()
     assert T.parse_stages("qa:1024/2@role+description")[0].types == ("role", "description")
+    role = T.parse_stages("easy:64/2@role")[0]  # backward easy facts
+    assert role == T.Stage("easy", 64, 2, (), ("role",)) and role.name == "easy:64/2@role"
+    assert {r["type"] for r in T.stage_records(role, seed=1, contexts=3, questions_per_context=2)} == {"easy_role"}
     for bad in ("hard:512", "qa", "qa:0", "qa:2k", "easy:64/", "easy:64/0", "easy:64/x", "qa:2048+2048",
-                "qa:2048+", "qa:+512", "qa:2048@", "qa:2048@nope", "easy:64@single_hop"):
+                "qa:2048+", "qa:+512", "qa:2048@", "qa:2048@nope", "easy:64@cross_doc", "easy:64@"):
         with pytest.raises(ValueError, match="--stages"):
             T.parse_stages(bad)
     assert T.exact_match("The Varna.", ["varna"]) and not T.exact_match("Varna Port", ["Varna"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-from .data import ALL_TYPES, TRAINING_TYPES, TYPES, easy_records, generate_records, write_jsonl
+from .data import ALL_TYPES, EASY_TYPES, TRAINING_TYPES, TYPES, easy_records, generate_records, write_jsonl
 
 
 def add_arguments(parser: argparse.ArgumentParser):
@@ -28,14 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser):
     m.add_argument("--context-tokens", type=int, default=2048, help="document tokens per context (estimated)")
     m.add_argument("--out", required=True, help="JSON-lines file to write")
     m.add_argument("--questions-per-context", type=int, default=1, help="records per context sharing its documents")
-    m.add_argument("--types", nargs="+", choices=ALL_TYPES, default=list(TYPES),
+    m.add_argument("--types", nargs="+", choices=ALL_TYPES, default=None,
                    help="question types, round-robin (default: all but the training-only "
-                        + ", ".join(TRAINING_TYPES) + ")")
+                        + ", ".join(TRAINING_TYPES) + "); with --easy, " + " and/or ".join(EASY_TYPES)
+                        + " (default single_hop)")
     m.add_argument("--tokens-per-word", type=float, default=1.3, help="token estimate per word")
     m.add_argument("--meta", action="store_true",
                    help="add each record's meta (question entity, relation, bridge entity, twins' answers)")
     m.add_argument("--easy", action="store_true",
-                   help="curriculum stage 1: one-sentence facts, short context (--types is ignored)")
+                   help="curriculum stage 1: one-sentence facts, short context")
     m.set_defaults(testbed_func=make_data)
     from . import train
 
@@ -56,11 +57,14 @@ def make_data(args) -> int:
     if args.easy and args.meta:
         raise ValueError("--meta describes the qa corpus's clusters; --easy records have none")
     if args.easy:
+        if args.types and not set(args.types) <= set(EASY_TYPES):
+            raise ValueError(f"--easy --types {' '.join(args.types)}: easy facts are {' or '.join(EASY_TYPES)}")
         records = easy_records(args.seed, args.n, args.context_tokens, args.questions_per_context,
-                               tokens_per_word=args.tokens_per_word)
+                               tokens_per_word=args.tokens_per_word, types=tuple(args.types or ("single_hop",)))
     else:
         records = generate_records(args.seed, args.n, args.context_tokens, args.questions_per_context,
-                                   types=tuple(args.types), tokens_per_word=args.tokens_per_word, meta=args.meta)
+                                   types=tuple(args.types or TYPES), tokens_per_word=args.tokens_per_word,
+                                   meta=args.meta)
     path = write_jsonl(records, args.out)
     words = [sum(len(d.split()) for d in r["documents"]) for r in records]
     mean_tokens = args.tokens_per_word * sum(words) / max(len(words), 1)

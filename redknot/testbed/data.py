@@ -887,7 +887,24 @@ class _Fact:
     entity: str
 
 
+# easy stages of ``role``: the key *after* its value ("The mayor of V is X.", asked "Which city is X the
+# mayor of?"), so the lookup must read what precedes the name: description's first hop in one sentence
+EASY_ROLE_FACTS = {"founder_of": ("founder", "{V} was founded by {X}."), "mayor_of": ("mayor", "The mayor of {V} is {X}."),
+                   "engineer_of": ("engineer", "The chief engineer of {V} is {X}.")}  # relation -> (role, sentence)
+EASY_TYPES = ("single_hop", "role")  # an easy stage's facts: key before value (the default), or after
+
+
+def _easy_role_fact(world: World, relation: str) -> _Fact:
+    role, sentence = EASY_ROLE_FACTS[relation]
+    holder = world.city() if role == "mayor" else world.company()
+    x = holder.mayor if role == "mayor" else holder.founder if role == "founder" else holder.engineer
+    return _Fact(sentence.format(X=x.name, V=holder.name),
+                 world.rng.choice(ROLE_QUESTIONS[role]).format(X=x.name), holder.name, relation, x.name)
+
+
 def _easy_fact(world: World, relation: str) -> _Fact:
+    if relation in EASY_ROLE_FACTS:
+        return _easy_role_fact(world, relation)
     kind, attr, questions = SINGLE_HOP[relation]
     entity = {"person": world.person, "company": world.company, "city": world.city}[kind]()
     value = getattr(entity, attr)
@@ -897,11 +914,12 @@ def _easy_fact(world: World, relation: str) -> _Fact:
 
 
 def _easy_context(seed: int, i: int, context_tokens: int, questions: int, tokens_per_word: float,
-                  meta: bool) -> list[dict]:
+                  meta: bool, types=("single_hop",)) -> list[dict]:
     rng = random.Random(f"redknot-testbed-easy:{seed}:{i}")
     world = World(rng)
     words_budget = context_tokens / tokens_per_word
-    relations = rng.sample(list(SINGLE_HOP), rng.randint(2, 4))  # few relations, so each one repeats
+    pool = [r for t in dict.fromkeys(types) for r in (SINGLE_HOP if t == "single_hop" else EASY_ROLE_FACTS)]
+    relations = rng.sample(pool, rng.randint(2, min(4, len(pool))))  # few relations, so each one repeats
     # two facts of each asked relation at least (the asked one and its distractor), then fill
     facts = [_easy_fact(world, relations[(k // 2) % len(relations)]) for k in range(2 * questions)]
     words = sum(_words(f.sentence) for f in facts)
@@ -919,7 +937,7 @@ def _easy_context(seed: int, i: int, context_tokens: int, questions: int, tokens
     for q, fact in enumerate(asked):
         support = [d for d, text in enumerate(docs) if _contains(text, fact.sentence)]
         rec = {"id": f"e{seed}-{i}-{q}", "documents": docs, "question": fact.question, "answers": [fact.answer],
-               "type": "easy", "supporting": support}
+               "type": "easy" if fact.relation not in EASY_ROLE_FACTS else "easy_role", "supporting": support}
         if meta:
             rec["meta"] = {"entity": fact.entity, "relation": fact.relation, "sentence": fact.sentence,
                            "distractor_answers": [f.answer for f in facts
@@ -929,12 +947,17 @@ def _easy_context(seed: int, i: int, context_tokens: int, questions: int, tokens
 
 
 def easy_records(seed: int, n: int, context_tokens: int = 128, questions_per_context: int = 1,
-                 tokens_per_word: float = 1.3, meta: bool = False) -> list[dict]:
+                 tokens_per_word: float = 1.3, meta: bool = False, types=("single_hop",)) -> list[dict]:
     """Curriculum stage 1: short contexts of one-sentence facts ("X was born in Y."), the key next
-    to its value, a few same-relation distractors; single-hop questions; type ``"easy"``."""
+    to its value, a few same-relation distractors; single-hop questions; type ``"easy"``. With
+    ``"role"`` among ``types``, facts also state a role with the key last ("The mayor of Y is X.",
+    asked "Which city is X the mayor of?"; type ``"easy_role"``)."""
     _check_args(n, context_tokens, questions_per_context, tokens_per_word)
+    bad = [t for t in types if t not in EASY_TYPES]
+    if bad or not types:
+        raise ValueError(f"easy types={list(types)}: use one or more of {list(EASY_TYPES)}")
     return [r for i in range(n) for r in _easy_context(seed, i, context_tokens, questions_per_context,
-                                                       tokens_per_word, meta)]
+                                                       tokens_per_word, meta, tuple(types))]
 
 
 # ---- JSON lines ---------------------------------------------------------------------------------

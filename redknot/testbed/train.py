@@ -152,7 +152,7 @@ class Stage:
 
 def parse_stages(spec: str) -> list[Stage]:
     """``KIND:CONTEXT[+CONTEXT...][/QUESTIONS][@TYPE[+TYPE...]]`` per stage, stages comma-separated."""
-    from .data import ALL_TYPES
+    from .data import ALL_TYPES, EASY_TYPES
 
     stages = []
     for part in spec.split(","):
@@ -164,11 +164,11 @@ def parse_stages(spec: str) -> list[Stage]:
         if (kind not in ("easy", "qa") or not all(x.isdigit() and int(x) > 0 for x in lengths)
                 or len(set(lengths)) != len(lengths)
                 or (slash and (not questions.isdigit() or int(questions) <= 0))
-                or (at and (kind != "qa" or not all(t in ALL_TYPES for t in types)))):
+                or (at and not all(t in (ALL_TYPES if kind == "qa" else EASY_TYPES) for t in types))):
             raise ValueError(f"--stages: {part + at + type_spec!r} is not KIND:CONTEXT_TOKENS[+CONTEXT_TOKENS...]"
-                             f"[/QUESTIONS][@TYPE[+TYPE...]] with KIND easy or qa, distinct lengths and qa types "
-                             f"from {list(ALL_TYPES)} (e.g. qa:2048, easy:64/2, qa:8192+2048 or "
-                             f"qa:2048@cross_doc+cross_doc+single_hop)")
+                             f"[/QUESTIONS][@TYPE[+TYPE...]] with KIND easy or qa, distinct lengths, qa types "
+                             f"from {list(ALL_TYPES)} and easy types from {list(EASY_TYPES)} (e.g. qa:2048, "
+                             f"easy:64/2, easy:64/2@role, qa:8192+2048 or qa:2048@cross_doc+cross_doc+single_hop)")
         lengths = sorted(map(int, lengths), reverse=True)
         stages.append(Stage(kind, lengths[0], int(questions) if questions else None, tuple(lengths[1:]), types))
     return stages
@@ -182,7 +182,7 @@ def stage_records(stage: Stage, seed: int, contexts: int, questions_per_context:
 
     fn = easy_records if stage.kind == "easy" else generate_records
     if stage.types:
-        fn = functools.partial(generate_records, types=stage.types)
+        fn = functools.partial(fn, types=stage.types)
     if stage.reasoned:  # the bridge entity a reasoned answer names comes from the records' meta
         fn = functools.partial(fn, meta=True)
     if not stage.mix:
