@@ -17,6 +17,8 @@ the context. Hence:
   run that started at ``easy:512`` (~60 facts) learned to copy names but not to pick the asked one in
   1,500 steps, so the curriculum starts with 4 facts and 2 questions (``easy:64/2``: one distractor
   per question) and doubles from there; ``--advance-em`` moves on once a stage is learned.
+  ``easy:64/2@role`` states roles with the name last ("The mayor of V is X.", asked for V): the
+  backward hop of ``description``, learned this way in one-sentence facts (testbed.md, runs X–Z).
 * **Dense supervision.** Every context carries ``--questions-per-context`` (default 8) questions.
   They share the context in one packed sequence: each QA block sits after the context, sees the
   context and itself but no other block (block attention mask), and its positions continue from
