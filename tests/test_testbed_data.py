@@ -271,6 +271,19 @@ def test_easy_role_records():
             easy_records(0, 1, types=bad)
 
 
+def test_short_contexts_get_short_documents():
+    """Below ~1K tokens (four documents of MIN_DOC_WORDS) documents shrink towards their core
+    sentences, so a role stage can start at 256 tokens; from 1K up the documents keep their size."""
+    short = generate_records(9, 12, context_tokens=256, questions_per_context=2, types=("role",), meta=True)
+    for r in short:
+        assert len(r["documents"]) == 4 and words(r["documents"]) < 2 * 256
+        assert all(len(d.split()) < data.MIN_DOC_WORDS for d in r["documents"])
+        doc = r["documents"][r["supporting"][0]]  # the holder's own document names X
+        assert doc.split("\n")[0] == r["answers"][0] and has(doc, r["meta"]["entity"])
+    long = generate_records(9, 12, context_tokens=1024, questions_per_context=2, types=data.ALL_TYPES)
+    assert min(len(d.split()) for r in long for d in r["documents"]) >= data.MIN_DOC_WORDS
+
+
 def test_jsonl_round_trip(tmp_path):
     recs = generate_records(0, 3) + easy_records(0, 2)
     path = write_jsonl(recs, tmp_path / "sub" / "data.jsonl")

@@ -46,6 +46,7 @@ TYPES = ("single_hop", "multi_hop", "cross_doc", "description")
 TRAINING_TYPES = ("role",)
 ALL_TYPES = TYPES + TRAINING_TYPES
 MIN_DOC_WORDS, MAX_DOC_WORDS = 150, 400
+SHORT_DOC_WORDS = 24  # the floor for contexts too short for four documents of MIN_DOC_WORDS (curriculum stages)
 TARGET_DOC_WORDS = 270  # documents per context ~ words budget / this
 REQUIRED_FIELDS = {"id": (str, int), "documents": list, "question": str, "answers": list, "type": str}
 
@@ -549,10 +550,17 @@ def _words(text: str) -> int:
     return len(text.split())
 
 
-def render(plan: DocPlan, target_words: int, world: World) -> str:
+def _min_doc_words(words_budget: float) -> float:
+    """Documents are 150-400 words where a context holds four of them (every context of 1K tokens
+    and more, so those records never change); shorter contexts get shorter documents, the core
+    sentences and less filler, so a curriculum can start with four short documents."""
+    return MIN_DOC_WORDS if words_budget >= 4 * MIN_DOC_WORDS else max(SHORT_DOC_WORDS, words_budget / 4)
+
+
+def render(plan: DocPlan, target_words: int, world: World, min_words: float = MIN_DOC_WORDS) -> str:
     """Title line, then the core sentences with filler mixed in until about ``target_words``."""
     rng = world.rng
-    target = min(max(target_words, MIN_DOC_WORDS), MAX_DOC_WORDS)
+    target = min(max(target_words, min_words), MAX_DOC_WORDS)
     core = [_fill(t, slots, world) for t, slots in plan.core]
     words = _words(plan.title) + sum(_words(s) for s in core)
     pool = rng.sample(FILLER[plan.filler_kind], len(FILLER[plan.filler_kind]))
@@ -722,7 +730,7 @@ def _budget_clusters(world: World, rng: random.Random, words_budget: float, ques
         asked.append(pair[0])
         (asked if len(asked) < questions else twins).append(pair[1])
     n_docs = sum(len(c.docs) for c in asked)
-    max_docs = max(n_docs, int(words_budget // MIN_DOC_WORDS))
+    max_docs = max(n_docs, int(words_budget // _min_doc_words(words_budget)))
     target_docs = max(n_docs, round(words_budget / TARGET_DOC_WORDS))
     extra = []
     for c in twins:
@@ -740,7 +748,7 @@ def _budget_clusters(world: World, rng: random.Random, words_budget: float, ques
 def _word_targets(rng: random.Random, n_docs: int, words_budget: float) -> list[int]:
     raw = [rng.uniform(0.8, 1.2) for _ in range(n_docs)]
     scale = words_budget / sum(raw)
-    return [int(min(max(r * scale, MIN_DOC_WORDS), MAX_DOC_WORDS)) for r in raw]
+    return [int(min(max(r * scale, _min_doc_words(words_budget)), MAX_DOC_WORDS)) for r in raw]
 
 
 def _context_records(seed: int, i: int, context_tokens: int, questions: int, types, tokens_per_word: float,
@@ -764,7 +772,7 @@ def _context_records(seed: int, i: int, context_tokens: int, questions: int, typ
             slots[a], slots[b] = slots[b], slots[a]
             pos[(ci, 0)], pos[(ci, 1)] = b, a
     targets = _word_targets(rng, len(slots), words_budget)
-    docs = [render(clusters[ci].docs[di], w, world) for (ci, di), w in zip(slots, targets)]
+    docs = [render(clusters[ci].docs[di], w, world, _min_doc_words(words_budget)) for (ci, di), w in zip(slots, targets)]
     records = []
     for q, c in enumerate(asked):  # asked clusters come first: cluster index == q
         support = [pos[(q, di)] for di in (c.support or range(len(c.docs)))]
