@@ -772,7 +772,8 @@ def _context_records(seed: int, i: int, context_tokens: int, questions: int, typ
             slots[a], slots[b] = slots[b], slots[a]
             pos[(ci, 0)], pos[(ci, 1)] = b, a
     targets = _word_targets(rng, len(slots), words_budget)
-    docs = [render(clusters[ci].docs[di], w, world, _min_doc_words(words_budget)) for (ci, di), w in zip(slots, targets)]
+    min_words = _min_doc_words(words_budget)
+    docs = [render(clusters[ci].docs[di], w, world, min_words) for (ci, di), w in zip(slots, targets)]
     records = []
     for q, c in enumerate(asked):  # asked clusters come first: cluster index == q
         support = [pos[(q, di)] for di in (c.support or range(len(c.docs)))]
@@ -897,8 +898,9 @@ class _Fact:
 
 # easy stages of ``role``: the key *after* its value ("The mayor of V is X.", asked "Which city is X the
 # mayor of?"), so the lookup must read what precedes the name: description's first hop in one sentence
-EASY_ROLE_FACTS = {"founder_of": ("founder", "{V} was founded by {X}."), "mayor_of": ("mayor", "The mayor of {V} is {X}."),
-                   "engineer_of": ("engineer", "The chief engineer of {V} is {X}.")}  # relation -> (role, sentence)
+EASY_ROLE_FACTS = {  # relation -> (role, sentence)
+    "founder_of": ("founder", "{V} was founded by {X}."), "mayor_of": ("mayor", "The mayor of {V} is {X}."),
+    "engineer_of": ("engineer", "The chief engineer of {V} is {X}.")}
 EASY_TYPES = ("single_hop", "role")  # an easy stage's facts: key before value (the default), or after
 
 
