@@ -15,7 +15,6 @@ import re
 import sys
 
 
-
 def phrasing(rec: dict) -> str:
     x, holder = rec["meta"]["entity"], rec["meta"]["bridge"]
     doc = rec["documents"][rec["supporting"][0]].replace("\n", " ")
