@@ -643,16 +643,23 @@ def cross_doc_cluster(world: World, variant: str, gender: str | None = None) -> 
                    forbidden={1: [x.first, x.last]}, gender=x.gender)
 
 
+def role_holder(world: World, role: str):
+    """A new town (mayor) or company (founder, engineer) and the person who holds ``role`` there."""
+    if role == "mayor":
+        holder = world.city()
+        return holder, holder.mayor
+    holder = world.company()
+    return holder, holder.founder if role == "founder" else holder.engineer
+
+
 def description_cluster(world: World, variant: str) -> Cluster:
     """A names X in a role; a later B describes X only by that role and states the answer."""
     role, later = variant.split("->")
     rng = world.rng
+    holder, x = role_holder(world, role)
     if role == "mayor":
-        holder = world.city()
-        x, a_doc, anchor = holder.mayor, city_doc(holder, world), {"city": holder.name}
+        a_doc, anchor = city_doc(holder, world), {"city": holder.name}
     else:
-        holder = world.company()
-        x = holder.founder if role == "founder" else holder.engineer
         a_doc, anchor = company_doc(holder, world), {"company": holder.name}
     desc = rng.choice(DESCRIPTIONS[role]).format(person=x.p["person"], **anchor)
     ref = {"desc": desc, "Desc": _cap(desc), "dposs": x.p["poss"]}
@@ -906,8 +913,7 @@ EASY_TYPES = ("single_hop", "role")  # an easy stage's facts: key before value (
 
 def _easy_role_fact(world: World, relation: str) -> _Fact:
     role, sentence = EASY_ROLE_FACTS[relation]
-    holder = world.city() if role == "mayor" else world.company()
-    x = holder.mayor if role == "mayor" else holder.founder if role == "founder" else holder.engineer
+    holder, x = role_holder(world, role)
     return _Fact(sentence.format(X=x.name, V=holder.name),
                  world.rng.choice(ROLE_QUESTIONS[role]).format(X=x.name), holder.name, relation, x.name)
 
