@@ -2,6 +2,7 @@
 JSON-lines I/O, the bundled-model paths and ``redknot testbed make-data``."""
 
 import argparse
+import hashlib
 import json
 import random
 import re
@@ -39,11 +40,11 @@ def check_invariants(rec):
         assert has(first, meta["entity"]) and not has(first, answer)
         # the answer document never names the question's entity: both documents are needed
         assert not any(has(answer_doc, w) for w in name_words)
-    if rec["type"] in ("multi_hop", "description"):
+    if rec["type"] in data.BRIDGED_TYPES:
         assert has(docs[support[0]], meta["bridge"])
     if rec["type"] == "multi_hop":
         assert has(answer_doc, meta["bridge"])
-    if rec["type"] == "description":
+    if rec["type"] in ("description", "mention"):
         assert support[0] < support[1], "the referring document comes later"
         assert meta["description"].lower() in answer_doc.lower()
         assert meta["bridge"] in meta["description"]
@@ -91,7 +92,7 @@ def test_invariants_of_every_type(seed):
 
 def test_role_asks_the_holder_of_the_described_role():
     """``role``: the answer is the subject of the document that names X in a role (the first hop of
-    a ``description`` record, backwards); its twin holds the same role elsewhere. It is asked only
+    a ``mention`` record, backwards); its twin holds the same role elsewhere. It is asked only
     where named, so the default records (the held-out seeds) do not change."""
     recs = generate_records(7, 6, context_tokens=1024, questions_per_context=2, types=("role",), meta=True)
     assert {r["type"] for r in recs} == {"role"}
@@ -109,9 +110,10 @@ def test_role_asks_the_holder_of_the_described_role():
         generate_records(0, 1, types=("rol",))
 
 
-def test_description_later_document_describes_but_never_names():
-    recs = generate_records(11, 12, types=("description",), meta=True)
-    assert {r["type"] for r in recs} == {"description"}
+@pytest.mark.parametrize("kind", ["description", "mention"])
+def test_description_later_document_describes_but_never_names(kind):
+    recs = generate_records(11, 12, types=(kind,), meta=True)
+    assert {r["type"] for r in recs} == {kind}
     assert len({r["meta"]["relation"] for r in recs}) > 3  # several description / fact variants
     for r in recs:
         check_invariants(r)
@@ -120,6 +122,20 @@ def test_description_later_document_describes_but_never_names():
         assert not has(later, first) and not has(later, last)
         assert r["meta"]["description"].lower() in later.lower()
         assert not has(r["question"], r["meta"]["bridge"])  # the question names the person, not the role
+        # description: A is X's own bio, stating the role; mention: A is the holder's profile
+        title = earlier.split("\n")[0]
+        assert title == (r["meta"]["entity"] if kind == "description" else r["meta"]["bridge"])
+
+
+def test_mention_regenerates_the_first_description_records():
+    """``description`` once meant what ``mention`` is; the earlier held-out files (seeds 20000-20003)
+    come back byte for byte with ``mention`` in its place (digests of the records before the change)."""
+    old = ("single_hop", "multi_hop", "cross_doc", "mention")
+    for seed, n, tokens, digest in [(20000, 12, 2048, "8da95b80d5caa807"), (20001, 4, 8192, "b83130535494d642")]:
+        recs = generate_records(seed, n, context_tokens=tokens, meta=True, types=old)
+        for r in recs:
+            r["type"] = "description" if r["type"] == "mention" else r["type"]
+        assert hashlib.sha256(json.dumps(recs, sort_keys=True).encode()).hexdigest()[:16] == digest
 
 
 NAME = re.compile(r"\b[A-Z][a-z]+ [A-Z][a-z]+\b")
@@ -253,7 +269,7 @@ def test_easy_records():
 
 
 def test_easy_role_records():
-    """Backward facts: the holder comes before the name it is asked by, as in description's document A."""
+    """Backward facts: the holder comes before the name it is asked by, as in mention's document A."""
     recs = easy_records(3, 6, context_tokens=128, questions_per_context=2, types=("role",), meta=True)
     assert recs == easy_records(3, 6, context_tokens=128, questions_per_context=2, types=("role",), meta=True)
     for r in recs:

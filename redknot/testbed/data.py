@@ -13,15 +13,19 @@ from templates plus neutral filler, 150-400 words each. Facts come in *clusters*
   The pronoun is resolved only by reading A before B: chunks encoded independently lose the link,
   and the same-variant twin (same gender, another continuation) leaves nothing in B's own text to
   tell the two apart.
-- ``description``: document A introduces X by name ("Kestrel Works was founded by Orla Venn"); a
-  *later* document B refers to X only by a description ("the founder of Kestrel Works") and states
-  a fact about them; the question names X. This was the first cross-document type; measured on the
-  testbed model, it is linked at question time (the question finds A, A's role finds B's
-  description), so independently encoded chunks answer it as well as dense does — hence
-  ``cross_doc`` above.
-- ``role`` (for training stages only, not among the default types): a ``description`` cluster asked
+- ``description``: document A is X's bio and gives X a role ("Orla Venn founded Kestrel Works in
+  1820"); a *later* document B refers to X only by that role ("the founder of Kestrel Works") and
+  states a fact about them; the question names X. Linked at question time (X's bio gives the role,
+  the role finds B's description), so it tests reference by description, not reuse.
+- ``mention`` (not among the default types): the first form of ``description``, where document A is
+  the role holder's profile and names X once ("Kestrel Works was founded by Orla Venn"), so the first
+  hop runs backwards from X's single mention. No testbed model learned that hop above the coin flip
+  between X and its twin (docs/results/testbed.md, runs V–Z), so it measured the model, not the
+  methods. ``--types single_hop multi_hop cross_doc mention`` regenerates the earlier held-out files
+  exactly (type ``mention`` where they said ``description``).
+- ``role`` (for training stages only, not among the default types): a ``mention`` cluster asked
   for the holder of X's role ("Which city is Orla Venn the mayor of?" -> the city whose document
-  names X as its mayor), the backward first hop of ``description`` on its own.
+  names X as its mayor), the backward first hop of ``mention`` on its own.
 
 Every asked cluster has a twin of the same variant with other names (asked too when there is more
 than one question per context), and the rest of the budget is filled with clusters of the same
@@ -43,8 +47,9 @@ from pathlib import Path
 
 TYPES = ("single_hop", "multi_hop", "cross_doc", "description")
 # asked only where a stage or make-data names them: the default records (held-out seeds) stay as they were
-TRAINING_TYPES = ("role",)
+TRAINING_TYPES = ("mention", "role")
 ALL_TYPES = TYPES + TRAINING_TYPES
+BRIDGED_TYPES = ("multi_hop", "description", "mention")  # the types whose records name a bridge entity
 MIN_DOC_WORDS, MAX_DOC_WORDS = 150, 400
 SHORT_DOC_WORDS = 24  # the floor for contexts too short for four documents of MIN_DOC_WORDS (curriculum stages)
 TARGET_DOC_WORDS = 270  # documents per context ~ words budget / this
@@ -126,6 +131,14 @@ DESCRIPTIONS = {
     "founder": ["the founder of {company}", "the person who founded {company}", "the {person} who founded {company}"],
     "mayor": ["the mayor of {city}"],
     "engineer": ["the chief engineer of {company}"],
+}
+ROLE_FACTS = {  # description's document A: X's bio states the role, X first (the order of every bio fact)
+    "founder": ["{N} founded {holder} in {founded_year}.", "In {founded_year} {n} founded {holder}.",
+                "{N} is the founder of {holder}."],
+    "mayor": ["{N} is the mayor of {holder}.", "{N} has been the mayor of {holder} since {year}.",
+              "{N} was elected mayor of {holder} in {year}."],
+    "engineer": ["{N} is the chief engineer of {holder}.", "{N} serves as the chief engineer of {holder}.",
+                 "{N} has been the chief engineer of {holder} since {year}."],
 }
 LATER_FACTS = {  # sentence in document B (whose subject is the answer's entity)
     "final_years": ["{Desc} spent {dposs} final years in {name}.",
@@ -294,6 +307,7 @@ VARIANTS = {
     "multi_hop": [f"{a}->{b}" for a, b in MULTI_HOP],
     "cross_doc": list(CONTINUATION_FACTS),
     "description": [f"{d}->{l}" for d in DESCRIPTIONS for l in LATER_FACTS],
+    "mention": [f"{d}->{l}" for d in DESCRIPTIONS for l in LATER_FACTS],
     "role": list(DESCRIPTIONS),
 }
 EASY_FACTS = {  # relation -> one sentence, key next to value
@@ -308,7 +322,7 @@ EASY_FACTS = {  # relation -> one sentence, key next to value
 
 def _template_words() -> set[str]:
     texts = [t for d in (PERSON_FACTS, COMPANY_FACTS, CITY_FACTS, ACADEMY_FACTS, LATER_FACTS, FILLER, DESCRIPTIONS,
-                         CROSS_DOC_QUESTIONS, CONTINUATION_FACTS) for v in d.values() for t in v]
+                         CROSS_DOC_QUESTIONS, CONTINUATION_FACTS, ROLE_FACTS) for v in d.values() for t in v]
     texts += PERSON_INTRO + COMPANY_INTRO + CITY_INTRO + ACADEMY_INTRO + list(EASY_FACTS.values())
     texts += CONTINUATION_TITLES + CONTINUATION_INTRO
     texts += [q for _, _, qs in SINGLE_HOP.values() for q in qs] + [q for qs in MULTI_HOP.values() for q in qs]
@@ -652,15 +666,19 @@ def role_holder(world: World, role: str):
     return holder, holder.founder if role == "founder" else holder.engineer
 
 
-def description_cluster(world: World, variant: str) -> Cluster:
-    """A names X in a role; a later B describes X only by that role and states the answer."""
+def _described_cluster(world: World, variant: str, kind: str) -> Cluster:
+    """A gives X a role; a later B describes X only by that role and states the answer. ``kind``
+    says what A is: X's bio stating the role (``description``) or the holder's profile naming X
+    (``mention``, the first form: draws exactly what it always drew, so its records never change)."""
     role, later = variant.split("->")
     rng = world.rng
     holder, x = role_holder(world, role)
-    if role == "mayor":
-        a_doc, anchor = city_doc(holder, world), {"city": holder.name}
+    anchor = {"city": holder.name} if role == "mayor" else {"company": holder.name}
+    if kind == "mention":
+        a_doc = city_doc(holder, world) if role == "mayor" else company_doc(holder, world)
     else:
-        a_doc, anchor = company_doc(holder, world), {"company": holder.name}
+        founded = getattr(holder, "founded_year", None) if role == "founder" else None
+        a_doc = person_doc(x, world, [rng.choice(ROLE_FACTS[role])], {"holder": holder.name, "founded_year": founded})
     desc = rng.choice(DESCRIPTIONS[role]).format(person=x.p["person"], **anchor)
     ref = {"desc": desc, "Desc": _cap(desc), "dposs": x.p["poss"]}
     template = [rng.choice(LATER_FACTS[later])]
@@ -675,8 +693,18 @@ def description_cluster(world: World, variant: str) -> Cluster:
         spouse = world.person()
         b_doc, answer = person_doc(spouse, world, template, ref), spouse.name
     q = rng.choice(CROSS_DOC_QUESTIONS[later]).format(X=x.name, xposs=x.p["poss"])
-    return Cluster("description", variant, [a_doc, b_doc], q, answer, x.name, bridge=holder.name, description=desc,
+    return Cluster(kind, variant, [a_doc, b_doc], q, answer, x.name, bridge=holder.name, description=desc,
                    forbidden={1: [x.first, x.last]})
+
+
+def description_cluster(world: World, variant: str) -> Cluster:
+    """A: X's bio, which gives X a role; a later B describes X only by that role and states the answer."""
+    return _described_cluster(world, variant, "description")
+
+
+def mention_cluster(world: World, variant: str) -> Cluster:
+    """A: the role holder's profile, which names X once; a later B describes X only by that role."""
+    return _described_cluster(world, variant, "mention")
 
 
 ROLE_QUESTIONS = {
@@ -687,17 +715,17 @@ ROLE_QUESTIONS = {
 
 
 def role_cluster(world: World, variant: str) -> Cluster:
-    """A description cluster (A names X in a role, a later B describes X by it) asked for the holder
+    """A ``mention`` cluster (A names X in a role, a later B describes X by it) asked for the holder
     of the role: the answer is the subject of the document that names X, found from X backwards."""
     later = world.rng.choice(list(LATER_FACTS))
-    c = description_cluster(world, f"{variant}->{later}")
+    c = mention_cluster(world, f"{variant}->{later}")
     q = world.rng.choice(ROLE_QUESTIONS[variant]).format(X=c.entity)
     return Cluster("role", variant, c.docs, q, c.bridge, c.entity, description=c.description,
                    forbidden=c.forbidden, support=(0,))
 
 
 MAKERS = {"single_hop": single_hop_cluster, "multi_hop": multi_hop_cluster, "cross_doc": cross_doc_cluster,
-          "description": description_cluster, "role": role_cluster}
+          "description": description_cluster, "mention": mention_cluster, "role": role_cluster}
 
 
 # ---- contexts -----------------------------------------------------------------------------------
@@ -713,9 +741,9 @@ def _check(c: Cluster, docs: list[str], support: list[int]) -> None:
         first = docs[support[0]]
         assert _contains(first, c.entity) and not _contains(first, c.answer), (c.question, c.answer)
         assert all(not _contains(answer_doc, w) for w in c.forbidden.get(1, ())), c.question
-    if c.type in ("multi_hop", "description"):
+    if c.type in BRIDGED_TYPES:
         assert _contains(answer_doc, c.bridge) or c.description.lower() in answer_doc.lower(), c.question
-    if c.type == "description":
+    if c.type in ("description", "mention"):
         assert support[0] < support[1] and c.description in answer_doc.replace(_cap(c.description), c.description)
     if c.type == "cross_doc":  # the continuation follows its bio directly
         assert support[1] == support[0] + 1, c.question
@@ -774,7 +802,7 @@ def _context_records(seed: int, i: int, context_tokens: int, questions: int, typ
     slots = [s for u in units for s in u]
     pos = {s: k for k, s in enumerate(slots)}
     for ci, c in enumerate(clusters):  # a described reference always points back
-        if c.type in ("description", "role") and pos[(ci, 0)] > pos[(ci, 1)]:
+        if c.type in ("description", "mention", "role") and pos[(ci, 0)] > pos[(ci, 1)]:
             a, b = pos[(ci, 0)], pos[(ci, 1)]
             slots[a], slots[b] = slots[b], slots[a]
             pos[(ci, 0)], pos[(ci, 1)] = b, a
@@ -826,7 +854,6 @@ def generate_records(seed: int, n: int, context_tokens: int = 2048, questions_pe
 
 
 ANSWER_MARK = "=>"  # a reasoned answer: "BRIDGE => ANSWER" (or "X was born in BRIDGE => ANSWER")
-BRIDGED_TYPES = ("multi_hop", "description")  # the types whose records name a bridge entity
 # answer budget of the harness, hops and demo: the longest trained answer, a restated one ("X is the
 # chief engineer of BRIDGE => ANSWER"), is up to ~26 tokens; plain answers stop at </s> long before
 MAX_ANSWER_TOKENS = 32
@@ -842,7 +869,7 @@ def restated_fact(record: dict) -> str | None:
     first = meta["relation"].split("->")[0]
     if record.get("type") == "multi_hop":
         return EASY_FACTS[first].split("{V}")[0].format(X=meta["entity"]).rstrip()
-    if record.get("type") == "description":  # the role's first phrasing without its holder
+    if record.get("type") in ("description", "mention"):  # the role's first phrasing without its holder
         return f"{meta['entity']} is {DESCRIPTIONS[first][0].split('{')[0].rstrip()}"
     return None
 
