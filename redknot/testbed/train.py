@@ -18,7 +18,7 @@ the context. Hence:
   1,500 steps, so the curriculum starts with 4 facts and 2 questions (``easy:64/2``: one distractor
   per question) and doubles from there; ``--advance-em`` moves on once a stage is learned.
   ``easy:64/2@role`` states roles with the name last ("The mayor of V is X.", asked for V): the
-  backward hop of ``description``, learned this way in one-sentence facts (testbed.md, runs X–Z).
+  backward hop of ``mention``, learned this way in one-sentence facts (testbed.md, runs X–Z).
 * **Dense supervision.** Every context carries ``--questions-per-context`` (default 8) questions.
   They share the context in one packed sequence: each QA block sits after the context, sees the
   context and itself but no other block (block attention mask), and its positions continue from
@@ -90,7 +90,7 @@ import torch.nn.functional as F
 
 from ..bench.quality import exact_match
 from ..reuse.prompt import build_prompt
-from .data import BRIDGED_TYPES, target_answer
+from .data import BRIDGED_TYPES, TYPES, target_answer
 
 # Architectures. "small": ≈19.4M parameters, ≈39 MB in bf16; 8 query / 4 KV heads of dim 64 so the
 # head profiler has a real GQA layout to classify. The shipped model is "small" grown to 12 layers
@@ -779,8 +779,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --init-weights DIR: deepen the checkpoint to this many layers, computing the same "
                         "function at the start (new layers spread evenly, their output projections zeroed)")
     p.add_argument("--questions-per-context", type=int, default=8)
-    p.add_argument("--reasoned-answers", nargs="?", const="+".join(BRIDGED_TYPES), default=None, metavar="TYPES",
-                   help="qa stages: questions of these two-hop types (default " + "+".join(BRIDGED_TYPES) + ") are "
+    default_reasoned = "+".join(t for t in BRIDGED_TYPES if t in TYPES)
+    p.add_argument("--reasoned-answers", nargs="?", const=default_reasoned, default=None, metavar="TYPES",
+                   help="qa stages: questions of these two-hop types (default " + default_reasoned + "; any of "
+                        + ", ".join(BRIDGED_TYPES) + ") are "
                         "answered 'BRIDGE => ANSWER', naming the entity that links the two documents first "
                         "(scoring reads the part after '=>')")
     p.add_argument("--restate-bridge", action="store_true",
