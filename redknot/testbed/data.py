@@ -931,7 +931,7 @@ class _Fact:
 
 
 # easy stages of ``role``: the key *after* its value ("The mayor of V is X.", asked "Which city is X the
-# mayor of?"), so the lookup must read what precedes the name: description's first hop in one sentence
+# mayor of?"), so the lookup must read what precedes the name: mention's first hop in one sentence
 EASY_ROLE_FACTS = {  # relation -> (role, sentence)
     "founder_of": ("founder", "{V} was founded by {X}."), "mayor_of": ("mayor", "The mayor of {V} is {X}."),
     "engineer_of": ("engineer", "The chief engineer of {V} is {X}.")}
