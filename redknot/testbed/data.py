@@ -307,9 +307,9 @@ VARIANTS = {
     "multi_hop": [f"{a}->{b}" for a, b in MULTI_HOP],
     "cross_doc": list(CONTINUATION_FACTS),
     "description": [f"{d}->{l}" for d in DESCRIPTIONS for l in LATER_FACTS],
-    "mention": [f"{d}->{l}" for d in DESCRIPTIONS for l in LATER_FACTS],
     "role": list(DESCRIPTIONS),
 }
+VARIANTS["mention"] = VARIANTS["description"]  # the same roles and facts; only document A differs
 EASY_FACTS = {  # relation -> one sentence, key next to value
     "birth_city": "{X} was born in {V}.", "birth_year": "{X} was born in {V}.", "employer": "{X} works for {V}.",
     "school": "{X} studied at {V}.", "residence": "{X} lives in {V}.", "company_founded": "{X} was founded in {V}.",
@@ -677,8 +677,8 @@ def _described_cluster(world: World, variant: str, kind: str) -> Cluster:
     if kind == "mention":
         a_doc = city_doc(holder, world) if role == "mayor" else company_doc(holder, world)
     else:
-        founded = getattr(holder, "founded_year", None) if role == "founder" else None
-        a_doc = person_doc(x, world, [rng.choice(ROLE_FACTS[role])], {"holder": holder.name, "founded_year": founded})
+        slots = {"holder": holder.name, "founded_year": holder.founded_year}
+        a_doc = person_doc(x, world, [rng.choice(ROLE_FACTS[role])], slots)
     desc = rng.choice(DESCRIPTIONS[role]).format(person=x.p["person"], **anchor)
     ref = {"desc": desc, "Desc": _cap(desc), "dposs": x.p["poss"]}
     template = [rng.choice(LATER_FACTS[later])]
