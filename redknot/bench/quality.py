@@ -251,7 +251,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-config", default=None,
                    help=f"head config JSON (needed by {', '.join(NEEDS_HEAD_CONFIG)}; default: heads.json "
                         f"beside the checkpoint)")
-    p.add_argument("--sparse-ffn", default=None, help="sparse FFN JSON (default: built-in tiers)")
+    p.add_argument("--sparse-ffn", default=None,
+                   help="sparse FFN JSON (default: sparse_ffn.json beside the checkpoint, else built-in tiers)")
     p.add_argument("--shallow-suffix", choices=("local", "plan"), default="local",
                    help="redknot's shallow layers: the question attends locally like the chunk tokens "
                         "(local, default) or keeps its head plan (plan)")
