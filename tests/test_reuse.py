@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.config import HeadConfigError, SparseFFNConfig
-from redknot.reuse.methods import rank_descending, select_tokens
+from redknot.reuse.methods import RedKnot, chunk_ranked, rank_descending, select_tokens
 from redknot.reuse.prompt import build_prompt
 
 DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 2,
@@ -393,6 +393,28 @@ def test_cross_chunk_mass_without_a_full_context_head_uses_each_heads_window():
     r = 10  # sees key 0 and keys 7..10: keys 7, 8 are in chunk 0
     p = (q[r] @ keys[[0, 7, 8, 9, 10], 0].T * 0.5).softmax(-1)
     torch.testing.assert_close(got[r], p[:, 1:3].sum(-1).mean())
+
+
+def test_chunk_importance_keeps_whole_chunks_first():
+    """importance "chunk": a chunk's rows rank by the chunk's mean cross-chunk mass, so the share kept
+    takes whole chunks; "cross" would take one row of each chunk's best rows instead."""
+    cross = torch.tensor([0.9, 0.0, 0.1, 0.1, 0.5, 0.0])
+    chunk_id = torch.tensor([0, 0, 1, 1, 2, -1])  # means: chunk 0 0.45, chunk 1 0.1, chunk 2 0.5; a suffix row
+    score = chunk_ranked(cross, chunk_id)
+    assert rank_descending(score[:5])[:3].sort().values.tolist() == [0, 1, 4]  # chunks 2 and 0, whole
+    assert rank_descending(cross[:5])[:3].sort().values.tolist() == [0, 3, 4]  # by row: chunk 0 split
+    assert score[5] == 0  # outside chunks: its own score
+
+    is_chunk = chunk_id >= 0
+    vis = torch.zeros(2, 1, dtype=torch.long)
+    got = {}
+    for imp in ("cross", "chunk"):
+        policy = RedKnot(torch.arange(6), vis, vis, vis, vis, is_chunk,
+                         SparseFFNConfig(dense_until=0, recent_n=0, min_keep=1, importance=imp, keep_fraction=0.6),
+                         0, keep_cached=True, chunk_id=chunk_id)
+        got[imp] = policy.ffn_rows(0, torch.arange(6), {"cross": cross}).tolist()
+    assert got == {"cross": [0, 3, 4, 5], "chunk": [0, 1, 4, 5]}  # ceil(0.6 * 5) = 3 chunk rows + the suffix row
+    assert SparseFFNConfig(importance="chunk").importance == "chunk"
 
 
 def test_keep_fraction_picks_a_fixed_share_once(tiny_checkpoint):

@@ -55,7 +55,7 @@ def test_cross_doc_needs_the_link_that_chunk_reuse_loses(llm):
     """What makes the testbed tell methods apart: a cross_doc answer sits in a continuation that names
     no one, so dense (which reads the bio first) answers and independently cached chunks do not, and
     redknot_kv's recovery brings the link back. Measured on these 8 records (CPU, float32): dense
-    8/8, full_reuse 2/8, redknot_kv 7/8; the bounds leave two records of slack each."""
+    8/8, full_reuse 1/8, redknot_kv 8/8; the bounds leave at least two records of slack each."""
     recs = generate_records(31337, 8, context_tokens=1024, types=("cross_doc",))
     params = SamplingParams(max_tokens=10, temperature=0)
 
@@ -72,11 +72,11 @@ def test_cross_doc_needs_the_link_that_chunk_reuse_loses(llm):
 def test_description_answers_restate_the_role_then_answer(llm):
     """The shipped answer form of a description question: 'X is the <role> of HOLDER => ANSWER', the
     holder read from X's bio, the answer from the later document that describes X by that role.
-    Measured on these 8 records (CPU, float32): the holder right 7/8, the answer 6/8."""
+    Measured on these 8 records (CPU, float32): the holder right 8/8, the answer 7/8."""
     recs = generate_records(31337, 8, context_tokens=1024, types=("description",), meta=True)
     outs = llm.generate([r["question"] for r in recs], SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0),
                         documents=[r["documents"] for r in recs])
     texts = [o.outputs[0].text for o in outs]
     holder = sum(bool(bridge_match(t, r["meta"]["bridge"], restated_fact(r))) for t, r in zip(texts, recs))
     answer = sum(exact_match(t, r["answers"]) for t, r in zip(texts, recs))
-    assert holder >= 5 and answer >= 4, (holder, answer, texts)
+    assert holder >= 6 and answer >= 5, (holder, answer, texts)

@@ -13,7 +13,8 @@ redknot        one forward over chunks + suffix (the first chunk's cache is exac
                heads the full context and local heads their window, and run the FFN only on the
                tokens that receive the most attention from the suffix's last tokens (tiered
                thresholds; or SparseFFNConfig.keep_fraction of them, ranked by its importance,
-               e.g. "cross": attention to other chunks); the rest keep their residual
+               e.g. "cross": attention to other chunks, "chunk": the same averaged per chunk);
+               the rest keep their residual
 redknot_kv     redknot, but a token left out of a layer's FFN stops there: later layers use its
                cached (relocated) KV, so projections and attention shrink with the FFN
 redknot_exact  the redknot code path with every head global, dense FFN, every chunk recomputed:
@@ -123,8 +124,10 @@ class RedKnot(FixedSet):
         return self.n_obs if sparse else 0
 
     def cross_chunks(self, layer, cur):
-        if self.sparse.threshold(layer) is None or self.sparse.importance != "cross":
+        if self.sparse.threshold(layer) is None or self.sparse.importance not in ("cross", "chunk"):
             return None
+        if self.sparse.keep_fraction == 1:
+            return None  # every candidate is kept: nothing to rank
         if self._n_keep is not None and int(self._candidates(cur).sum()) <= self._n_keep:
             return None  # nothing left to rank (redknot_kv after its one selection)
         return self.chunk_id
@@ -141,6 +144,8 @@ class RedKnot(FixedSet):
             return None
         imp = self.sparse.importance
         score = info["mass"][cur] if imp == "attention" else info["out_norm"] if imp == "norm" else info.get("cross")
+        if imp == "chunk" and score is not None:
+            score = chunk_ranked(score, self.chunk_id[cur])
         if self.sparse.keep_fraction is None:
             self._rows = select_tokens(score, self.is_chunk[cur], thr, self.sparse.recent_n, self.sparse.min_keep)
             return self._rows
@@ -158,6 +163,26 @@ class RedKnot(FixedSet):
 
     def keep_rows(self, layer, cur, info):
         return self._rows if self.keep_cached else None
+
+
+def chunk_ranked(cross: torch.Tensor, chunk_id: torch.Tensor) -> torch.Tensor:
+    """Scores that rank rows chunk by chunk: a chunk with a higher mean cross-chunk mass outranks
+    every row of a lower one; within a chunk rows keep their own order. A continuation whose only
+    link to an earlier document is a pronoun leans on that document as a whole, while its answer
+    token may give the other chunk little mass itself: so the share kept is decided per chunk."""
+    cross = cross.float()
+    out = cross.clone()
+    ids = chunk_id.clamp_min(0)
+    inside = chunk_id >= 0
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    total = torch.zeros(n, device=cross.device).index_add_(0, ids[inside], cross[inside])
+    count = torch.zeros(n, device=cross.device).index_add_(0, ids[inside], torch.ones_like(cross[inside]))
+    mean = total / count.clamp_min(1)
+    order = torch.empty(n, dtype=torch.float32, device=cross.device)  # a chunk's rank, 0 = lowest mean
+    order[rank_descending(mean).flip(0)] = torch.arange(n, dtype=torch.float32, device=cross.device)
+    # cross is a mass in [0, 1]: a step of 2 between chunks keeps them apart whatever the rows' own scores
+    out[inside] = 2 * order[ids[inside]] + cross[inside]
+    return out
 
 
 def rank_descending(score: torch.Tensor) -> torch.Tensor:
