@@ -171,18 +171,16 @@ def chunk_ranked(cross: torch.Tensor, chunk_id: torch.Tensor) -> torch.Tensor:
     link to an earlier document is a pronoun leans on that document as a whole, while its answer
     token may give the other chunk little mass itself: so the share kept is decided per chunk."""
     cross = cross.float()
-    out = cross.clone()
     ids = chunk_id.clamp_min(0)
     inside = chunk_id >= 0
-    n = int(ids.max()) + 1 if ids.numel() else 0
+    n = int(ids.max()) + 1
     total = torch.zeros(n, device=cross.device).index_add_(0, ids[inside], cross[inside])
     count = torch.zeros(n, device=cross.device).index_add_(0, ids[inside], torch.ones_like(cross[inside]))
     mean = total / count.clamp_min(1)
     order = torch.empty(n, dtype=torch.float32, device=cross.device)  # a chunk's rank, 0 = lowest mean
     order[rank_descending(mean).flip(0)] = torch.arange(n, dtype=torch.float32, device=cross.device)
     # cross is a mass in [0, 1]: a step of 2 between chunks keeps them apart whatever the rows' own scores
-    out[inside] = 2 * order[ids[inside]] + cross[inside]
-    return out
+    return torch.where(inside, 2 * order[ids] + cross, cross)
 
 
 def rank_descending(score: torch.Tensor) -> torch.Tensor:
