@@ -23,6 +23,9 @@ class Context:
     cu_seqlens_q: torch.Tensor | None = None  # device int32 [B+1]
     seq_lens_t: torch.Tensor | None = None  # device int32 [B]
     positions: torch.Tensor | None = None  # device int64 [total_q]
+    block_tables: torch.Tensor | None = None  # device int32 [L, B, Hkv, max_pages] (paged KV)
+    window: torch.Tensor | None = None  # device int32 [L, Hkv]: the batch's head plan
+    sink: torch.Tensor | None = None  # device int32 [L, Hkv]
     extras: dict[str, Any] = field(default_factory=dict)  # backend-owned per-batch metadata
 
     @property

@@ -53,10 +53,9 @@ def run(args) -> int:
     params = SamplingParams(max_tokens=MAX_ANSWER_TOKENS, temperature=0)
     rows, answers, dense_first = [], {}, []
     for m in METHODS:  # dense first: its first tokens are the reference
-        llm.chunk_store.clear()
-        llm.prefix_store.clear()
+        llm.engine.clear_caches()
         ttfts, cached, agree, em = [], [], 0, 0
-        with _kv_bytes_held(llm.backend(m)) as held:
+        with _kv_bytes_held(llm.engine) as held:
             for i, (rec, order) in enumerate(requests):
                 out = llm.generate(rec["question"], params, documents=order, method=m)[0]
                 ttfts.append(out.metrics["time_to_first_token"])
@@ -70,7 +69,7 @@ def run(args) -> int:
                 em += int(exact_match(text, rec["answers"]))
         rows.append((m, ttfts[0], statistics.median(ttfts[1:]), statistics.mean(cached[1:]), agree, em, max(held)))
     dense_bytes = rows[0][-1]
-    n_tokens = len(llm._prompt_ids(requests[0][0]["question"], requests[0][1]))
+    n_tokens = len(llm.prompt_ids(requests[0][0]["question"], requests[0][1]))
     print(f"3 requests over {len(requests[0][1])} shared documents in different orders, ~{n_tokens} prompt tokens each")
     print(f"{'method':<14} {'cold TTFT ms':>12} {'warm TTFT ms':>12} {'cached tok':>10} {'top-1=dense':>11} "
           f"{'EM':>5} {'KV held':>10} {'vs dense':>8}")
@@ -91,7 +90,7 @@ def _check_against_transformers(llm, model_dir, question, docs) -> None:
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = llm._prompt_ids(question, docs)
+    ids = llm.prompt_ids(question, docs)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     ours = llm.first_token_logits(question, documents=docs, method="dense").cpu().float()
@@ -101,16 +100,17 @@ def _check_against_transformers(llm, model_dir, question, docs) -> None:
 
 
 @contextlib.contextmanager
-def _kv_bytes_held(backend):
-    """Collects the KV bytes the decode backend holds at the end of every step (the list it yields)."""
-    held, end = [], backend.end
+def _kv_bytes_held(engine):
+    """Collects the KV bytes running requests hold after every engine step (the list it yields)."""
+    held, step = [], engine.step
 
-    def spy(ctx):
-        end(ctx)
-        held.append(backend.kv_bytes())
+    def spy():
+        out = step()
+        held.append(engine.request_kv_bytes(out))
+        return out
 
-    backend.end = spy
+    engine.step = spy
     try:
         yield held
     finally:
-        backend.end = end
+        engine.step = step

@@ -20,6 +20,6 @@ def test_demo_prints_every_method_and_exact_methods_match_dense(tiny_checkpoint,
     assert set(rows) == set(demo.METHODS)
     for m in ("dense", "prefix", "redknot_exact"):  # exact methods: same first token as dense on all three
         assert rows[m][4] == "3/3", rows[m]
-    # chunk-reusing methods serve the documents from the cache on the warm requests; dense never does
-    assert float(rows["dense"][3]) == 0 and float(rows["full_reuse"][3]) > 0
+    # chunk-reusing methods serve every document from the cache on the warm requests
+    assert float(rows["dense"][3]) < float(rows["full_reuse"][3])  # dense: exact prefixes only
     assert float(rows["redknot_kv"][-1]) < 1  # local heads hold less KV than dense

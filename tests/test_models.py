@@ -145,22 +145,3 @@ def test_weights_that_do_not_match_config(tiny_checkpoint, tmp_path):
     path = _edited_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck3", lambda c: c.update(num_hidden_layers=3))
     with pytest.raises(CheckpointError, match="missing weights"):
         LLM(model=path, device="cpu")
-
-
-@pytest.mark.parametrize("t,n,window", [(7, 7, None), (5, 40, None), (1, 40, None), (33, 80, 16), (1, 50, 8),
-                                        (70, 70, 24), (3, 10, 64)])
-def test_dense_causal_attention_without_a_full_mask(t, n, window, monkeypatch):
-    """Chunked-prefill and decode attention of the dense backend (lower-right causal, optional
-    sliding window, query blocks) equals attention under the explicit mask."""
-    from redknot.engine import backends
-
-    monkeypatch.setattr(backends, "_WINDOW_QUERY_BLOCK", 16)
-    torch.manual_seed(t * n)
-    q, k, v = torch.randn(1, 4, t, 8), torch.randn(1, 2, n, 8), torch.randn(1, 2, n, 8)
-    qpos = torch.arange(n - t, n)[:, None]
-    kpos = torch.arange(n)[None, :]
-    mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                                           attn_mask=mask, scale=0.3)
-    out = backends.causal_attention(q, k, v, n - t, window, 0.3)
-    assert (out - ref).abs().max() < 1e-5

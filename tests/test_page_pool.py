@@ -97,7 +97,7 @@ def test_exhaustion_is_all_or_nothing():
 def test_decode_loop_local_bounded_global_grows():
     pool = mixed_pool()
     ps = pool.page_size
-    bound = pool._sink_pages + -(-pool.window // ps) + 1
+    bound = -(-pool.sink // ps) + -(-pool.window // ps) + 1
     pool.add_sequence(0)
     pool.ensure(0, 37)
     pool.trim(0)

@@ -88,10 +88,9 @@ def test_every_method_prefills_decodes_and_frees(llm, method):
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
     for o in out:  # the first token comes after the prefill and before the five decode steps end
         assert 0 < o.metrics["time_to_first_token"] < wall
-    backend = llm.backend(method)
-    assert backend.kv_bytes() == 0
-    if hasattr(backend, "pool"):
-        assert backend.pool.num_free_pages == backend.pool.num_pages
+    assert llm.engine.request_kv_bytes() == 0 and not llm.engine.has_unfinished()
+    llm.engine.clear_caches()
+    assert llm.pool.num_free_pages == llm.pool.num_pages
 
 
 @pytest.mark.parametrize("method", ALL)

@@ -28,7 +28,8 @@ def test_all_global_segpaged_equals_dense(tiny_checkpoint, family, kw):
     prompts = [PROMPT, "The quick brown fox"]
     assert ([o.outputs[0].token_ids for o in sp.generate(prompts, params)] ==
             [o.outputs[0].token_ids for o in dense.generate(prompts, params)])
-    assert sp.backend("headsparse").pool.num_free_pages == sp.backend("headsparse").pool.num_pages
+    sp.engine.clear_caches()
+    assert sp.pool.num_free_pages == sp.pool.num_pages
 
 
 def _hf_with_head_mask(path, head_config, cfg):
@@ -74,28 +75,30 @@ def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint, page_siz
         gen = hf.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
     out = llm.generate(PROMPT, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == gen
-    pool = llm.backend("headsparse").pool
-    assert pool.num_free_pages == pool.num_pages
+    llm.engine.clear_caches()
+    assert llm.pool.num_free_pages == llm.pool.num_pages
 
 
 def test_headsparse_stores_less_than_dense(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     hc = HeadConfig.synthetic(2, 2, 0.5, window=16, sink=4)
-    llm = LLM(model=path, device="cpu", method="headsparse", head_config=hc, page_size=16)
-    backend = llm.backend("headsparse")
-    seen = []
-    orig_end = backend.end
+    llm = LLM(model=path, device="cpu", method="headsparse", head_config=hc, page_size=16,
+              enable_prefix_caching=False)
+    engine, seen = llm.engine, []
+    step = engine.step
 
-    def spy(ctx):
-        orig_end(ctx)
-        seen.append((ctx.seq_lens[0], backend.pool.occupancy()))
+    def spy():
+        out = step()
+        if engine.running:
+            seen.append((engine.pool.length(engine.running[0].seq_id), engine.pool.occupancy()))
+        return out
 
-    backend.end = spy
+    engine.step = spy
     llm.generate(PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
     n, occ = seen[-1]
     assert occ["local"] <= 2 * (1 + 1 + 1)  # 2 local heads: sink page + window page + partial
     assert occ["global"] == 2 * -(-n // 16)
-    assert backend.pool.num_free_pages == backend.pool.num_pages
+    assert llm.pool.num_free_pages == llm.pool.num_pages
 
 
 def test_headsparse_without_head_config_is_a_clear_error(tiny_checkpoint):

@@ -36,7 +36,7 @@ def server(tiny_checkpoint):
     ref = LLM(model=path, head_config=head_config(), **LLM_KW)  # same weights, its own caches
     ns = type("Server", (), {})()
     ns.base, ns.engine, ns.llm, ns.ref = base, engine, llm, ref
-    ns.pool = llm.backend("headsparse").pool
+    ns.pool = llm.pool
     ns.client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
     yield ns
     server.stop()
@@ -56,11 +56,17 @@ def chat_ids(tokenizer, messages):
                                               return_dict=False))
 
 
-def wait_pool_free(pool, timeout=5.0) -> bool:
+def wait_pool_free(llm, timeout=5.0) -> bool:
+    """Every page is free or held by the prefix cache (no request holds any)."""
+    pool, cache = llm.pool, llm.engine.prefix_cache
+
+    def idle():
+        return pool.num_free_pages + cache.num_pages() == pool.num_pages
+
     deadline = time.time() + timeout
-    while pool.num_free_pages != pool.num_pages and time.time() < deadline:
+    while not idle() and time.time() < deadline:
         time.sleep(0.02)
-    return pool.num_free_pages == pool.num_pages
+    return idle()
 
 
 def test_health_and_models(server):
@@ -160,7 +166,7 @@ def test_concurrent_streams_return_every_page(server):
         futures = [ex.submit(one, i) for i in range(16)]
         results = [f.exception() or f.result() for f in futures]
     assert results == [16] * 16
-    assert wait_pool_free(server.pool), server.pool.occupancy()
+    assert wait_pool_free(server.llm), server.pool.occupancy()
 
 
 def test_disconnect_aborts_and_frees_pages(server):
@@ -174,7 +180,7 @@ def test_disconnect_aborts_and_frees_pages(server):
     # a non-streamed request whose client times out is aborted as well
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.base}/v1/chat/completions", json=body | extra, timeout=0.5)
-    assert wait_pool_free(server.pool, timeout=5), server.pool.occupancy()
+    assert wait_pool_free(server.llm, timeout=5), server.pool.occupancy()
     after = server.engine.stats()
     assert after["requests_finished"] == stats["requests_finished"]  # both aborted, neither ran out
     assert after["generated_tokens"] - stats["generated_tokens"] < 2 * 480
@@ -219,7 +225,7 @@ def test_bad_requests_get_openai_errors(server):
         server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
     r = httpx.post(url, json=good)  # the server keeps serving
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    assert wait_pool_free(server.pool)
+    assert wait_pool_free(server.llm)
 
 
 def test_out_of_memory_is_a_503_and_the_server_keeps_serving(server, monkeypatch):
@@ -230,13 +236,13 @@ def test_out_of_memory_is_a_503_and_the_server_keeps_serving(server, monkeypatch
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB (simulated)")
 
-    monkeypatch.setattr(server.llm, "_prefill", oom)
+    monkeypatch.setattr(server.llm.engine.runner, "forward", oom)
     r = httpx.post(url, json=good)
     assert r.status_code == 503 and r.json()["error"]["code"] == "out_of_memory", r.text
     monkeypatch.undo()
     r = httpx.post(url, json=good)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    assert wait_pool_free(server.pool)
+    assert wait_pool_free(server.llm)
 
 
 def test_metrics(server):

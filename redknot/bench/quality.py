@@ -340,8 +340,9 @@ def run(args) -> dict:
     # not the serving default of half the free GPU memory, so harness processes can share a device.
     longest = max(len(build_prompt(llm.tokenizer, r["question"], r["documents"]).token_ids) for r in records)
     cfg = llm.config
-    pages_per_head = -(-(longest + args.max_tokens) // llm.page_size) + 1
-    llm.kv_pages = cfg.num_hidden_layers * cfg.num_key_value_heads * pages_per_head
+    pages_per_head = -(-(longest + args.max_tokens) // llm.pool.page_size) + 1
+    kv_pages = cfg.num_hidden_layers * cfg.num_key_value_heads * pages_per_head
+    llm.engine.resize_pool(kv_pages)
     meta = {
         "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
@@ -349,7 +350,7 @@ def run(args) -> dict:
         "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "torch": torch.__version__,
         "n_records": len(records), "head_config": None if args.head_config is None else str(args.head_config),
         "head_plan": llm.head_config.class_counts() if llm.head_config else None, "sparse_ffn": vars(llm.sparse_ffn),
-        "kv_pages": llm.kv_pages,
+        "kv_pages": kv_pages,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,7 @@ def run(args) -> dict:
               "argv": ["redknot", "bench", "serve"] + sys.argv[3:],
               "args": {k: v for k, v in vars(args).items() if not callable(v)}, "methods": {}}
     for method in methods:
-        llm.chunk_store.clear()
+        llm.engine.clear_caches()
         server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs), "bench")
         print(f"{method}: server up at {server.base}, {args.requests} requests from {args.clients} clients", flush=True)
         try:

@@ -6,8 +6,13 @@ head keeps every page; a local head keeps its sink pages and the pages that stil
 window, so its page count stays bounded however long the sequence grows.
 
 Bookkeeping lives on the host in numpy (free stack, reference counts, one `[L, Hkv, cap]` table
-per sequence); only `k_pages`/`v_pages` and the per-batch block tables live on the device. Every
-operation is vectorised over (layer, head, page); Python only loops over sequences.
+per sequence). Every operation is vectorised over (layer, head, page); Python only loops over
+sequences. With `attach_device_tables`, each sequence also owns a slot of one persistent device
+table `[L, slots, Hkv, max_pages]`: every table change is recorded and `sync_device_tables`
+applies only the changed columns (one small pinned copy), so a decode step never rebuilds tables.
+
+One pool serves every head plan: each sequence names the plan (window and sink per (layer, KV
+head)) its pages are trimmed by; dense is the all-global plan.
 
 Retrieval heads: the pool stores by window and sink only. A head whose selected set may reach any
 earlier token must be given `window = GLOBAL_WINDOW` here, or its pages would be trimmed.
@@ -32,12 +37,21 @@ class PagesNeeded(NamedTuple):
     kept: int  # net pages still held once `trim` ran (peak minus what trim gives back)
 
 
-class _Seq:
-    __slots__ = ("table", "length")
+class _Plan(NamedTuple):
+    window: np.ndarray  # int64 [L, Hkv]
+    sink: np.ndarray  # int64 [L, Hkv]
+    sink_pages: np.ndarray  # logical pages holding a sink token
+    is_global: np.ndarray  # bool [L, Hkv]
 
-    def __init__(self, table: np.ndarray):
+
+class _Seq:
+    __slots__ = ("table", "length", "plan", "slot")
+
+    def __init__(self, table: np.ndarray, plan: _Plan, slot: int):
         self.table = table  # int32 [L, Hkv, cap], -1 = not stored; cap >= ceil(length/page_size)
         self.length = 0
+        self.plan = plan
+        self.slot = slot  # row of the device table (0: none attached)
 
 
 def _cdiv(a, b):
@@ -47,23 +61,15 @@ def _cdiv(a, b):
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, head_dim: int, window, sink,
                  dtype: torch.dtype = torch.float32, device="cpu"):
-        window = np.asarray(torch.as_tensor(window).cpu(), dtype=np.int64)
-        sink = np.asarray(torch.as_tensor(sink).cpu(), dtype=np.int64)
-        if window.ndim != 2 or window.shape != sink.shape:
-            raise ValueError(f"window and sink must both be [L, Hkv]; got window {window.shape}, "
-                             f"sink {sink.shape}")
-        if (window < 1).any():
-            raise ValueError("window must be >= 1 for every head (a query always sees itself)")
-        if (sink < 0).any():
-            raise ValueError("sink must be >= 0 for every head")
         if num_pages < 1 or page_size < 1 or head_dim < 1:
             raise ValueError(f"num_pages, page_size, head_dim must be >= 1; got "
                              f"{num_pages}, {page_size}, {head_dim}")
         self.num_pages, self.page_size, self.head_dim = num_pages, page_size, head_dim
-        self.num_layers, self.num_kv_heads = window.shape
-        self.window, self.sink = window, sink
-        self.is_global = window >= GLOBAL_WINDOW  # [L, Hkv]
-        self._sink_pages = _cdiv(sink, page_size)  # logical pages holding a sink token
+        self._plans: dict[str, _Plan] = {}
+        self.num_layers, self.num_kv_heads = np.asarray(torch.as_tensor(window).cpu()).shape[:2]
+        self.add_plan("default", window, sink)
+        default = self._plans["default"]
+        self.window, self.sink, self.is_global = default.window, default.sink, default.is_global
         self.device = torch.device(device)
         self.dtype = dtype
         self.k_pages = torch.zeros(num_pages, page_size, head_dim, dtype=dtype, device=self.device)
@@ -72,9 +78,40 @@ class PagePool:
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._nfree = num_pages
         self._ref = np.zeros(num_pages, dtype=np.int32)
-        # Flat (layer, head) index of each page's owner head, for occupancy by head class.
-        self._owner = np.zeros(num_pages, dtype=np.int32)
+        # Whether each page belongs to a global head of its owner's plan (occupancy by class).
+        self._global_page = np.zeros(num_pages, dtype=bool)
         self._seqs: dict[int, _Seq] = {}
+        self.device_tables: torch.Tensor | None = None  # int32 [L, slots, Hkv, max_pages]
+        self._free_slots: list[int] = []
+        self._dirty: dict[int, list[int]] = {}  # slot -> [lo, hi) logical pages changed since sync
+
+    def add_plan(self, name: str, window, sink) -> None:
+        """Register a head plan (window and sink per (layer, KV head)) sequences can be trimmed by."""
+        window = np.asarray(torch.as_tensor(window).cpu(), dtype=np.int64)
+        sink = np.asarray(torch.as_tensor(sink).cpu(), dtype=np.int64)
+        if window.ndim != 2 or window.shape != sink.shape:
+            raise ValueError(f"window and sink must both be [L, Hkv]; got window {window.shape}, "
+                             f"sink {sink.shape}")
+        if window.shape != (self.num_layers, self.num_kv_heads):
+            raise ValueError(f"plan {name!r} is {window.shape}, the pool is "
+                             f"[L={self.num_layers}, Hkv={self.num_kv_heads}]")
+        if (window < 1).any():
+            raise ValueError("window must be >= 1 for every head (a query always sees itself)")
+        if (sink < 0).any():
+            raise ValueError("sink must be >= 0 for every head")
+        self._plans[name] = _Plan(window, sink, _cdiv(sink, self.page_size), window >= GLOBAL_WINDOW)
+
+    @property
+    def plans(self) -> tuple[str, ...]:
+        return tuple(self._plans)
+
+    def window_sink(self, plan: str) -> tuple[np.ndarray, np.ndarray]:
+        p = self._plans[plan]
+        return p.window, p.sink
+
+    def plan_of(self, seq_id: int) -> str:
+        plan = self._seq(seq_id).plan
+        return next(k for k, v in self._plans.items() if v is plan)
 
     # ------------------------------------------------------------------ capacity
 
@@ -87,20 +124,20 @@ class PagePool:
         """Device bytes of one page, K and V together."""
         return 2 * self.page_size * self.head_dim * self.k_pages.element_size()
 
-    def _kept_pages(self, n: int) -> np.ndarray:
+    def _kept_pages(self, n: int, plan: _Plan) -> np.ndarray:
         """[L, Hkv] pages a private sequence of length n holds after trim."""
         total = _cdiv(n, self.page_size)
-        dead = np.maximum(0, self._dead_end(n) - self._sink_pages)
+        dead = np.maximum(0, self._dead_end(n, plan) - plan.sink_pages)
         return total - dead
 
-    def _dead_end(self, n: int) -> np.ndarray:
+    def _dead_end(self, n: int, plan: _Plan) -> np.ndarray:
         """[L, Hkv]: pages lp < this (and past the sinks) are dead for a next query at p = n.
 
         lp is dead iff its last position (lp+1)*ps - 1 < n - W + 1, i.e. lp < floor((n-W+1)/ps).
         """
-        return np.maximum(0, (n - self.window + 1) // self.page_size)
+        return np.maximum(0, (n - plan.window + 1) // self.page_size)
 
-    def pages_needed(self, new_len: int, old_len: int = 0) -> PagesNeeded:
+    def pages_needed(self, new_len: int, old_len: int = 0, plan: str = "default") -> PagesNeeded:
         """Pages to grow a (trimmed, unshared) sequence from old_len to new_len, over all heads.
 
         `peak` is what `ensure` allocates: every head gets pages for all new tokens, which the
@@ -112,14 +149,23 @@ class PagePool:
             raise ValueError(f"new_len {new_len} < old_len {old_len}")
         heads = self.num_layers * self.num_kv_heads
         peak = heads * (_cdiv(new_len, self.page_size) - _cdiv(old_len, self.page_size))
-        kept = int(self._kept_pages(new_len).sum() - self._kept_pages(old_len).sum())
+        p = self._plans[plan]
+        kept = int(self._kept_pages(new_len, p).sum() - self._kept_pages(old_len, p).sum())
         return PagesNeeded(int(peak), kept)
+
+    def peak_pages(self, total: int, chunk: int, plan: str = "default") -> int:
+        """Most pages a private sequence growing to ``total`` tokens holds at once when its tokens
+        arrive ``chunk`` at a time (a chunk is stored for every head before trim drops what local
+        heads no longer see)."""
+        p = self._plans[plan]
+        full = _cdiv(total, self.page_size)
+        per_head = np.minimum(full, self._kept_pages(total, p) + _cdiv(min(chunk, total), self.page_size) + 1)
+        return int(per_head.sum())
 
     def occupancy(self) -> dict[str, int]:
         """Physical pages in use (shared pages counted once), split by the owner head's class."""
         used = self._ref > 0
-        glob = self.is_global.reshape(-1)[self._owner[used]]
-        n_global = int(glob.sum())
+        n_global = int(self._global_page[used].sum())
         return {"global": n_global, "local": int(used.sum()) - n_global,
                 "free": self._nfree, "total": self.num_pages}
 
@@ -161,16 +207,32 @@ class PagePool:
         except KeyError:
             raise KeyError(f"unknown sequence id {seq_id!r}; call add_sequence first") from None
 
-    def add_sequence(self, seq_id: int) -> None:
+    def add_sequence(self, seq_id: int, plan: str = "default") -> None:
         if seq_id in self._seqs:
             raise ValueError(f"sequence id {seq_id!r} already exists")
-        self._seqs[seq_id] = _Seq(np.full((self.num_layers, self.num_kv_heads, 0), -1, np.int32))
+        if plan not in self._plans:
+            raise ValueError(f"unknown head plan {plan!r} (registered: {', '.join(self._plans)})")
+        slot = 0
+        if self.device_tables is not None:
+            if not self._free_slots:
+                raise PoolExhausted(f"all {self.device_tables.shape[1] - 1} sequence slots are in use")
+            slot = self._free_slots.pop()
+        self._seqs[seq_id] = _Seq(np.full((self.num_layers, self.num_kv_heads, 0), -1, np.int32),
+                                  self._plans[plan], slot)
+
+    def slot(self, seq_id: int) -> int:
+        """The sequence's row of the device table."""
+        return self._seq(seq_id).slot
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
     def length(self, seq_id: int) -> int:
         return self._seq(seq_id).length
+
+    def pages_held(self, seq_id: int) -> int:
+        """Pages the sequence's table references (its own and shared ones)."""
+        return int((self._seq(seq_id).table >= 0).sum())
 
     def table(self, seq_id: int) -> np.ndarray:
         """Copy of the host table, int32 [L, Hkv, ceil(length/page_size)]."""
@@ -211,13 +273,14 @@ class PagePool:
             raise PoolExhausted(
                 f"sequence {seq_id!r} growing {old} -> {new_len} needs {n_new + n_cow} pages, "
                 f"only {self._nfree} of {self.num_pages} free")
-        head_idx = np.broadcast_to(
-            np.arange(self.num_layers * self.num_kv_heads, dtype=np.int32)
-            .reshape(self.num_layers, self.num_kv_heads, 1), span.shape)
+        if new_len > self.max_len:
+            raise ValueError(f"sequence {seq_id!r} would hold {new_len} tokens, the device table "
+                             f"holds {self.max_len}")
+        is_global = np.broadcast_to(s.plan.is_global[:, :, None], span.shape)
         if n_cow:
             src = span[cow]
             dst = self._alloc(n_cow)
-            self._owner[dst] = head_idx[cow]
+            self._global_page[dst] = is_global[cow]
             src_t = torch.from_numpy(src.astype(np.int64)).to(self.device)
             dst_t = torch.from_numpy(dst.astype(np.int64)).to(self.device)
             self.k_pages[dst_t] = self.k_pages[src_t]
@@ -226,9 +289,17 @@ class PagePool:
             self._ref[src] -= 1  # was > 1, so never reaches 0 here
         if n_new:
             pages = self._alloc(n_new)
-            self._owner[pages] = head_idx[missing]
+            self._global_page[pages] = is_global[missing]
             span[missing] = pages
         s.length = new_len
+        self._mark(s, first, end)
+
+    @property
+    def max_len(self) -> int:
+        """Most tokens one sequence can hold (the device table's width), unbounded without one."""
+        if self.device_tables is None:
+            return 1 << 62
+        return self.device_tables.shape[3] * self.page_size
 
     def trim(self, seq_id: int) -> int:
         """Release pages no future query can see (next query at p = length). Returns pages released.
@@ -239,18 +310,34 @@ class PagePool:
         """
         s = self._seq(seq_id)
         n_pages = _cdiv(s.length, self.page_size)
-        lp = np.arange(n_pages)
-        dead = ((lp >= self._sink_pages[:, :, None]) & (lp < self._dead_end(s.length)[:, :, None])
-                & (s.table[:, :, :n_pages] >= 0))
-        pages = s.table[:, :, :n_pages][dead]
-        self.release(pages)
-        s.table[:, :, :n_pages][dead] = -1
+        plan = s.plan
+        if plan.is_global.all():
+            return 0
+        # Only pages in [min sink pages, max dead end) can die: look at that span alone.
+        lo, hi = int(plan.sink_pages.min()), min(n_pages, int(self._dead_end(s.length, plan).max()))
+        if hi <= lo:
+            return 0
+        lp = np.arange(lo, hi)
+        span = s.table[:, :, lo:hi]
+        dead = ((lp >= plan.sink_pages[:, :, None]) & (lp < self._dead_end(s.length, plan)[:, :, None])
+                & (span >= 0))
+        pages = span[dead]
+        if pages.size:
+            self.release(pages)
+            span[dead] = -1
+            self._mark(s, lo, hi)
         return int(pages.size)
 
     def free_sequence(self, seq_id: int) -> None:
         s = self._seq(seq_id)
         self.release(s.table)
         del self._seqs[seq_id]
+        if s.slot:
+            self._dirty.pop(s.slot, None)
+            n = _cdiv(s.length, self.page_size)
+            if n:  # leave the slot all -1 for its next owner
+                self.device_tables[:, s.slot, :, :n] = -1
+            self._free_slots.append(s.slot)
 
     def share(self, seq_id: int, tables, length: int, first_page: int = 0) -> None:
         """Map existing pages (e.g. a cached chunk's) into a sequence, read-only, one ref each.
@@ -279,6 +366,53 @@ class PagePool:
         self._grow(s, first_page + n)
         s.table[:, :, first_page:first_page + n] = tables
         s.length = first_page * ps + length
+        self._mark(s, first_page, first_page + n)
+
+    # ------------------------------------------------------------------ device tables
+
+    def attach_device_tables(self, max_seqs: int, max_len: int) -> None:
+        """Keep a persistent device copy of every sequence's table: int32 [L, max_seqs + 1, Hkv,
+        ceil(max_len / page_size)]. Slot 0 stays all -1 (padding rows of a captured batch)."""
+        if self._seqs:
+            raise RuntimeError("attach_device_tables before adding sequences")
+        pages = _cdiv(max_len, self.page_size)
+        self.device_tables = torch.full((self.num_layers, max_seqs + 1, self.num_kv_heads, pages), -1,
+                                        dtype=torch.int32, device=self.device)
+        self._free_slots = list(range(max_seqs, 0, -1))
+
+    def _mark(self, s: _Seq, lo: int, hi: int) -> None:
+        if s.slot and hi > lo:
+            d = self._dirty.get(s.slot)
+            self._dirty[s.slot] = [lo, hi] if d is None else [min(d[0], lo), max(d[1], hi)]
+
+    def sync_device_tables(self) -> None:
+        """Copy the columns changed since the last sync to the device table (one H2D copy)."""
+        if not self._dirty or self.device_tables is None:
+            return
+        by_slot = {s.slot: s for s in self._seqs.values()}
+        slots, lps, cols = [], [], []
+        for slot, (lo, hi) in self._dirty.items():
+            s = by_slot.get(slot)
+            if s is None:
+                continue
+            hi = min(hi, s.table.shape[2])
+            slots.append(np.full(hi - lo, slot, np.int64))
+            lps.append(np.arange(lo, hi, dtype=np.int64))
+            cols.append(s.table[:, :, lo:hi].transpose(2, 0, 1))  # [n, L, Hkv]
+        self._dirty.clear()
+        if not slots:
+            return
+        idx = np.stack([np.concatenate(slots), np.concatenate(lps)])
+        vals = np.ascontiguousarray(np.concatenate(cols))
+        dev = self.device_tables.device
+        pin = dev.type == "cuda"
+        idx_t = torch.from_numpy(idx)
+        vals_t = torch.from_numpy(vals)
+        if pin:
+            idx_t, vals_t = idx_t.pin_memory(), vals_t.pin_memory()
+        idx_t = idx_t.to(dev, non_blocking=True)
+        vals_t = vals_t.to(dev, non_blocking=True)
+        self.device_tables[:, idx_t[0], :, idx_t[1]] = vals_t
 
     # ------------------------------------------------------------------ per-batch metadata
 

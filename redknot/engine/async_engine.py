@@ -1,25 +1,23 @@
-"""Continuous batching for serving: one worker thread owns the model; requests stream tokens back.
+"""Serving front: one worker thread drives ``Engine.step()``; requests stream tokens back.
 
-Each loop iteration admits waiting requests while the KV pool can hold them (prefill, with chunk
-reuse when the method uses it), then runs one decode step for every running sequence together.
-A request whose consumer goes away is aborted and its pages freed. Requests that can never fit
-are refused with ``EngineOverloaded`` (the server answers 503) instead of running out of memory.
+Requests enter through a thread-safe inbox; the worker moves them into the engine, steps it,
+and hands each request's new text to its asyncio queue. A request whose consumer goes away is
+aborted and its pages freed. One that can never fit is refused with ``EngineOverloaded`` (the
+server answers 503) before it is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import torch
-
-from .llm import LLM, prefills_through_reuse
-from .sampling import SamplingParams, sample
+from .engine import RequestTooLarge
+from .llm import LLM
+from .sampling import SamplingParams
 from .sequence import Sequence
 
 
@@ -44,14 +42,9 @@ class StreamDelta:
 @dataclass
 class _Request:
     seq: Sequence
-    prompt: object
-    documents: list | None
-    method: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.perf_counter)
-    pages: int = 0  # pool pages reserved at admission
-    cached_tokens: int = 0
     sent_tokens: int = 0
     sent_text: str = ""
     aborted: bool = False
@@ -59,13 +52,14 @@ class _Request:
 
 class AsyncLLMEngine:
     def __init__(self, llm: LLM, max_num_seqs: int = 64, max_waiting: int = 1024):
-        self.llm, self.max_num_seqs, self.max_waiting = llm, max_num_seqs, max_waiting
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self.llm, self.engine = llm, llm.engine
+        self.engine.max_num_seqs = min(max_num_seqs, llm.engine.cfg.max_num_seqs)
+        self.max_num_seqs, self.max_waiting = self.engine.max_num_seqs, max_waiting
+        self._inbox: deque[_Request] = deque()
+        self._aborts: deque[_Request] = deque()
+        self._live: dict[int, _Request] = {}  # seq_id -> request, once in the engine
         self._lock = threading.Condition()
         self._stop = False
-        self._ids = itertools.count()
-        self._reserved = 0
         # metrics
         self._ttft_counts = [0] * len(TTFT_BUCKETS)
         self._ttft_sum, self._ttft_n = 0.0, 0
@@ -80,20 +74,18 @@ class AsyncLLMEngine:
     async def generate(self, prompt, params: SamplingParams, documents=None,
                        method: str | None = None) -> AsyncIterator[StreamDelta]:
         """Stream a request's output. Bad input raises ValueError/TypeError before anything runs."""
-        method = self.llm._check_method(method or self.llm.method)
-        ids = self.llm._prompt_ids(prompt, documents)
-        if len(ids) + params.max_tokens > self.llm.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"model's {self.llm.max_model_len} (max_position_embeddings)")
-        seq = Sequence(ids, params)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.llm.device).manual_seed(params.seed)
-        req = _Request(seq, prompt, documents, method, asyncio.get_running_loop(), asyncio.Queue())
-        self._check_fits(req)
+        seq = self.llm.make_sequence(prompt, params, documents, method)
+        try:
+            self.engine.prepare(seq)
+        except RequestTooLarge as e:
+            if len(seq.token_ids) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(str(e)) from None
+            raise EngineOverloaded(str(e)) from None
+        req = _Request(seq, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if len(self._waiting) >= self.max_waiting:
-                raise EngineOverloaded(f"{len(self._waiting)} requests are waiting; try again later")
-            self._waiting.append(req)
+            if len(self._inbox) + len(self.engine.waiting) >= self.max_waiting:
+                raise EngineOverloaded(f"{len(self.engine.waiting)} requests are waiting; try again later")
+            self._inbox.append(req)
             self._lock.notify()
         try:
             while True:
@@ -110,8 +102,7 @@ class AsyncLLMEngine:
     def abort(self, req: _Request) -> None:
         with self._lock:
             req.aborted = True
-            if req in self._waiting:
-                self._waiting.remove(req)
+            self._aborts.append(req)
             self._lock.notify()
 
     def shutdown(self) -> None:
@@ -121,143 +112,88 @@ class AsyncLLMEngine:
         self._thread.join(timeout=10)
 
     def stats(self) -> dict:
-        """Counters for /metrics; KV and pool pages summed over every backend in use."""
-        backends = list(self.llm._backends.values())
-        pools = [b.pool.occupancy() for b in backends if hasattr(b, "pool")]
-        occupancy = {k: sum(p[k] for p in pools) for k in pools[0]} if pools else {}
+        """Counters for /metrics."""
         with self._lock:
-            return {"running": len(self._running), "waiting": len(self._waiting),
+            engine = self.engine.stats()
+            return {**engine, "waiting": engine["waiting"] + len(self._inbox),
                     "generated_tokens": self.generated_tokens, "reused_tokens": self.reused_tokens,
                     "requests_finished": self.requests_finished,
                     "ttft_buckets": list(zip(TTFT_BUCKETS, self._ttft_counts)), "ttft_sum": self._ttft_sum,
-                    "ttft_count": self._ttft_n, "uptime_s": time.time() - self.started,
-                    "kv_bytes": sum(b.kv_bytes() for b in backends), "pool_pages": occupancy}
+                    "ttft_count": self._ttft_n, "uptime_s": time.time() - self.started}
 
     def _record_ttft(self, seconds: float) -> None:
-        with self._lock:
-            for i, edge in enumerate(TTFT_BUCKETS):
-                if seconds <= edge:
-                    self._ttft_counts[i] += 1  # cumulative buckets, as Prometheus expects
-            self._ttft_sum += seconds
-            self._ttft_n += 1
-
-    # ---- admission ------------------------------------------------------------------------------
-    def _pages_for(self, req: _Request) -> int:
-        backend = self.llm.backend(req.method)
-        if not hasattr(backend, "pool"):
-            return 0
-        return backend.pool.pages_needed(len(req.seq.token_ids) + req.seq.params.max_tokens).peak
-
-    def _check_fits(self, req: _Request) -> None:
-        backend = self.llm.backend(req.method)
-        if hasattr(backend, "pool") and self._pages_for(req) > backend.pool.num_pages:
-            raise EngineOverloaded(f"the request needs {self._pages_for(req)} KV pages; the pool has "
-                                   f"{backend.pool.num_pages}")
-
-    def _admissible(self, req: _Request) -> bool:
-        backend = self.llm.backend(req.method)
-        if not hasattr(backend, "pool"):
-            return True
-        return self._reserved + self._pages_for(req) <= backend.pool.num_pages
+        for i, edge in enumerate(TTFT_BUCKETS):
+            if seconds <= edge:
+                self._ttft_counts[i] += 1  # cumulative buckets, as Prometheus expects
+        self._ttft_sum += seconds
+        self._ttft_n += 1
 
     # ---- worker ---------------------------------------------------------------------------------
     def _loop(self) -> None:
+        engine = self.engine
         while True:
             with self._lock:
-                while not self._stop and not self._waiting and not self._running:
+                while not self._stop and not self._inbox and not self._aborts and not engine.has_unfinished():
                     self._lock.wait()
                 if self._stop:
                     return
-                admitted = []
-                while (self._waiting and len(self._running) + len(admitted) < self.max_num_seqs
-                       and (self._waiting[0].aborted or self._admissible(self._waiting[0]))):
-                    req = self._waiting.popleft()
-                    if req.aborted:
-                        continue
-                    req.pages = self._pages_for(req)
-                    self._reserved += req.pages
-                    admitted.append(req)
-            for req in admitted:
-                self._guard(req, self._prefill, req)
-            self._reap()
-            if self._running:
-                self._decode()
-            self._reap()
-
-    def _guard(self, req: _Request, fn, *args) -> None:
-        try:
-            fn(*args)
-        except Exception as e:  # a failing request must not take the engine down
-            if isinstance(e, torch.OutOfMemoryError) and torch.cuda.is_available():
-                torch.cuda.empty_cache()  # give the failed request's activations back before the next one
-            self._fail(req, e)
-
-    def _prefill(self, req: _Request) -> None:
-        llm, seq = self.llm, req.seq
-        backend = llm.backend(req.method)
-        backend.add_sequence(seq.seq_id)
-        self._running.append(req)
-        if not prefills_through_reuse(req.method):
-            logits = llm._prefill(backend, [seq])[seq.seq_id]
-        else:
-            result = llm._reuse_prefill(req.prompt, req.documents, req.method)
-            backend.import_kv(seq.seq_id, result.recovered.k, result.recovered.v)
-            seq.num_computed = len(seq.token_ids)
-            logits = result.recovered.logits
-            req.cached_tokens = result.cached_tokens
-            self.reused_tokens += result.cached_tokens
-        self._accept(req, sample(logits[None], [seq.params], [seq.generator])[0])
-        self._record_ttft(time.perf_counter() - req.arrival)
-
-    def _decode(self) -> None:
-        by_method: dict[str, list[_Request]] = {}
-        for req in self._running:
-            if not req.seq.finished and not req.aborted:
-                by_method.setdefault(req.method, []).append(req)
-        for method, reqs in by_method.items():
-            backend = self.llm.backend(method)
-            try:
-                logits = self.llm.runner.step(backend, [(r.seq, 1) for r in reqs])
-                tokens = sample(logits, [r.seq.params for r in reqs], [r.seq.generator for r in reqs])
-            except Exception as e:
-                for r in reqs:
-                    self._fail(r, e)
+                inbox, aborts = list(self._inbox), list(self._aborts)
+                self._inbox.clear()
+                self._aborts.clear()
+            for req in aborts:
+                if self._live.pop(req.seq.seq_id, None) is not None:
+                    engine.abort(req.seq)
+            for req in inbox:
+                if req.aborted:
+                    continue
+                try:
+                    engine.add_request(req.seq)
+                except Exception as e:
+                    self._send(req, e)
+                    continue
+                self._live[req.seq.seq_id] = req
+            if not engine.has_unfinished():
                 continue
-            for r, t in zip(reqs, tokens):
-                self._accept(r, t)
+            try:
+                outputs = engine.step()
+            except Exception as e:  # the engine stays up: fail what was running
+                for req in list(self._live.values()):
+                    engine.abort(req.seq)
+                    self._send(req, e)
+                self._live.clear()
+                continue
+            with self._lock:
+                for out in outputs:
+                    req = self._live.get(out.seq.seq_id)
+                    if req is not None:
+                        self._deliver(req)
 
-    def _accept(self, req: _Request, token: int) -> None:
+    def _deliver(self, req: _Request) -> None:
         seq = req.seq
-        self.llm._append(seq, token)
-        self.generated_tokens += 1
-        stops = seq.params.stop
+        if seq.error is not None:
+            self._live.pop(seq.seq_id, None)
+            self._send(req, seq.error)
+            return
+        if req.sent_tokens == 0 and seq.output_token_ids:
+            self._record_ttft(time.perf_counter() - req.arrival)
+            self.reused_tokens += seq.cached_tokens
+        n_new = len(seq.output_token_ids) - req.sent_tokens
+        self.generated_tokens += n_new
         text = seq.text
         if not seq.finished:
-            # hold back a trailing partial character (bytes of it are still to come) and what
-            # could still become a stop string
+            # hold back a trailing partial character and what could still become a stop string
             keep = len(text.rstrip("\ufffd"))
-            if stops:
-                keep = min(keep, len(text) - max(len(s) for s in stops) + 1)
+            if seq.params.stop:
+                keep = min(keep, len(text) - max(len(s) for s in seq.params.stop) + 1)
             text = text[: max(len(req.sent_text), keep)]
+        else:
+            self._live.pop(seq.seq_id, None)
+            self.requests_finished += 1
         delta = StreamDelta(seq.output_token_ids[req.sent_tokens:], text[len(req.sent_text):], seq.finish_reason,
-                            seq.num_prompt, len(seq.output_token_ids), req.cached_tokens)
+                            seq.num_prompt, len(seq.output_token_ids), seq.cached_tokens)
         req.sent_tokens, req.sent_text = len(seq.output_token_ids), text
-        req.loop.call_soon_threadsafe(req.queue.put_nowait, delta)
+        self._send(req, delta)
 
-    def _fail(self, req: _Request, error: Exception) -> None:
-        req.aborted = True
-        req.loop.call_soon_threadsafe(req.queue.put_nowait, error)
-
-    def _reap(self) -> None:
-        """Free finished and aborted sequences."""
-        keep = []
-        for req in self._running:
-            if req.seq.finished or req.aborted:
-                self.llm.backend(req.method).free_sequence(req.seq.seq_id)
-                with self._lock:
-                    self._reserved -= req.pages
-                if req.seq.finished:
-                    self.requests_finished += 1
-            else:
-                keep.append(req)
-        self._running = keep
+    @staticmethod
+    def _send(req: _Request, item) -> None:
+        req.loop.call_soon_threadsafe(req.queue.put_nowait, item)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Temperatures below this sample as greedy (as vLLM does): dividing logits by them overflows.
+_GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -27,9 +31,13 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if (not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature)
+                or self.temperature < 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < _GREEDY_BELOW:  # logits / T would overflow: as good as greedy
+            self.temperature = 0.0
+        if (not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p)
+                or not 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
@@ -39,17 +47,36 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits: float32 [B, V]. Greedy rows take argmax; the rest sample after temperature/top-k/top-p."""
-    out = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> torch.Tensor:
+    """logits: float32 [B, V] -> int64 [B] on the same device, with no host sync.
+
+    Greedy rows take the argmax. The rest sample after temperature, top-k and top-p, by the
+    exponential race (argmax of p / E with E ~ Exp(1) drawn per row), which draws from
+    the filtered distribution without torch.multinomial's sync; a seeded row draws its noise
+    from its own generator, so it is reproducible whatever else is in the batch."""
+    greedy = logits.argmax(dim=-1)
     stochastic = [i for i, p in enumerate(params) if not p.greedy]
-    if stochastic:
-        rows = logits[stochastic]
-        temps = torch.tensor([params[i].temperature for i in stochastic], device=rows.device)
-        probs = _filter(rows / temps[:, None], [params[i] for i in stochastic]).softmax(dim=-1)
-        for j, i in enumerate(stochastic):  # per-row generators keep seeded requests reproducible
-            out[i] = torch.multinomial(probs[j], 1, generator=generators[i]).squeeze(0)
-    return out.tolist()
+    if not stochastic:
+        return greedy
+    dev = logits.device
+    rows = logits[stochastic] if len(stochastic) < len(params) else logits
+    sub = [params[i] for i in stochastic]
+    temps = torch.tensor([p.temperature for p in sub], device=dev, dtype=logits.dtype)
+    rows = rows / temps[:, None]
+    if any(p.top_k > 0 or p.top_p < 1 for p in sub):
+        rows = _filter(rows, sub)
+    probs = rows.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    seeded = [j for j, i in enumerate(stochastic) if generators[i] is not None]
+    if len(seeded) < len(stochastic):
+        noise.exponential_()
+    for j in seeded:
+        noise[j].exponential_(generator=generators[stochastic[j]])
+    drawn = (probs / noise).argmax(dim=-1)
+    if len(stochastic) == len(params):
+        return drawn
+    idx = torch.tensor(stochastic, device=dev)
+    return greedy.index_copy(0, idx, drawn)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

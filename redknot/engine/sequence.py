@@ -1,4 +1,4 @@
-"""A request's token state as the engine advances it."""
+"""A request's state as the engine advances it."""
 
 from __future__ import annotations
 
@@ -12,17 +12,28 @@ from .sampling import SamplingParams
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
+    method: str = "dense"
+    chunked_prompt: object | None = None  # reuse methods: the ChunkedPrompt (prefix, documents, suffix)
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in the cache
-    finish_reason: str | None = None
-    text: str = ""
+    num_computed: int = 0  # tokens whose KV is in the pool
+    plan: str = "dense"  # the head plan its pages live under (set by the engine from the method)
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    error: Exception | None = None
     generator: torch.Generator | None = None
+    detok: object | None = None  # IncrementalDetokenizer
+    arrival: float = 0.0
     first_token_time: float | None = None  # time.perf_counter() when the first output token was sampled
+    first_logits: torch.Tensor | None = None  # float32 [V], with params.return_first_logits
+    cached_tokens: int = 0  # prompt tokens whose KV came from a cache
+    flops: dict | None = None  # executed prefill FLOPs (reuse methods)
+    reuse_done: bool = False  # the reuse prefill ran (or is skipped after a preemption)
+    num_preemptions: int = 0
+    pages_at_finish: int = 0  # pool pages it held when its pages were last freed
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -34,6 +45,10 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt:]
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
 
     @property
     def finished(self) -> bool:

@@ -27,17 +27,23 @@ def _as_list(x, n: int) -> list[int]:
     return x
 
 
+def visible(p: torch.Tensor, j: torch.Tensor, window, sink) -> torch.Tensor:
+    """The visibility rule, elementwise and broadcasting: a query at p sees key j iff
+    j <= p and (j < sink or p - j < window)."""
+    return (j <= p) & ((j < sink) | (p - j < window))
+
+
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int,
                     sel: torch.Tensor | None = None) -> torch.Tensor:
     """bool [len(q_pos), len(k_pos)]: query at p sees key j iff
     j <= p and (j < sink or p - j < window or j in sel)."""
     p = q_pos[:, None].long()
     j = k_pos[None, :].long()
-    extra = (j < sink) | (p - j < window)
+    seen = visible(p, j, window, sink)
     if sel is not None:
         sel = sel[sel >= 0].long()
-        extra = extra | torch.isin(k_pos.long(), sel)[None, :]
-    return (j <= p) & extra
+        seen = seen | ((j <= p) & torch.isin(k_pos.long(), sel)[None, :])
+    return seen
 
 
 def segpaged_store_ref(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens):
@@ -102,12 +108,12 @@ def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_
         p = (torch.arange(seq_len - q_len, seq_len, device=q.device) if q_pos is None
              else q_pos[cu[b]:cu[b + 1]].long())[None, :, None]
         j = k_pos[None, None, :]
-        seen = (j < sinks) | (p - j < windows)
+        seen = visible(p, j, windows, sinks)
         if sel_pos is not None:
             for h in range(hkv):  # retrieval heads' explicit selections
                 chosen = sel_pos[b, h, : int(sel_lens[b, h])].long()
-                seen[h] |= torch.isin(k_pos, chosen)[None, :]
-        mask = (j <= p) & seen & present[:, None, :]
+                seen[h] |= (j[0] <= p[0]) & torch.isin(k_pos, chosen)[None, :]
+        mask = seen & present[:, None, :]
         if not return_lse:  # fused masked SDPA: same math, much faster on CPU
             ob = F.scaled_dot_product_attention(
                 q[cu[b]:cu[b + 1]].float().transpose(0, 1)[None], kk[None], vv[None],
@@ -153,3 +159,29 @@ def dense_masked_attention(q, k, v, window, sink, sm_scale=None, sel=None, retur
     p = torch.nan_to_num(torch.exp(s - lse[..., None]), nan=0.0)
     o = torch.einsum("hqk,khd->qhd", p, vf).to(q.dtype)
     return (o, lse.transpose(0, 1).contiguous()) if return_lse else o
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, window, sink, sm_scale,
+                           max_len: int) -> torch.Tensor:
+    """One query per sequence (decode), every sequence and head at once: gathers each head's
+    pages into [B, Hkv, max_len, D] and runs one masked SDPA. The CPU fast path beside
+    ``segpaged_attention_ref``; same rule, no loop over sequences.
+
+    q [B, Hq, D]; block_tables [B, Hkv, >= ceil(max_len / page_size)]; seq_lens [B] (the query
+    sits at seq_len - 1); window/sink [Hkv] tensors; max_len >= every seq_len (host int)."""
+    B, hq, d = q.shape
+    page_size = k_pages.shape[1]
+    n_pages = -(-max_len // page_size)
+    pages = block_tables[:, :, :n_pages].long()  # [B, Hkv, P]
+    present = (pages >= 0).repeat_interleave(page_size, dim=2)  # [B, Hkv, P * ps]
+    kk = k_pages[pages.clamp_min(0)].flatten(2, 3)  # [B, Hkv, P * ps, D]
+    vv = v_pages[pages.clamp_min(0)].flatten(2, 3)
+    j = torch.arange(n_pages * page_size, device=q.device)[None, None, :]
+    p = (seq_lens.long() - 1)[:, None, None]
+    mask = visible(p, j, window.long()[None, :, None], sink.long()[None, :, None]) & present
+    hkv = kk.shape[1]
+    # plain matmuls: for one query row they beat SDPA's masked CPU paths, which vary 100x by mask
+    scores = torch.einsum("bhgd,bhld->bhgl", q.view(B, hkv, hq // hkv, d).to(kk.dtype), kk) * sm_scale
+    probs = scores.float().masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
+    o = torch.einsum("bhgl,bhld->bhgd", probs.to(vv.dtype), vv)
+    return o.reshape(B, hq, d).to(q.dtype)

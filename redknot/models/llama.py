@@ -59,13 +59,27 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.rope = rope
         self.backend = None  # set by the runner
+        self.qkv_weight = self.qkv_bias = None  # one [Hq+2Hkv)*D, hidden] GEMM once fused
+
+    def fuse(self) -> None:
+        """One QKV GEMM instead of three: q/k/v_proj's weights become views of one fused tensor,
+        so the separate modules (state dict, tests that edit a weight) stay valid."""
+        self.qkv_weight = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_bias = _fuse_rows(self.q_proj, self.k_proj, self.v_proj, name="bias")
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """q [T, Hq, D], k and v [T, Hkv, D] of normed hidden states x, RoPE applied at positions."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+        if self.qkv_weight is not None:
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((nq, nkv, nkv), dim=-1)
+            q = q.reshape(t, self.n_heads, self.head_dim)
+            k = k.reshape(t, self.n_kv, self.head_dim)
+            v = v.reshape(t, self.n_kv, self.head_dim)
+        else:
+            q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
+            k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
+            v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
         norm_rope = _norm_rope() if NORM_ROPE == "auto" and x.is_cuda else None
         if norm_rope is not None:
             cos, sin = self.rope.cos_sin(positions)
@@ -91,9 +105,33 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
+        self.gate_up_weight = self.gate_up_bias = None  # one [2I, hidden] GEMM once fused
+
+    def fuse(self) -> None:
+        self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
+        self.gate_up_bias = _fuse_rows(self.gate_proj, self.up_proj, name="bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _fuse_rows(*linears: nn.Linear, name: str = "weight") -> torch.Tensor | None:
+    """Concatenate the linears' ``name`` tensors along the output rows and make each one a view
+    of the result (no second copy of the weights is kept)."""
+    parts = [getattr(m, name) for m in linears]
+    if parts[0] is None:
+        return None
+    with torch.no_grad():
+        fused = torch.cat([p.detach() for p in parts], dim=0)
+    start = 0
+    for m, p in zip(linears, parts):
+        n = p.shape[0]
+        setattr(m, name, nn.Parameter(fused[start:start + n], requires_grad=False))
+        start += n
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -134,6 +172,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> "LlamaForCausalLM":
+        """Fuse QKV and gate/up into single GEMMs (inference; call after loading and casting)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def set_backend(self, backend) -> None:
         for layer in self.model.layers:

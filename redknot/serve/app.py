@@ -249,7 +249,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
 
 def _prompt_ids(llm, prompt, documents) -> list[int]:
     try:
-        return llm._prompt_ids(prompt, documents)
+        return llm.prompt_ids(prompt, documents)
     except (ValueError, TypeError) as e:
         raise APIError(400, str(e), param="prompt") from None
 

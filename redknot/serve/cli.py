@@ -8,7 +8,9 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
     p.add_argument("--head-config", default=None, help="head config JSON (needed by headsparse and redknot*)")
-    p.add_argument("--method", default="dense", help="default method of requests that name none")
+    p.add_argument("--method", default="auto",
+                   help="default method of requests that name none (auto: redknot_kv with a head config, "
+                        "else cacheblend: documents are reused out of the box)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
@@ -27,8 +29,10 @@ def run(args: argparse.Namespace) -> int:
     from ..engine.async_engine import AsyncLLMEngine
     from .app import build_app
 
-    llm = LLM(model=args.model, head_config=args.head_config, method=args.method, device=args.device,
+    llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size)
+    llm.method = llm.check_method(default_method(llm) if args.method == "auto" else args.method)
+    print(f"default method: {llm.method}; prefix caching on", flush=True)
     engine = AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs)
     app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"))
     try:
@@ -36,6 +40,12 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def default_method(llm) -> str:
+    """The best-quality reuse method the model can run (docs/results/quality.md): redknot_kv
+    needs a head config; without one, cacheblend is the strongest head-agnostic reuse."""
+    return "redknot_kv" if llm.head_config is not None else "cacheblend"
 
 
 def main(argv=None) -> int:

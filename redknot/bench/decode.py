@@ -1,0 +1,232 @@
+"""`redknot bench decode`: offline decode throughput against the memory-bandwidth bound (GPU).
+
+Real architectures with random bf16 weights (timings do not depend on weight values). For each
+context length and batch size, B sequences of random tokens hold ``context`` tokens of KV (pages
+filled with random values: the decode step reads the same bytes as after a real prefill, without
+spending the run on prefills), then decode ``--tokens`` tokens each through ``Engine.step()``:
+the whole engine loop (scheduling, sampling, detokenisation, CUDA-graph replay) is in the time.
+
+The bound of a step is (weight bytes + KV bytes the plan reads) / bandwidth; the table shows
+tok/s, its fraction of the bound, and HF transformers' eager ``generate`` in the same run (its
+decode time is generate(N tokens) - generate(1 token), so its prefill is not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from ..config import GLOBAL_WINDOW
+from ..models.config import ModelConfig
+from .ttft import ARCHS, _head_config, _hf_model, _names, _sync
+
+METHODS = ("dense", "headsparse", "hf")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default="mistral-7b", choices=sorted(ARCHS))
+    p.add_argument("--cases", default="1x1024,8x1024,32x1024,64x1024,128x1024,256x1024,"
+                                      "1x4096,8x4096,32x4096,64x4096,128x4096,16x32768",
+                   help="comma list of BATCHxCONTEXT")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--head-config", default="g15-w1024", help="headsparse's plan: g15-w1024, g15-w4096 or anchor")
+    p.add_argument("--anchor-head-config", default=None)
+    p.add_argument("--tokens", type=int, default=64, help="decode steps timed per case")
+    p.add_argument("--hf-max-context", type=int, default=4096, help="HF eager only for contexts up to this")
+    p.add_argument("--hf-max-batch", type=int, default=64)
+    p.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s of the bound (H200: ~4 TB/s)")
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None)
+
+
+def _cases(spec: str) -> list[tuple[int, int]]:
+    out = []
+    for item in spec.split(","):
+        b, _, n = item.partition("x")
+        if not (b.isdigit() and n.isdigit()):
+            raise ValueError(f"--cases: {item!r} is not BATCHxCONTEXT")
+        out.append((int(b), int(n)))
+    return out
+
+
+def _weight_bytes(model) -> int:
+    """Bytes a decode step reads of the weights: every matrix but the embedding table (only B rows)."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if p.data_ptr() in seen or name.endswith("embed_tokens.weight"):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _kv_read_bytes(cfg: ModelConfig, window, sink, context: int, batch: int, itemsize: int) -> int:
+    """KV bytes one decode step reads under a plan (window/sink [L, Hkv]): each head its sink and
+    window of the context, every head all of it when global."""
+    w = torch.as_tensor(window, dtype=torch.int64).clamp(max=context)
+    s = torch.as_tensor(sink, dtype=torch.int64).clamp(max=context)
+    visible = torch.where(w >= min(context, GLOBAL_WINDOW), context, torch.clamp(w + s, max=context))
+    return int(visible.sum()) * 2 * cfg.head_dim * itemsize * batch
+
+
+def _fill_random(pool) -> None:
+    g = torch.Generator(device=pool.device).manual_seed(0)
+    for t in (pool.k_pages, pool.v_pages):
+        for i in range(0, t.shape[0], 4096):
+            t[i:i + 4096].normal_(generator=g)
+
+
+def _time_engine(llm, method: str, batch: int, context: int, tokens: int) -> dict:
+    from ..engine.detokenizer import IncrementalDetokenizer
+    from ..engine.sampling import SamplingParams
+
+    engine = llm.engine
+    vocab = llm.config.vocab_size
+    params = SamplingParams(max_tokens=tokens + 2, temperature=0, ignore_eos=True)
+    seqs = []
+    g = torch.Generator().manual_seed(batch * 7 + context)
+    for _ in range(batch):
+        ids = torch.randint(10, vocab, (context + 1,), generator=g).tolist()
+        seq = llm.make_sequence(ids, params, method=method)
+        engine.prepare(seq)
+        seq.detok = IncrementalDetokenizer(llm.tokenizer)
+        engine.pool.add_sequence(seq.seq_id, seq.plan)
+        engine.pool.ensure(seq.seq_id, context)  # the context's KV is "there": random pages
+        engine.pool.trim(seq.seq_id)
+        seq.num_computed = context
+        seq.first_token_time = time.perf_counter()
+        engine.running.append(seq)
+        seqs.append(seq)
+    try:
+        for _ in range(2):  # warm: captures the batch's graph
+            engine.step()
+        _sync(llm.device)
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            engine.step()
+        _sync(llm.device)
+        dt = time.perf_counter() - t0
+    finally:
+        for s in seqs:
+            engine.abort(s)
+    return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt}
+
+
+def _time_hf(hf, batch: int, context: int, tokens: int, dev) -> dict:
+    ids = torch.randint(10, hf.config.vocab_size, (batch, context), device=dev)
+
+    def gen(n):
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
+        _sync(dev)
+        return time.perf_counter() - t0
+
+    gen(2)  # warm
+    t1 = statistics.median(gen(1) for _ in range(2))
+    tn = gen(tokens + 1)
+    dt = max(tn - t1, 1e-9)
+    return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt}
+
+
+def run(args) -> dict:
+    from ..engine import LLM
+
+    dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    methods = _names(args.methods, METHODS, "method")
+    cases = _cases(args.cases)
+    arch = dict(ARCHS[args.arch])
+    max_ctx = max(n for _, n in cases) + args.tokens + 8
+    arch["max_position_embeddings"] = max(max_ctx, 4096)
+    cfg = ModelConfig.from_dict(arch)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    result = {"benchmark": "decode", "arch": args.arch, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda"
+              else "cpu", "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": "redknot " + " ".join(sys.argv[1:]), "bandwidth": args.bandwidth,
+              "head_config": args.head_config, "rows": []}
+    try:
+        import triton
+        result["triton"] = triton.__version__
+    except ImportError:
+        pass
+    rows = result["rows"]
+    if "hf" in methods:
+        hf = _hf_model(ARCHS[args.arch], dev, dtype)
+        for b, n in cases:
+            if b > args.hf_max_batch or n > args.hf_max_context:
+                continue
+            r = _time_hf(hf, b, n, min(args.tokens, 32), dev)
+            rows.append({"method": "hf", "batch": b, "context": n, **r})
+            print(f"hf          B={b:>3} ctx={n:>6}: {r['tok_s']:9.1f} tok/s", flush=True)
+        del hf
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    ours = [m for m in methods if m != "hf"]
+    if ours:
+        head = _head_config(args.head_config, cfg, args.anchor_head_config)
+        # a pool for the largest case under the dense plan (+ a page per head and sequence)
+        heads = cfg.num_hidden_layers * cfg.num_key_value_heads
+        pages = max(b * heads * (-(-(n + args.tokens + 8) // 64) + 1) for b, n in cases)
+        llm = LLM(model=cfg, head_config=head, device=dev, dtype=dtype, kv_pages=pages, max_num_seqs=max(b for b, _ in cases),
+                  max_model_len=arch["max_position_embeddings"], enable_prefix_caching=False,
+                  cuda_graphs=not args.no_cuda_graphs, chunk_store_bytes=0)
+        _fill_random(llm.pool)
+        weights = _weight_bytes(llm.model)
+        result["weight_bytes"] = weights
+        vis = {"dense": llm.engine.runner.plans["dense"], "headsparse": llm.engine.runner.plans["headsparse"]}
+        for b, n in cases:
+            for m in ours:
+                r = _time_engine(llm, m, b, n, args.tokens)
+                kv = _kv_read_bytes(cfg, vis[m][0].cpu(), vis[m][1].cpu(), n, b, itemsize)
+                bound = b / ((weights + kv) / args.bandwidth)
+                rows.append({"method": m, "batch": b, "context": n, **r, "kv_read_bytes": kv,
+                             "bound_tok_s": bound, "of_bound": r["tok_s"] / bound})
+                print(f"{m:<11} B={b:>3} ctx={n:>6}: {r['tok_s']:9.1f} tok/s  ({100 * r['tok_s'] / bound:5.1f}% "
+                      f"of the {bound:.0f} tok/s bound)", flush=True)
+    print_table(result)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def print_table(result: dict) -> None:
+    rows = result["rows"]
+    by = {(r["method"], r["batch"], r["context"]): r for r in rows}
+    cases = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda c: (c[1], c[0]))
+    print(f"\ndecode, {result['arch']}, {result['device']}, {result['dtype']}: tok/s (fraction of the "
+          f"weights+KV bandwidth bound)")
+    print(f"{'B x ctx':>12} {'dense':>16} {'headsparse':>16} {'hf eager':>10} {'dense/hf':>9} {'hs/dense':>9}")
+    for b, n in cases:
+        d, h, f = by.get(("dense", b, n)), by.get(("headsparse", b, n)), by.get(("hf", b, n))
+
+        def cell(r):
+            return f"{r['tok_s']:8.0f} ({100 * r['of_bound']:3.0f}%)" if r else f"{'-':>16}"
+
+        print(f"{b:>5} x {n:<6} {cell(d)} {cell(h)} {f['tok_s'] if f else float('nan'):10.1f} "
+              f"{d['tok_s'] / f['tok_s'] if d and f else float('nan'):9.2f} "
+              f"{h['tok_s'] / d['tok_s'] if d and h else float('nan'):9.2f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="redknot bench decode", description=__doc__)
+    add_arguments(p)
+    run(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

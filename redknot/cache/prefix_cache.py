@@ -1,0 +1,100 @@
+"""Automatic prefix caching over the page pool: full pages of prompt tokens, content-hashed.
+
+A prompt's page-sized blocks are keyed by a hash chain (block k's key covers every token of
+blocks 0..k and the model fingerprint and head plan), so a key names one exact prefix. The
+cache holds one pool reference on each block's pages ([L, Hkv] page ids, -1 where the plan's
+local heads had already dropped the page); a request whose prompt starts with cached blocks maps
+those pages into its table read-only (`PagePool.share`) and computes only the rest. Pages are
+never written once cached: a sequence only ever appends past its shared full pages.
+
+Eviction is LRU over blocks and only ever drops the cache's own reference, so a page in use by a
+running sequence stays where it is until that sequence frees it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from .pool import PagePool
+
+
+def block_keys(salt: str, token_ids, page_size: int) -> list[bytes]:
+    """Hash-chain keys of the full page-sized blocks of ``token_ids``."""
+    ids = np.asarray(token_ids, dtype=np.int64)
+    keys, prev = [], hashlib.sha256(salt.encode()).digest()
+    for b in range(len(ids) // page_size):
+        prev = hashlib.sha256(prev + ids[b * page_size:(b + 1) * page_size].tobytes()).digest()
+        keys.append(prev)
+    return keys
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool, fingerprint: str):
+        self.pool, self.fingerprint = pool, fingerprint
+        self._blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()  # key -> int32 [L, Hkv] pages
+        self.hits = self.queries = 0  # prompt tokens served from the cache / looked up
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _keys(self, plan: str, token_ids) -> list[bytes]:
+        return block_keys(f"{self.fingerprint}/{plan}", token_ids, self.pool.page_size)
+
+    def match(self, plan: str, token_ids, limit: int) -> tuple[int, np.ndarray | None]:
+        """Longest cached prefix of at most ``limit`` tokens that a sequence under ``plan`` can
+        continue from: (tokens, int32 [L, Hkv, pages]) or (0, None).
+
+        A local head continuing at position n needs its sink pages and the pages within its window
+        of n; a cached block where it had already dropped one of those cannot serve that length."""
+        ps = self.pool.page_size
+        keys = self._keys(plan, token_ids[: (limit // ps) * ps])
+        blocks = []
+        for k in keys:
+            pages = self._blocks.get(k)
+            if pages is None:
+                break
+            blocks.append(pages)
+        self.queries += len(token_ids)
+        window, sink = self.pool.window_sink(plan)
+        for m in range(len(blocks), 0, -1):
+            table = np.stack(blocks[:m], axis=-1)  # [L, Hkv, m]
+            n = m * ps
+            lp = np.arange(m)
+            need = (lp < -(-sink[:, :, None] // ps)) | (lp >= np.maximum(0, (n - window + 1) // ps)[:, :, None])
+            if (table[need] >= 0).all():
+                for k in reversed(keys[:m]):  # parents end most recent: evicted after their children
+                    self._blocks.move_to_end(k)
+                self.hits += n
+                return n, table
+        return 0, None
+
+    def insert(self, plan: str, token_ids, table: np.ndarray) -> None:
+        """Cache the full blocks of ``token_ids`` whose pages ``table`` ([L, Hkv, >= blocks]) holds."""
+        keys = self._keys(plan, token_ids)
+        for b, k in enumerate(keys):
+            if k in self._blocks:
+                self._blocks.move_to_end(k)
+                continue
+            pages = table[:, :, b].copy()
+            if (pages < 0).all():
+                continue
+            self.pool.retain(pages)
+            self._blocks[k] = pages
+
+    def evict(self, pages_wanted: int) -> int:
+        """Drop least recently used blocks until ``pages_wanted`` pages are free; returns pages freed."""
+        before = self.pool.num_free_pages
+        while self._blocks and self.pool.num_free_pages - before < pages_wanted:
+            _, pages = self._blocks.popitem(last=False)
+            self.pool.release(pages)
+        return self.pool.num_free_pages - before
+
+    def clear(self) -> None:
+        while self._blocks:
+            self.pool.release(self._blocks.popitem()[1])
+
+    def num_pages(self) -> int:
+        return sum(int((p >= 0).sum()) for p in list(self._blocks.values()))

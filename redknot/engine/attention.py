@@ -1,0 +1,41 @@
+"""Paged attention: the one attention layer of every method, over the one page pool.
+
+Each layer stores its new K/V into the pages of each KV head (only the pages the batch's head
+plan keeps exist) and attends with the mask-free SegPaged kernel. Everything it needs comes from
+the batch context the runner sets: block tables, lengths and the plan's windows and sinks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import PagePool
+from ..context import get_context
+from ..kernels import reference
+
+
+class PagedAttention:
+    def __init__(self, pool: PagePool, scale: float, kernel: str = "auto"):
+        self.pool, self.scale = pool, scale
+        if kernel == "auto":
+            kernel = "triton" if pool.device.type == "cuda" else "torch"
+        if kernel == "triton":
+            from ..kernels import segpaged_attention, segpaged_store
+            self._store, self._attend = segpaged_store, segpaged_attention
+        elif kernel == "torch":
+            self._store, self._attend = reference.segpaged_store_ref, reference.segpaged_attention_ref
+        else:
+            raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
+        self.kernel = kernel
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        bt = ctx.block_tables[layer]
+        pool = self.pool
+        self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t)
+        if self.kernel == "torch" and ctx.max_q_len == 1:  # decode on the CPU: one batched SDPA
+            return reference.paged_decode_attention(q, pool.k_pages, pool.v_pages, bt, ctx.seq_lens_t,
+                                                    ctx.window[layer], ctx.sink[layer], self.scale,
+                                                    max(ctx.seq_lens))
+        return self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
+                            ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len)

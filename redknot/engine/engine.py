@@ -1,0 +1,404 @@
+"""The engine: one scheduler, one model runner, one page pool, one ``step()`` loop.
+
+Every method runs on the same per-(layer, KV head) page pool: ``dense`` and the exact-KV reuse
+methods under the all-global head plan, ``headsparse``/``redknot``/``redknot_kv`` under the
+model's head config. A step
+
+1. admits waiting requests while sequence slots and pages allow (FIFO), mapping the longest
+   cached prompt prefix's pages into each (automatic prefix caching) and running the reuse
+   prefill of chunk-reuse methods;
+2. schedules one token for every decoding sequence and prompt chunks of prefilling ones under
+   the token budget (chunked prefill mixed with decode);
+3. makes room: pages for every scheduled token, evicting cached prefixes first and preempting
+   the newest running request (recompute: its pages go back, it re-queues, and later re-prefills
+   from whatever prefix is still cached) when the pool runs short;
+4. runs one forward per head plan in the batch (a decode-only batch replays a CUDA graph),
+   samples, and finishes requests on EOS, stop strings or length.
+
+``LLM`` (offline) and ``AsyncLLMEngine`` (serving) are thin fronts that add requests and call
+``step()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import ChunkStore, PagePool, PoolExhausted
+from ..cache.prefix_cache import PrefixCache
+from ..config import HeadConfig, SparseFFNConfig
+from ..models.config import ModelConfig
+from ..models.llama import LlamaForCausalLM
+from ..reuse.methods import REUSE_METHODS, ReuseEngine, ReuseOptions
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .sampling import sample
+from .sequence import Sequence
+
+METHODS = ("dense", "headsparse") + tuple(m for m in REUSE_METHODS if m != "dense")
+# The head plan each method's KV lives under in the pool.
+PLAN_OF = {m: "headsparse" if m in ("headsparse", "redknot", "redknot_kv") else "dense" for m in METHODS}
+
+# Default pool size when none is given: this share of free GPU memory, or this many bytes on CPU.
+GPU_POOL_FRACTION = 0.7
+CPU_POOL_BYTES = 256 << 20
+
+
+def prefills_through_reuse(method: str) -> bool:
+    """Methods whose prefill is the reuse engine's recovery (the others prefill in the pool)."""
+    return method in REUSE_METHODS and method != "dense"
+
+
+class RequestTooLarge(ValueError):
+    """The request can never fit the pool or the context, whatever else is running."""
+
+
+@dataclass
+class EngineConfig:
+    page_size: int = 64
+    kv_pages: int | None = None  # None: GPU_POOL_FRACTION of free memory / CPU_POOL_BYTES
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+    kernel: str = "auto"  # "triton" on CUDA, "torch" (the reference) on CPU
+    chunk_store_bytes: int = 4 << 30
+    cpu_chunk_store_bytes: int = 0
+    reuse_options: ReuseOptions | None = None
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+
+class Engine:
+    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, tokenizer, fingerprint: str,
+                 head_config: HeadConfig | None, sparse_ffn: SparseFFNConfig, device: torch.device,
+                 cfg: EngineConfig | None = None):
+        self.cfg = cfg = cfg or EngineConfig()
+        self.model, self.config, self.tokenizer, self.device = model, config, tokenizer, device
+        self.head_config = head_config
+        self.dtype = next(model.parameters()).dtype
+        self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings,
+                                 config.max_position_embeddings)
+        model.fuse_projections()
+        L, hkv = config.num_hidden_layers, config.num_key_value_heads
+        plans = {"dense": HeadConfig.all_global(L, hkv)}
+        if head_config is not None:
+            plans["headsparse"] = head_config
+        num_pages = cfg.kv_pages
+        page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
+        if num_pages is None:
+            budget = (torch.cuda.mem_get_info(device)[0] * GPU_POOL_FRACTION if device.type == "cuda"
+                      else CPU_POOL_BYTES)
+            num_pages = max(int(budget // page_bytes), 1)
+        vis = {name: plan.visibility(model_windows=config.sliding_windows) for name, plan in plans.items()}
+        self.pool = PagePool(num_pages, cfg.page_size, config.head_dim, *vis["dense"], dtype=self.dtype,
+                             device=device)
+        self.pool.add_plan("dense", *vis["dense"])
+        if "headsparse" in vis:
+            self.pool.add_plan("headsparse", *vis["headsparse"])
+        self.pool.attach_device_tables(cfg.max_num_seqs, self.max_model_len)
+        plan_tensors = {name: (torch.as_tensor(w, dtype=torch.int32).to(device),
+                               torch.as_tensor(s, dtype=torch.int32).to(device)) for name, (w, s) in vis.items()}
+        self.runner = ModelRunner(model, self.pool, plan_tensors, cfg.max_num_seqs, cfg.cuda_graphs, cfg.kernel)
+        self.prefix_cache = PrefixCache(self.pool, fingerprint) if cfg.enable_prefix_caching else None
+        self.chunk_store = ChunkStore(fingerprint, cfg.chunk_store_bytes, cfg.cpu_chunk_store_bytes, device)
+        self.prefix_store = ChunkStore(fingerprint, cfg.chunk_store_bytes, 0, device)
+        self.reuse = ReuseEngine(model, config, fingerprint, head_config, sparse_ffn, self.chunk_store,
+                                 self.prefix_store, device, cfg.reuse_options)
+        self.last_prefill = None  # what the last reuse prefill executed (PrefillResult)
+        self.max_num_seqs = cfg.max_num_seqs  # a front may lower it (never above the slots)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._heads = L * hkv
+
+    # ------------------------------------------------------------------ requests
+
+    def check_method(self, method: str) -> str:
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r} (available: {', '.join(METHODS)})")
+        if PLAN_OF[method] == "headsparse" and self.head_config is None:
+            raise ValueError(f"method={method!r} needs a head_config (a JSON file or HeadConfig)")
+        return method
+
+    def pages_for(self, seq: Sequence) -> int:
+        """Pages the request holds at its largest: its whole context under its plan, and while a
+        prompt chunk is stored, that chunk's pages for every head."""
+        total = len(seq.token_ids) + seq.params.max_tokens
+        return self.pool.peak_pages(total, self.cfg.max_num_batched_tokens, seq.plan)
+
+    def check_fits(self, seq: Sequence) -> None:
+        n = len(seq.token_ids)
+        if n + seq.params.max_tokens > self.max_model_len:
+            raise RequestTooLarge(f"prompt ({n} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the "
+                                  f"model's {self.max_model_len} (max_model_len)")
+        need = self.pages_for(seq)
+        if need > self.pool.num_pages:
+            raise RequestTooLarge(f"the request needs {need} KV pages ({need * self.pool.bytes_per_page} bytes) "
+                                  f"under plan {seq.plan!r}; the pool has {self.pool.num_pages}")
+
+    def prepare(self, seq: Sequence) -> None:
+        """Set the request's head plan and check it can ever run; raises before anything is queued."""
+        self.check_method(seq.method)
+        seq.plan = PLAN_OF[seq.method]
+        self.check_fits(seq)
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a request (prompt ids, params, method and chunked prompt already set)."""
+        self.prepare(seq)
+        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        seq.arrival = time.perf_counter()
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self._free(seq)
+        if seq.finish_reason is None:
+            seq.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[StepOutput]:
+        """Advance every running request by one scheduled piece of work; returns what changed."""
+        outputs: list[StepOutput] = []
+        budget = self.cfg.max_num_batched_tokens
+        decode = [s for s in self.running if s.num_pending == 1 and s.num_computed > 0]
+        prefill = [s for s in self.running if s not in decode]
+        budget -= len(decode)
+        budget = self._admit(budget, prefill, outputs)
+        chunks = []
+        for s in prefill:
+            if budget <= 0:
+                break
+            n = min(s.num_pending, budget)
+            chunks.append((s, n))
+            budget -= n
+        batch = self._make_room([(s, 1) for s in decode] + chunks)
+        groups: dict[str, list[tuple[Sequence, int]]] = {}
+        for s, n in batch:
+            groups.setdefault(s.plan, []).append((s, n))
+        for plan, items in groups.items():
+            try:
+                self._forward(plan, items, outputs)
+            except Exception as e:  # a failing forward fails its requests, never the engine
+                if isinstance(e, torch.OutOfMemoryError) and self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                for s, _ in items:
+                    self._fail(s, e, outputs)
+        return outputs
+
+    def _admit(self, budget: int, prefill: list[Sequence], outputs: list[StepOutput]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            reuse = prefills_through_reuse(seq.method) and not seq.reuse_done
+            first = len(seq.token_ids) if reuse else min(seq.num_pending, budget)
+            need = self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
+            if need > self.pool.num_free_pages and self.prefix_cache is not None:
+                self.prefix_cache.evict(need - self.pool.num_free_pages)
+            if need > self.pool.num_free_pages:
+                break  # wait for pages (FIFO: nobody overtakes)
+            self.waiting.popleft()
+            self.pool.add_sequence(seq.seq_id, seq.plan)
+            self.running.append(seq)
+            if reuse:
+                try:
+                    self._reuse_prefill(seq, outputs)
+                except Exception as e:
+                    self._fail(seq, e, outputs)
+                budget -= len(seq.token_ids)
+                continue
+            if self.prefix_cache is not None and seq.num_computed == 0:
+                n, table = self.prefix_cache.match(seq.plan, seq.token_ids, len(seq.token_ids) - 1)
+                if n:
+                    self.pool.share(seq.seq_id, table, n)
+                    seq.num_computed = n
+                    seq.cached_tokens = max(seq.cached_tokens, n)
+            prefill.append(seq)
+        return budget
+
+    def _make_room(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Ensure pages for every scheduled token; evict cached prefixes, then preempt the newest
+        running requests, while the pool is short. Returns the part of the batch that runs."""
+        out = []
+        for s, n in batch:
+            while True:
+                if s not in self.running:  # preempted to make room for an earlier one
+                    break
+                try:
+                    self.pool.ensure(s.seq_id, s.num_computed + n)
+                    out.append((s, n))
+                    break
+                except PoolExhausted:
+                    need = self.pool.pages_needed(s.num_computed + n, self.pool.length(s.seq_id), s.plan).peak
+                    if self.prefix_cache is not None and self.prefix_cache.evict(need):
+                        continue
+                    victim = next((v for v in reversed(self.running) if v is not s), None)
+                    if victim is None:
+                        if n > 1:  # a prompt chunk: try a smaller one next step
+                            break
+                        raise
+                    self._preempt(victim)
+                    out = [(v, m) for v, m in out if v is not victim]
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the request's pages and queue it first; it re-prefills its
+        prompt and the tokens it has generated (in the pool, from any cached prefix)."""
+        self._free(seq)
+        seq.num_computed = 0
+        seq.reuse_done = True  # its re-prefill runs in the pool, not through the reuse engine
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _forward(self, plan: str, items: list[tuple[Sequence, int]], outputs: list[StepOutput]) -> None:
+        logits = self.runner.forward(plan, [s.seq_id for s, _ in items],
+                                     [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items],
+                                     [s.num_computed for s, _ in items])
+        done = []
+        for i, (s, n) in enumerate(items):
+            s.num_computed += n
+            self.pool.trim(s.seq_id)
+            if n > 1 and self.prefix_cache is not None:
+                m = min(s.num_computed, s.num_prompt)
+                self.prefix_cache.insert(plan, s.token_ids[:m], self.pool.table(s.seq_id))
+            if s.num_pending == 0:
+                done.append(i)
+        if not done:
+            return
+        rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device)]
+        seqs = [items[i][0] for i in done]
+        self._sample(seqs, rows, outputs)
+
+    def _reuse_prefill(self, seq: Sequence, outputs: list[StepOutput]) -> None:
+        result = self.reuse.prefill(seq.chunked_prompt, seq.method)
+        self.last_prefill = result
+        rec = result.recovered
+        n = rec.k[0].shape[0]
+        self.pool.ensure(seq.seq_id, n)
+        self.pool.sync_device_tables()
+        slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
+        bt = self.pool.device_tables.index_select(1, slot)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+        store = self.runner.attn._store
+        for layer, (k, v) in enumerate(zip(rec.k, rec.v)):
+            store(k, v, self.pool.k_pages, self.pool.v_pages, bt[layer], cu, cu[1:])
+        self.pool.trim(seq.seq_id)
+        seq.num_computed = n
+        seq.reuse_done = True
+        seq.cached_tokens = result.cached_tokens
+        seq.flops = rec.flops.totals()
+        self._sample([seq], rec.logits[None], outputs)
+
+    # ------------------------------------------------------------------ tokens
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
+        for s, row in zip(seqs, logits):
+            if s.params.return_first_logits and s.first_logits is None:
+                s.first_logits = row.float().cpu()
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        now = time.perf_counter()
+        for s, t in zip(seqs, tokens):
+            if s.first_token_time is None:
+                s.first_token_time = now
+            outputs.append(self._append(s, t))
+            if s.finished:
+                self._free(s)
+
+    def _append(self, seq: Sequence, token: int) -> StepOutput:
+        p = seq.params
+        seq.token_ids.append(token)
+        out = StepOutput(seq, [token])
+        if not p.ignore_eos and token in self.config.eos_token_ids or token in p.stop_token_ids:
+            seq.finish_reason = "stop"  # the stop token's text is not part of the output
+            return out
+        delta = seq.detok.add(token)
+        if p.stop:  # held-back text counts too: a stop string may end inside a split character
+            text = seq.detok.text + seq.detok.pending()
+            tail_start = max(0, len(text) - len(delta) - len(seq.detok.pending())
+                             - max(len(x) for x in p.stop) + 1)
+            hits = [h for h in (text.find(x, tail_start) for x in p.stop) if h >= 0]
+            if hits:
+                seq.detok.text = text[:min(hits)]  # the stop string is not part of the output
+                seq.finish_reason = "stop"
+                return out
+        if len(seq.token_ids) - seq.num_prompt >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            delta += seq.detok.flush()
+            seq.finish_reason = "length"
+        out.new_text = delta
+        return out
+
+    def _fail(self, seq: Sequence, error: Exception, outputs: list[StepOutput]) -> None:
+        seq.error = error
+        seq.finish_reason = "error"
+        if seq in self.running:
+            self._free(seq)
+        outputs.append(StepOutput(seq))
+
+    def _free(self, seq: Sequence) -> None:
+        if seq.seq_id in self.pool:
+            seq.pages_at_finish = self.pool.pages_held(seq.seq_id)
+            self.pool.free_sequence(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    # ------------------------------------------------------------------ state
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV pages in use (shared pages once), cached prefixes included."""
+        return (self.pool.num_pages - self.pool.num_free_pages) * self.pool.bytes_per_page
+
+    def request_kv_bytes(self, outputs: list[StepOutput] = ()) -> int:
+        """Bytes of the pages requests hold: the running ones, and those that finished in
+        ``outputs`` counted at their last length (their pages are already back)."""
+        pages = sum(self.pool.pages_held(s.seq_id) for s in self.running)
+        for o in outputs:
+            if o.seq.finished and o.seq not in self.running:
+                pages += o.seq.pages_at_finish
+        return pages * self.pool.bytes_per_page
+
+    def resize_pool(self, num_pages: int) -> None:
+        """Rebuild the page pool with ``num_pages`` pages (only while nothing runs)."""
+        if self.has_unfinished():
+            raise RuntimeError("resize_pool while requests are running")
+        old = self.pool
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.pool = PagePool(num_pages, old.page_size, old.head_dim, old.window, old.sink, dtype=old.dtype,
+                             device=old.device)
+        for name in old.plans:
+            self.pool.add_plan(name, *old.window_sink(name))
+        self.pool.attach_device_tables(self.cfg.max_num_seqs, self.max_model_len)
+        del old
+        self.runner = ModelRunner(self.model, self.pool, self.runner.plans, self.cfg.max_num_seqs,
+                                  self.cfg.cuda_graphs, self.cfg.kernel)
+        if self.prefix_cache is not None:
+            self.prefix_cache = PrefixCache(self.pool, self.prefix_cache.fingerprint)
+
+    def stats(self) -> dict:
+        occ = self.pool.occupancy()
+        return {"running": len(self.running), "waiting": len(self.waiting), "preemptions": self.num_preemptions,
+                "pool_pages": occ, "kv_bytes": self.kv_bytes(),
+                "prefix_cache_pages": self.prefix_cache.num_pages() if self.prefix_cache else 0,
+                "prefix_cache_hit_tokens": self.prefix_cache.hits if self.prefix_cache else 0}
+
+    def clear_caches(self) -> None:
+        """Drop every cached prefix and chunk (benchmarks measure cold starts with this)."""
+        self.chunk_store.clear()
+        self.prefix_store.clear()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()

@@ -1,0 +1,145 @@
+"""One forward step over a packed batch, eager or replayed from a CUDA graph.
+
+The host describes the batch (token ids, positions, lengths, table slots) in one pinned buffer
+and copies it to the device in one transfer; block tables are gathered on the device from the
+pool's persistent table by slot, so nothing is rebuilt per step. A decode-only batch (one new
+token per sequence) replays a CUDA graph captured for the smallest batch bucket that holds it:
+one launch for the whole model instead of hundreds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..cache import PagePool
+from ..context import Context, reset_context, set_context
+from ..models.llama import LlamaForCausalLM
+from .attention import PagedAttention
+
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, pool: PagePool, plans: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 max_num_seqs: int, cuda_graphs: bool = True, kernel: str = "auto"):
+        """``plans``: head plan name -> (window, sink), int32 [L, Hkv] on the pool's device."""
+        self.model, self.pool, self.plans = model, pool, plans
+        self.device = pool.device
+        cfg = model.config
+        self.attn = PagedAttention(pool, cfg.head_dim**-0.5, kernel)
+        model.set_backend(self.attn)
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= max(max_num_seqs, 1)]
+        self._pin = self.device.type == "cuda"
+        # Decode graphs' static inputs: rows ids, positions, seq_lens, slots; padding rows use slot 0
+        # (an all -1 table: nothing stored, nothing read) at position 0.
+        n = self.graph_sizes[-1] if self.cuda_graphs else 0
+        self._static = torch.zeros(4, n, dtype=torch.int64, device=self.device)
+        self._static_cu = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = None
+
+    # ------------------------------------------------------------------ host -> device
+
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if self._pin:
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ forward
+
+    @torch.inference_mode()
+    def forward(self, plan: str, seq_ids: list[int], token_ids: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Compute sequences' next tokens: ``token_ids[b]`` at positions ``starts[b]...``; their
+        pages must already be ensured. Returns float32 logits [B, V] of each sequence's last token."""
+        q_lens = [len(t) for t in token_ids]
+        seq_lens = [s + n for s, n in zip(starts, q_lens)]
+        slots = [self.pool.slot(i) for i in seq_ids]
+        self.pool.sync_device_tables()
+        if self.cuda_graphs and max(q_lens) == 1 and len(seq_ids) <= self.graph_sizes[-1]:
+            return self._replay(plan, [t[0] for t in token_ids], starts, seq_lens, slots)
+        pages = -(-max(seq_lens) // self.pool.page_size)
+        total = sum(q_lens)
+        B = len(seq_ids)
+        buf = np.empty(2 * total + 2 * B + B + 1, dtype=np.int64)
+        buf[:total] = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids])
+        buf[total:2 * total] = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
+        buf[2 * total:2 * total + B] = seq_lens
+        buf[2 * total + B:2 * total + 2 * B] = slots
+        buf[2 * total + 2 * B:] = np.concatenate([[0], np.cumsum(q_lens)])
+        dev = self._to_device(buf)
+        ids, positions = dev[:total], dev[total:2 * total]
+        seq_lens_t = dev[2 * total:2 * total + B].to(torch.int32)
+        slots_t = dev[2 * total + B:2 * total + 2 * B]
+        cu = dev[2 * total + 2 * B:].to(torch.int32)
+        ctx = self._context(plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages)
+        set_context(ctx)
+        try:
+            hidden = self.model(ids, positions)
+        finally:
+            reset_context()
+        return self.model.logits(hidden[cu[1:].long() - 1])
+
+    def _context(self, plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages) -> Context:
+        """The batch context; block tables are the slots' rows of the pool's device table, cut to
+        ``pages`` logical pages (enough for the longest sequence)."""
+        window, sink = self.plans[plan]
+        tables = self.pool.device_tables[:, :, :, :pages].index_select(1, slots_t)
+        return Context(is_prefill=max(q_lens) > 1, seq_ids=list(seq_ids), q_lens=list(q_lens),
+                       seq_lens=list(seq_lens), max_q_len=max(q_lens), cu_seqlens_q=cu, seq_lens_t=seq_lens_t,
+                       positions=positions, block_tables=tables,
+                       window=window, sink=sink)
+
+    # ------------------------------------------------------------------ CUDA graphs
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.graph_sizes if b >= n)
+
+    def _page_bucket(self, max_len: int) -> int:
+        """Table width a decode graph is captured for: the next power of two of the pages the
+        longest sequence needs (graphs are reused while contexts grow within a bucket)."""
+        need = -(-max_len // self.pool.page_size)
+        return min(max(16, 1 << (need - 1).bit_length()), self.pool.device_tables.shape[3])
+
+    def _replay(self, plan, ids, positions, seq_lens, slots) -> torch.Tensor:
+        B = len(ids)
+        size = self._bucket(B)
+        host = np.zeros((4, size), dtype=np.int64)
+        host[2, B:] = 1  # padding rows: length 1 at position 0 in slot 0
+        host[0, :B], host[1, :B], host[2, :B], host[3, :B] = ids, positions, seq_lens, slots
+        self._static[:, :size].copy_(self._to_device(host))
+        key = (plan, size, self._page_bucket(max(seq_lens)))
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+        graph, logits = self._graphs[key]
+        graph.replay()
+        return logits[:B]
+
+    def _graph_body(self, plan: str, size: int, pages: int) -> torch.Tensor:
+        s = self._static[:, :size]
+        ctx = self._context(plan, [1] * size, [1] * size, [0] * size, self._static_cu[:size + 1],
+                            s[2].to(torch.int32), s[1], s[3], pages)
+        ctx.seq_lens = None  # host lengths are not known at capture: the graph must not read them
+        set_context(ctx)
+        try:
+            return self.model.logits(self.model(s[0], s[1]))
+        finally:
+            reset_context()
+
+    def _capture(self, plan: str, size: int, pages: int):
+        saved = self._static[:, :size].clone()
+        self._static[:, :size] = 0
+        self._static[2, :size] = 1  # every row a padding row while warming up and capturing
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._graph_body(plan, size, pages)  # compiles kernels and fills caches outside the capture
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._graph_body(plan, size, pages)
+        self._graph_pool = graph.pool()
+        self._static[:, :size] = saved
+        return graph, logits

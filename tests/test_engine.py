@@ -1,0 +1,221 @@
+"""The engine core: batched paged decode, prefix caching, preemption, device tables, sampler,
+detokenizer, fused projections and CUDA-graph decode."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from redknot import LLM, HeadConfig, SamplingParams
+from redknot.cache import PagePool
+from redknot.config import GLOBAL_WINDOW
+from redknot.engine.detokenizer import IncrementalDetokenizer
+from redknot.engine.engine import RequestTooLarge
+from redknot.engine.sampling import sample
+from redknot.kernels.reference import paged_decode_attention, segpaged_attention_ref
+
+DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")
+LONG = ("The archive of Varna keeps the letters of its founders, the ledgers of the salt trade and the maps "
+        "drawn by the first surveyors of the river delta. ") * 6
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+# ---------------------------------------------------------------- batched CPU decode attention
+
+@pytest.mark.parametrize("seed", range(6))
+def test_paged_decode_attention_equals_the_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    hkv = int(rng.choice([1, 2, 4]))
+    hq = hkv * int(rng.choice([1, 2, 4, 8]))
+    ps, d, B = int(rng.choice([16, 32, 64])), 16, int(rng.integers(1, 6))
+    lens = rng.integers(1, 300, size=B)
+    window = torch.tensor([int(w) for w in rng.choice([1, 7, 64, 500, GLOBAL_WINDOW], size=hkv)], dtype=torch.int32)
+    sink = torch.tensor([int(s) for s in rng.choice([0, 1, 4, 40], size=hkv)], dtype=torch.int32)
+    max_pages = -(-int(lens.max()) // ps) + 2
+    n_pages = B * hkv * max_pages
+    k_pages = torch.randn(n_pages, ps, d, generator=g)
+    v_pages = torch.randn(n_pages, ps, d, generator=g)
+    bt = torch.randperm(n_pages, generator=g).view(B, hkv, max_pages).to(torch.int32)
+    for b in range(B):  # pages past the end, and pages no query can see, are absent (-1)
+        n = int(lens[b])
+        for h in range(hkv):
+            for lp in range(max_pages):
+                last = (lp + 1) * ps - 1
+                if lp * ps >= n or (lp * ps >= sink[h] and last < n - 1 - window[h] + 1):
+                    bt[b, h, lp] = -1
+    q = torch.randn(B, hq, d, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    cu = torch.arange(B + 1, dtype=torch.int32)
+    ref = segpaged_attention_ref(q, k_pages, v_pages, bt, cu, seq_lens, window, sink, 0.25)
+    out = paged_decode_attention(q, k_pages, v_pages, bt, seq_lens, window, sink, 0.25, int(lens.max()))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- device tables
+
+def test_device_tables_follow_every_table_change():
+    L, H, ps = 2, 3, 4
+    window = np.array([[GLOBAL_WINDOW, 5, 9], [3, GLOBAL_WINDOW, 6]])
+    pool = PagePool(400, ps, 8, window=window, sink=np.array([[0, 1, 4], [0, 0, 2]]))
+    pool.add_plan("dense", np.full((L, H), GLOBAL_WINDOW), np.zeros((L, H)))
+    pool.attach_device_tables(max_seqs=4, max_len=64)
+    rng = np.random.default_rng(0)
+    live = {}
+    for step in range(200):
+        op = rng.integers(0, 4)
+        if op == 0 and len(live) < 4:
+            sid = step
+            pool.add_sequence(sid, "dense" if rng.integers(2) else "default")
+            live[sid] = 0
+        elif op == 1 and live:
+            sid = int(rng.choice(list(live)))
+            if live[sid] < 60:
+                live[sid] = min(64, live[sid] + int(rng.integers(1, 9)))
+                pool.ensure(sid, live[sid])
+                pool.trim(sid)
+        elif op == 2 and live:
+            sid = int(rng.choice(list(live)))
+            pool.free_sequence(sid)
+            del live[sid]
+        pool.sync_device_tables()
+        for sid in live:
+            t = pool.table(sid)
+            dev = pool.device_tables[:, pool.slot(sid)].numpy()
+            np.testing.assert_array_equal(dev[:, :, :t.shape[2]], t)
+            assert (dev[:, :, t.shape[2]:] == -1).all()
+    assert (pool.device_tables[:, 0] == -1).all()  # the padding slot is never written
+
+
+# ---------------------------------------------------------------- prefix caching
+
+def test_prefix_cache_hit_equals_a_cold_prefill_and_never_writes_shared_pages(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    warm = LLM(model=path, device="cpu", page_size=16)
+    cold = LLM(model=path, device="cpu", page_size=16, enable_prefix_caching=False)
+    a, b = LONG + "Who drew the maps?", LONG + "What did the ledgers record?"
+    first = warm.generate(a, greedy(12))[0]
+    assert first.metrics["cached_tokens"] == 0
+    cache = warm.engine.prefix_cache
+    assert len(cache) > 0
+    cached_pages = np.concatenate([p[p >= 0] for p in cache._blocks.values()])
+    idx = torch.from_numpy(cached_pages.astype(np.int64))
+    before_k, before_v = warm.pool.k_pages[idx].clone(), warm.pool.v_pages[idx].clone()
+    hit = warm.generate(b, greedy(12))[0]
+    assert hit.metrics["cached_tokens"] >= 16 * (len(warm.prompt_ids(LONG)) // 16 - 1)
+    assert hit.outputs[0].token_ids == cold.generate(b, greedy(12))[0].outputs[0].token_ids
+    torch.testing.assert_close(warm.first_token_logits(b), cold.first_token_logits(b), atol=1e-5, rtol=1e-5)
+    assert torch.equal(warm.pool.k_pages[idx], before_k) and torch.equal(warm.pool.v_pages[idx], before_v)
+    # the same prompt again: everything but its last token comes from the cache
+    again = warm.generate(b, greedy(4))[0]
+    assert again.metrics["cached_tokens"] == 16 * ((len(again.prompt_token_ids) - 1) // 16)
+    assert again.outputs[0].token_ids == hit.outputs[0].token_ids[:4]
+
+
+def test_prefix_cache_under_a_head_plan(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    hc = HeadConfig.synthetic(2, 2, 0.5, window=32, sink=4)
+    warm = LLM(model=path, device="cpu", page_size=16, method="headsparse", head_config=hc)
+    cold = LLM(model=path, device="cpu", page_size=16, method="headsparse", head_config=hc,
+               enable_prefix_caching=False)
+    warm.generate(LONG + "Who?", greedy(4))
+    out = warm.generate(LONG + "Who drew?", greedy(8))[0]
+    assert out.outputs[0].token_ids == cold.generate(LONG + "Who drew?", greedy(8))[0].outputs[0].token_ids
+
+
+# ---------------------------------------------------------------- pool pressure
+
+def test_preemption_keeps_greedy_tokens_and_returns_every_page(tiny_checkpoint):
+    path = tiny_checkpoint("llama")
+    prompts = [f"Request {i}: " + LONG[: 60 + 40 * i] for i in range(5)]
+    big = LLM(model=path, device="cpu", page_size=16, enable_prefix_caching=False)
+    ref = [o.outputs[0].token_ids for o in big.generate(prompts, greedy(40))]
+    # room for about two requests at a time: decode growth forces preemptions
+    small = LLM(model=path, device="cpu", page_size=16, kv_pages=96, enable_prefix_caching=False,
+                max_num_batched_tokens=256)
+    out = small.generate(prompts, greedy(40))
+    assert small.engine.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in out] == ref
+    assert small.pool.num_free_pages == small.pool.num_pages
+
+
+def test_a_request_larger_than_the_pool_is_refused_and_the_next_one_runs(tiny_checkpoint):
+    llm = LLM(model=tiny_checkpoint("llama"), device="cpu", page_size=16, kv_pages=40)
+    with pytest.raises(RequestTooLarge, match="KV pages"):
+        llm.generate(LONG, greedy(8))
+    assert llm.pool.num_free_pages == llm.pool.num_pages and not llm.engine.has_unfinished()
+    assert len(llm.generate("Hello", greedy(4))[0].outputs[0].token_ids) == 4
+
+
+# ---------------------------------------------------------------- sampler and detokenizer
+
+def test_sampler_is_seeded_per_row_and_greedy_at_tiny_temperature():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3)
+    gens = [torch.Generator().manual_seed(3) for _ in range(2)]
+    a = sample(logits[:1], [p], gens[:1])
+    b = sample(logits[[0, 1, 2]], [p, SamplingParams(temperature=1.0), SamplingParams(temperature=0)],
+               [gens[1], None, None])
+    assert a[0] == b[0] and b[2] == logits[2].argmax()  # a seeded row ignores its neighbours
+    tiny = SamplingParams(temperature=3e-38)
+    assert tiny.greedy
+    assert sample(logits, [tiny] * 4, [None] * 4).tolist() == logits.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(20000, 1)
+    params = [SamplingParams(temperature=1.0, top_k=3)] * 20000
+    draws = sample(logits, params, [None] * 20000)
+    freq = torch.bincount(draws, minlength=5).double() / 20000
+    want = torch.zeros(5, dtype=torch.float64)
+    want[:3] = logits[0, :3].double().softmax(-1)
+    assert (freq - want).abs().max() < 0.015
+
+
+def test_incremental_detokenizer_equals_a_full_decode(tiny_checkpoint):
+    llm = LLM(device="cpu")  # the bundled model's byte-level BPE
+    rng = np.random.default_rng(0)
+    for text in ["Varna was founded in 1201 by Ilse Marr.", "naïve café — 東京 🙂 done", LONG[:200]]:
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        ids = ids + [int(t) for t in rng.integers(0, llm.config.vocab_size, size=20)]
+        d = IncrementalDetokenizer(llm.tokenizer)
+        pieces = "".join(d.add(t) for t in ids) + d.flush()
+        assert pieces == d.text == llm.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------- weights and graphs
+
+def test_fused_projections_equal_the_separate_ones(tiny_checkpoint):
+    from redknot.models import load_model
+
+    path = tiny_checkpoint("qwen3", num_key_value_heads=4)
+    model, _ = load_model(path, device="cpu")
+    ids, pos = torch.arange(1, 30), torch.arange(29)
+    layer = model.model.layers[0]
+    x = torch.randn(29, model.config.hidden_size)
+    before = layer.self_attn.qkv(x, pos), layer.mlp(x)
+    model.fuse_projections()
+    after = layer.self_attn.qkv(x, pos), layer.mlp(x)
+    for a, b in zip(before[0] + (before[1],), after[0] + (after[1],)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv_weight.data_ptr()  # no second copy
+    assert ids.numel() == 29
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method", ["dense", "headsparse"])
+def test_cuda_graph_decode_equals_eager_decode(tiny_checkpoint, method):
+    path = tiny_checkpoint("llama", num_key_value_heads=4, num_attention_heads=8)
+    hc = HeadConfig.synthetic(2, 4, 0.5, window=32, sink=4)
+    prompts = [LONG[: 50 + 30 * i] for i in range(5)]
+    outs = []
+    for graphs in (True, False):
+        llm = LLM(model=path, device="cuda", dtype="float32", head_config=hc, method=method, cuda_graphs=graphs)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))])
+    assert outs[0] == outs[1]
