@@ -17,7 +17,7 @@ import argparse
 import datetime
 import gc
 import json
-import statistics
+import os
 import sys
 import time
 
@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-max-batch", type=int, default=64)
     p.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s of the bound (H200: ~4 TB/s)")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also run 4 steps of each case under torch.profiler; op tables in DIR")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None)
 
@@ -84,7 +86,7 @@ def _fill_random(pool) -> None:
             t[i:i + 4096].normal_(generator=g)
 
 
-def _time_engine(llm, method: str, batch: int, context: int, tokens: int) -> dict:
+def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profile: str | None = None) -> dict:
     from ..engine.detokenizer import IncrementalDetokenizer
     from ..engine.sampling import SamplingParams
 
@@ -97,7 +99,7 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int) -> dic
         ids = torch.randint(10, vocab, (context + 1,), generator=g).tolist()
         seq = llm.make_sequence(ids, params, method=method)
         engine.prepare(seq)
-        seq.detok = IncrementalDetokenizer(llm.tokenizer)
+        seq.detok = IncrementalDetokenizer(llm.tokenizer, lazy=True)
         engine.pool.add_sequence(seq.seq_id, seq.plan)
         engine.pool.ensure(seq.seq_id, context)  # the context's KV is "there": random pages
         engine.pool.trim(seq.seq_id)
@@ -114,28 +116,50 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int) -> dic
             engine.step()
         _sync(llm.device)
         dt = time.perf_counter() - t0
+        graph_s = None
+        graph = engine.runner.last_graph
+        if graph is not None:  # the device's share of a step: the captured forward alone, back to back
+            graph.replay()
+            _sync(llm.device)
+            t0 = time.perf_counter()
+            for _ in range(10):
+                graph.replay()
+            _sync(llm.device)
+            graph_s = (time.perf_counter() - t0) / 10
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as torch_profile
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(4):
+                    engine.step()
+                _sync(llm.device)
+            os.makedirs(profile, exist_ok=True)
+            with open(os.path.join(profile, f"decode_{method}_{batch}x{context}.txt"), "w") as f:
+                f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
     finally:
         for s in seqs:
             engine.abort(s)
-    return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt}
+    return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt, "graph_s_per_step": graph_s}
 
 
 def _time_hf(hf, batch: int, context: int, tokens: int, dev) -> dict:
+    """HF transformers' eager decode loop (what ``generate`` runs per token, without its
+    logits processors): prefill once, then one forward per token over its KV cache."""
     ids = torch.randint(10, hf.config.vocab_size, (batch, context), device=dev)
-
-    def gen(n):
+    with torch.inference_mode():
+        out = hf(ids, use_cache=True, logits_to_keep=1)
+        cache, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        del out
+        for _ in range(2):  # warm
+            out = hf(tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
         _sync(dev)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=0)
+        for _ in range(tokens):
+            out = hf(tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
         _sync(dev)
-        return time.perf_counter() - t0
-
-    gen(2)  # warm
-    t1 = statistics.median(gen(1) for _ in range(2))
-    tn = gen(tokens + 1)
-    dt = max(tn - t1, 1e-9)
+        dt = time.perf_counter() - t0
+    del cache, out
     return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt}
 
 
@@ -189,13 +213,14 @@ def run(args) -> dict:
         vis = {"dense": llm.engine.runner.plans["dense"], "headsparse": llm.engine.runner.plans["headsparse"]}
         for b, n in cases:
             for m in ours:
-                r = _time_engine(llm, m, b, n, args.tokens)
+                r = _time_engine(llm, m, b, n, args.tokens, args.profile)
                 kv = _kv_read_bytes(cfg, vis[m][0].cpu(), vis[m][1].cpu(), n, b, itemsize)
                 bound = b / ((weights + kv) / args.bandwidth)
                 rows.append({"method": m, "batch": b, "context": n, **r, "kv_read_bytes": kv,
                              "bound_tok_s": bound, "of_bound": r["tok_s"] / bound})
+                gpu = f", forward alone {1e3 * r['graph_s_per_step']:.2f} ms" if r["graph_s_per_step"] else ""
                 print(f"{m:<11} B={b:>3} ctx={n:>6}: {r['tok_s']:9.1f} tok/s  ({100 * r['tok_s'] / bound:5.1f}% "
-                      f"of the {bound:.0f} tok/s bound)", flush=True)
+                      f"of the {bound:.0f} tok/s bound), step {1e3 * r['s_per_step']:.2f} ms{gpu}", flush=True)
     print_table(result)
     if args.out:
         with open(args.out, "w") as f:

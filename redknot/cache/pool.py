@@ -42,16 +42,19 @@ class _Plan(NamedTuple):
     sink: np.ndarray  # int64 [L, Hkv]
     sink_pages: np.ndarray  # logical pages holding a sink token
     is_global: np.ndarray  # bool [L, Hkv]
+    trim_at: tuple  # trim_at[n % page_size]: some local head's window leaves a page at length n
 
 
 class _Seq:
-    __slots__ = ("table", "length", "plan", "slot")
+    __slots__ = ("table", "length", "plan", "slot", "trimmed_len", "shared_tail")
 
     def __init__(self, table: np.ndarray, plan: _Plan, slot: int):
         self.table = table  # int32 [L, Hkv, cap], -1 = not stored; cap >= ceil(length/page_size)
         self.length = 0
         self.plan = plan
         self.slot = slot  # row of the device table (0: none attached)
+        self.trimmed_len = 0  # length at the last trim
+        self.shared_tail = False  # the last, partial page may be shared (copy it before writing)
 
 
 def _cdiv(a, b):
@@ -99,7 +102,11 @@ class PagePool:
             raise ValueError("window must be >= 1 for every head (a query always sees itself)")
         if (sink < 0).any():
             raise ValueError("sink must be >= 0 for every head")
-        self._plans[name] = _Plan(window, sink, _cdiv(sink, self.page_size), window >= GLOBAL_WINDOW)
+        is_global = window >= GLOBAL_WINDOW
+        trim_at = [False] * self.page_size
+        for w in np.unique(window[~is_global]):
+            trim_at[int(w - 1) % self.page_size] = True
+        self._plans[name] = _Plan(window, sink, _cdiv(sink, self.page_size), is_global, tuple(trim_at))
 
     @property
     def plans(self) -> tuple[str, ...]:
@@ -259,6 +266,9 @@ class PagePool:
         if new_len == old:
             return
         ps = self.page_size
+        if old % ps and new_len <= _cdiv(old, ps) * ps and not s.shared_tail:
+            s.length = new_len  # fast path (decode): the tokens fit the last page every head holds
+            return
         first, end = old // ps, _cdiv(new_len, ps)
         self._grow(s, end)
         span = s.table[:, :, first:end]  # view
@@ -292,6 +302,7 @@ class PagePool:
             self._global_page[pages] = is_global[missing]
             span[missing] = pages
         s.length = new_len
+        s.shared_tail = False
         self._mark(s, first, end)
 
     @property
@@ -309,10 +320,11 @@ class PagePool:
         even less, so dead pages stay dead. Global heads never lose a page.
         """
         s = self._seq(seq_id)
-        n_pages = _cdiv(s.length, self.page_size)
         plan = s.plan
-        if plan.is_global.all():
-            return 0
+        grown, s.trimmed_len = s.length - s.trimmed_len, s.length
+        if plan.is_global.all() or (grown == 1 and not plan.trim_at[s.length % self.page_size]):
+            return 0  # one more token only kills pages at lengths where some window leaves a page
+        n_pages = _cdiv(s.length, self.page_size)
         # Only pages in [min sink pages, max dead end) can die: look at that span alone.
         lo, hi = int(plan.sink_pages.min()), min(n_pages, int(self._dead_end(s.length, plan).max()))
         if hi <= lo:
@@ -366,6 +378,7 @@ class PagePool:
         self._grow(s, first_page + n)
         s.table[:, :, first_page:first_page + n] = tables
         s.length = first_page * ps + length
+        s.shared_tail = bool(length % ps)
         self._mark(s, first_page, first_page + n)
 
     # ------------------------------------------------------------------ device tables

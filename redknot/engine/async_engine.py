@@ -75,6 +75,7 @@ class AsyncLLMEngine:
                        method: str | None = None) -> AsyncIterator[StreamDelta]:
         """Stream a request's output. Bad input raises ValueError/TypeError before anything runs."""
         seq = self.llm.make_sequence(prompt, params, documents, method)
+        seq.stream = True
         try:
             self.engine.prepare(seq)
         except RequestTooLarge as e:

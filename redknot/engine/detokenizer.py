@@ -7,8 +7,10 @@ _INCOMPLETE = "\ufffd"  # a byte-level token that ends inside a UTF-8 character
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+    def __init__(self, tokenizer, skip_special_tokens: bool = True, lazy: bool = False):
+        """``lazy``: nobody reads text before the end (no streaming, no stop strings): tokens are
+        only collected, and ``flush`` decodes them once."""
+        self.tokenizer, self.skip, self.lazy = tokenizer, skip_special_tokens, lazy
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to text already emitted
         self.read_offset = 0
@@ -20,6 +22,8 @@ class IncrementalDetokenizer:
     def add(self, token: int) -> str:
         """Append a token; returns the text it completes (may be empty while a character is split)."""
         self.ids.append(token)
+        if self.lazy:
+            return ""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith(_INCOMPLETE):

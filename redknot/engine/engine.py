@@ -155,7 +155,7 @@ class Engine:
     def add_request(self, seq: Sequence) -> None:
         """Queue a request (prompt ids, params, method and chunked prompt already set)."""
         self.prepare(seq)
-        seq.detok = IncrementalDetokenizer(self.tokenizer)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, lazy=not (seq.stream or seq.params.stop))
         seq.arrival = time.perf_counter()
         self.waiting.append(seq)
 
@@ -176,8 +176,9 @@ class Engine:
         """Advance every running request by one scheduled piece of work; returns what changed."""
         outputs: list[StepOutput] = []
         budget = self.cfg.max_num_batched_tokens
-        decode = [s for s in self.running if s.num_pending == 1 and s.num_computed > 0]
-        prefill = [s for s in self.running if s not in decode]
+        decode, prefill = [], []
+        for s in self.running:
+            (decode if s.num_pending == 1 and s.num_computed > 0 else prefill).append(s)
         budget -= len(decode)
         budget = self._admit(budget, prefill, outputs)
         chunks = []
@@ -236,7 +237,7 @@ class Engine:
         out = []
         for s, n in batch:
             while True:
-                if s not in self.running:  # preempted to make room for an earlier one
+                if s.seq_id not in self.pool:  # preempted to make room for an earlier one
                     break
                 try:
                     self.pool.ensure(s.seq_id, s.num_computed + n)
@@ -325,6 +326,7 @@ class Engine:
         out = StepOutput(seq, [token])
         if not p.ignore_eos and token in self.config.eos_token_ids or token in p.stop_token_ids:
             seq.finish_reason = "stop"  # the stop token's text is not part of the output
+            out.new_text = seq.detok.flush()
             return out
         delta = seq.detok.add(token)
         if p.stop:  # held-back text counts too: a stop string may end inside a split character

@@ -37,16 +37,41 @@ class ModelRunner:
         n = self.graph_sizes[-1] if self.cuda_graphs else 0
         self._static = torch.zeros(4, n, dtype=torch.int64, device=self.device)
         self._static_cu = torch.arange(n + 1, dtype=torch.int32, device=self.device)
-        self._graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
+        self.last_graph: torch.cuda.CUDAGraph | None = None
+        # Two pinned staging buffers used in turn; a buffer is rewritten only once its last copy
+        # to the device is done (its event), so the host never races an in-flight transfer.
+        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self._turn = 0
 
     # ------------------------------------------------------------------ host -> device
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """One host-to-device copy of an int64 array (through pinned staging on CUDA)."""
         t = torch.from_numpy(arr)
-        if self._pin:
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        if not self._pin:
+            return t.to(self.device)
+        n = t.numel()
+        if len(self._staging) < 2 or self._staging[self._turn][0].numel() < n:
+            size = max(n, 1 << 16)
+            buf = (torch.empty(size, dtype=torch.int64, pin_memory=True), None)
+            if len(self._staging) < 2:
+                self._staging.append(buf)
+                self._turn = len(self._staging) - 1
+            else:
+                self._staging[self._turn] = buf
+        buf, event = self._staging[self._turn]
+        if event is not None:
+            event.synchronize()
+        host = buf[:n].view(t.shape)
+        host.copy_(t)
+        out = host.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._staging[self._turn] = (buf, event)
+        self._turn ^= 1
+        return out
 
     # ------------------------------------------------------------------ forward
 
@@ -115,6 +140,7 @@ class ModelRunner:
             self._graphs[key] = self._capture(*key)
         graph, logits = self._graphs[key]
         graph.replay()
+        self.last_graph = graph
         return logits[:B]
 
     def _graph_body(self, plan: str, size: int, pages: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ class Sequence:
     error: Exception | None = None
     generator: torch.Generator | None = None
     detok: object | None = None  # IncrementalDetokenizer
+    stream: bool = False  # text is read after every token (serving): detokenise incrementally
     arrival: float = 0.0
     first_token_time: float | None = None  # time.perf_counter() when the first output token was sampled
     first_logits: torch.Tensor | None = None  # float32 [V], with params.return_first_logits
