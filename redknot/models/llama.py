@@ -21,6 +21,16 @@ NORM_ROPE = "auto"
 
 
 @functools.cache
+def _fused_norms():
+    """(add_rms_norm, silu_mul) Triton kernels, or None where triton is missing."""
+    try:
+        from ..kernels.norm import add_rms_norm, silu_mul
+    except ImportError:
+        return None
+    return add_rms_norm, silu_mul
+
+
+@functools.cache
 def _norm_rope():
     """The fused kernel, or None where triton is missing (the torch path then runs)."""
     try:
@@ -113,7 +123,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight, self.gate_up_bias).chunk(2, dim=-1)
+            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+            fused = _fused_norms() if x.is_cuda else None
+            if fused is not None:
+                return self.down_proj(fused[1](gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -146,6 +160,18 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, add_rms_norm):
+        """The same layer with each residual add fused into the next norm (one kernel each):
+        takes and returns (this block's output, the residual stream before adding it)."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = h, add_rms_norm(h, n1.weight, n1.eps)
+        else:
+            h, residual = add_rms_norm(h, n1.weight, n1.eps, residual)
+        h = self.self_attn(h, positions)
+        h, residual = add_rms_norm(h, n2.weight, n2.eps, residual)
+        return self.mlp(h), residual
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -157,9 +183,16 @@ class Backbone(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        fused = _fused_norms() if x.is_cuda else None
+        if fused is None:
+            for layer in self.layers:
+                x = layer(x, positions)
+            return self.norm(x)
+        add_rms_norm = fused[0]
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions)
-        return self.norm(x)
+            x, residual = layer.forward_fused(x, residual, positions, add_rms_norm)
+        return add_rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
