@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s of the bound (H200: ~4 TB/s)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--profile", default=None, metavar="DIR",
-                   help="also run 4 steps of each case under torch.profiler; op tables in DIR")
+                   help="also run 4 eager (graph-free) steps of each case under torch.profiler; op tables in DIR")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None)
 
@@ -128,10 +128,14 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
             graph_s = (time.perf_counter() - t0) / 10
         if profile:
             from torch.profiler import ProfilerActivity, profile as torch_profile
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(4):
-                    engine.step()
-                _sync(llm.device)
+            graphs, engine.runner.cuda_graphs = engine.runner.cuda_graphs, False  # kernels, not a replay
+            try:
+                with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(4):
+                        engine.step()
+                    _sync(llm.device)
+            finally:
+                engine.runner.cuda_graphs = graphs
             os.makedirs(profile, exist_ok=True)
             with open(os.path.join(profile, f"decode_{method}_{batch}x{context}.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
