@@ -111,11 +111,17 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
         for _ in range(2):  # warm: captures the batch's graph
             engine.step()
         _sync(llm.device)
+        engine.timings = dict.fromkeys(engine.timings, 0)
+        engine.runner.graph_events = [] if engine.runner.cuda_graphs else None
         t0 = time.perf_counter()
         for _ in range(tokens):
             engine.step()
         _sync(llm.device)
         dt = time.perf_counter() - t0
+        events, engine.runner.graph_events = engine.runner.graph_events, None
+        host = {k: v / tokens for k, v in engine.timings.items() if k != "steps"}
+        if events:
+            host["graph_gpu"] = sum(a.elapsed_time(b) for a, b in events) / 1e3 / len(events)
         graph_s = None
         graph = engine.runner.last_graph
         if graph is not None:  # the device's share of a step: the captured forward alone, back to back
@@ -142,7 +148,8 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
     finally:
         for s in seqs:
             engine.abort(s)
-    return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt, "graph_s_per_step": graph_s}
+    return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt, "graph_s_per_step": graph_s,
+            "phases_s_per_step": host}
 
 
 def _time_hf(hf, batch: int, context: int, tokens: int, dev) -> dict:
@@ -223,6 +230,7 @@ def run(args) -> dict:
                 rows.append({"method": m, "batch": b, "context": n, **r, "kv_read_bytes": kv,
                              "bound_tok_s": bound, "of_bound": r["tok_s"] / bound})
                 gpu = f", forward alone {1e3 * r['graph_s_per_step']:.2f} ms" if r["graph_s_per_step"] else ""
+                gpu += " (" + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in r["phases_s_per_step"].items()) + " ms)"
                 print(f"{m:<11} B={b:>3} ctx={n:>6}: {r['tok_s']:9.1f} tok/s  ({100 * r['tok_s'] / bound:5.1f}% "
                       f"of the {bound:.0f} tok/s bound), step {1e3 * r['s_per_step']:.2f} ms{gpu}", flush=True)
     print_table(result)

@@ -120,6 +120,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self._heads = L * hkv
+        self.timings = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0}  # host seconds per phase
 
     # ------------------------------------------------------------------ requests
 
@@ -174,6 +175,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Advance every running request by one scheduled piece of work; returns what changed."""
+        t0 = time.perf_counter()
         outputs: list[StepOutput] = []
         budget = self.cfg.max_num_batched_tokens
         decode, prefill = [], []
@@ -189,6 +191,8 @@ class Engine:
             chunks.append((s, n))
             budget -= n
         batch = self._make_room([(s, 1) for s in decode] + chunks)
+        self.timings["schedule"] += time.perf_counter() - t0
+        self.timings["steps"] += 1
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         for s, n in batch:
             groups.setdefault(s.plan, []).append((s, n))
@@ -267,9 +271,11 @@ class Engine:
         self.waiting.appendleft(seq)
 
     def _forward(self, plan: str, items: list[tuple[Sequence, int]], outputs: list[StepOutput]) -> None:
+        t0 = time.perf_counter()
         logits = self.runner.forward(plan, [s.seq_id for s, _ in items],
                                      [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items],
                                      [s.num_computed for s, _ in items])
+        self.timings["forward"] += time.perf_counter() - t0
         done = []
         for i, (s, n) in enumerate(items):
             s.num_computed += n
@@ -308,6 +314,11 @@ class Engine:
     # ------------------------------------------------------------------ tokens
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
+        t0 = time.perf_counter()
+        self._sample_rows(seqs, logits, outputs)
+        self.timings["sample"] += time.perf_counter() - t0
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
         for s, row in zip(seqs, logits):
             if s.params.return_first_logits and s.first_logits is None:
                 s.first_logits = row.float().cpu()

@@ -40,6 +40,7 @@ class ModelRunner:
         self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
         self.last_graph: torch.cuda.CUDAGraph | None = None
+        self.graph_events: list | None = None  # set to a list to collect (start, end) events of replays
         # Two pinned staging buffers used in turn; a buffer is rewritten only once its last copy
         # to the device is done (its event), so the host never races an in-flight transfer.
         self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
@@ -139,7 +140,14 @@ class ModelRunner:
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, logits = self._graphs[key]
-        graph.replay()
+        if self.graph_events is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            self.graph_events.append((start, end))
+        else:
+            graph.replay()
         self.last_graph = graph
         return logits[:B]
 
