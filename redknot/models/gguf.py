@@ -324,7 +324,7 @@ def convert_gguf(gguf_path, out_dir, dtype="bfloat16", overwrite: bool = False) 
             state.pop("lm_head.weight", None)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del state
-        eos = raw.pop("eos_token_ids")
+        eos = _turn_end_ids(raw.pop("eos_token_ids"), tokenizer)
         config = {**raw, "torch_dtype": dtype_name(torch_dtype),
                   "gguf_source": {"file": gguf_path.name, "name": meta.get("general.name"),
                                   "file_type": meta.get("general.file_type")}}
@@ -335,6 +335,10 @@ def convert_gguf(gguf_path, out_dir, dtype="bfloat16", overwrite: bool = False) 
         (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in gen.items() if v is not None},
                                                                indent=2) + "\n")
         _save_tokenizer(tokenizer, tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in [tmp, *tmp.iterdir()]:  # mkdtemp's 0700 would hide a shared cache from other users
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -342,6 +346,22 @@ def convert_gguf(gguf_path, out_dir, dtype="bfloat16", overwrite: bool = False) 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+# End-of-turn tokens of the common chat formats: generation stops at these when the template uses them.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+def _turn_end_ids(eos: list[int], tokenizer) -> list[int]:
+    """The GGUF's EOS / EOT ids, plus the end-of-turn token its chat template writes (an instruct
+    model ends its answer with it; HF's generation_config lists it beside the EOS)."""
+    out = list(eos)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    vocab = tokenizer.get_vocab()
+    for tok in _TURN_END_TOKENS:
+        if tok in vocab and (tok in template or tok == tokenizer.eos_token) and vocab[tok] not in out:
+            out.append(vocab[tok])
+    return out
 
 
 def _save_tokenizer(tokenizer, out: Path) -> None:
@@ -357,5 +377,8 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
     if template is not None:
         cfg["chat_template"] = template
         jinja.unlink(missing_ok=True)
-    cfg.pop("gguf_file", None)
+    for key in ("gguf_file", "is_local", "local_files_only"):
+        cfg.pop(key, None)
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # the name transformers 4.x knows too
     cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
