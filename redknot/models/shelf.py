@@ -239,6 +239,9 @@ def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = T
             print(f"{name}: {model.filename} assembled, {model.size:,} B, sha256 {sha} (matches)", flush=True)
         final = root / model.filename
         os.replace(part, final)
+    if force:  # convert again too (a newer converter may write a different directory)
+        from .resolve import converted_dir
+        shutil.rmtree(converted_dir(sha, dtype), ignore_errors=True)
     hf_dir = convert_cached(final, dtype, sha256=sha, verbose=verbose)
     if not keep_gguf:
         final.unlink(missing_ok=True)
