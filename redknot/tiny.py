@@ -83,3 +83,122 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(path)
     return path
+
+
+def llama_cpp_permute(w, n_head: int):
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py), applied to q/k rows of llama."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# Tensor type per GGUF tensor kind in the tiny files: every quantised type the tests cover.
+TINY_GGUF_TYPES = {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q8_0", "attn_k": "Q4_0", "attn_v": "Q4_1",
+                   "attn_output": "Q5_0", "ffn_gate": "Q4_0", "ffn_up": "Q8_0", "ffn_down": "F16"}
+
+
+def make_tiny_gguf(path: str | Path, arch: str = "llama", tie_word_embeddings: bool = True,
+                   num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                   head_dim: int = 16, intermediate_size: int = 128, context_length: int = 1024,
+                   types: dict | None = None, seed: int = 0):
+    """Write a tiny random GGUF file the way llama.cpp's converter lays one out (tensor names, q/k
+    rows permuted for llama, quantised tensor types, byte-level BPE tokenizer and chat template in
+    the metadata). Returns ``(path, hf_weights)``: the HF-layout float32 weights before
+    quantisation."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+    from gguf.quants import quantize
+
+    if arch not in ("llama", "qwen2"):
+        raise ValueError(f"arch={arch!r}: use llama or qwen2")
+    path = Path(path)
+    types = {**TINY_GGUF_TYPES, **(types or {})}
+    tok = make_tokenizer()
+    vocab = tok.get_vocab()
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    model_json = __import__("json").loads(tok.backend_tokenizer.to_str())["model"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]]
+    specials = set(tok.all_special_tokens)
+    hidden, vocab_size = num_attention_heads * head_dim, len(tokens)
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape, std=0.08):
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    hf = {"model.embed_tokens.weight": rand(vocab_size, hidden, std=0.5),
+          "model.norm.weight": 1 + rand(hidden, std=0.1)}
+    if not tie_word_embeddings:
+        hf["lm_head.weight"] = rand(vocab_size, hidden, std=0.2)
+    q_out, kv_out = num_attention_heads * head_dim, num_key_value_heads * head_dim
+    for i in range(num_hidden_layers):
+        p = f"model.layers.{i}."
+        hf[p + "input_layernorm.weight"] = 1 + rand(hidden, std=0.1)
+        hf[p + "post_attention_layernorm.weight"] = 1 + rand(hidden, std=0.1)
+        hf[p + "self_attn.q_proj.weight"] = rand(q_out, hidden, std=0.3)
+        hf[p + "self_attn.k_proj.weight"] = rand(kv_out, hidden, std=0.3)
+        hf[p + "self_attn.v_proj.weight"] = rand(kv_out, hidden)
+        hf[p + "self_attn.o_proj.weight"] = rand(hidden, q_out)
+        if arch == "qwen2":
+            hf[p + "self_attn.q_proj.bias"] = rand(q_out, std=0.3)
+            hf[p + "self_attn.k_proj.bias"] = rand(kv_out, std=0.3)
+            hf[p + "self_attn.v_proj.bias"] = rand(kv_out, std=0.1)
+        hf[p + "mlp.gate_proj.weight"] = rand(intermediate_size, hidden)
+        hf[p + "mlp.up_proj.weight"] = rand(intermediate_size, hidden)
+        hf[p + "mlp.down_proj.weight"] = rand(hidden, intermediate_size)
+
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(context_length)
+    w.add_embedding_length(hidden)
+    w.add_block_count(num_hidden_layers)
+    w.add_feed_forward_length(intermediate_size)
+    w.add_head_count(num_attention_heads)
+    w.add_head_count_kv(num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([TokenType.CONTROL if t in specials else TokenType.NORMAL for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tok.bos_token_id)
+    w.add_eos_token_id(tok.eos_token_id)
+    w.add_pad_token_id(tok.pad_token_id)
+    w.add_add_bos_token(True)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def put(name: str, arr, kind: str | None):
+        qtype = GGMLQuantizationType[types[kind]] if kind else GGMLQuantizationType.F32
+        if qtype == GGMLQuantizationType.F32:
+            w.add_tensor(name, arr)
+        elif qtype == GGMLQuantizationType.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
+
+    put("token_embd.weight", hf["model.embed_tokens.weight"], "token_embd")
+    put("output_norm.weight", hf["model.norm.weight"], None)
+    if not tie_word_embeddings:
+        put("output.weight", hf["lm_head.weight"], "output")
+    for i in range(num_hidden_layers):
+        p = f"model.layers.{i}."
+        q, k = hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"]
+        if arch == "llama":  # what convert_hf_to_gguf does to llama's q/k rows
+            q, k = llama_cpp_permute(q, num_attention_heads), llama_cpp_permute(k, num_key_value_heads)
+        put(f"blk.{i}.attn_norm.weight", hf[p + "input_layernorm.weight"], None)
+        put(f"blk.{i}.ffn_norm.weight", hf[p + "post_attention_layernorm.weight"], None)
+        put(f"blk.{i}.attn_q.weight", q, "attn_q")
+        put(f"blk.{i}.attn_k.weight", k, "attn_k")
+        put(f"blk.{i}.attn_v.weight", hf[p + "self_attn.v_proj.weight"], "attn_v")
+        put(f"blk.{i}.attn_output.weight", hf[p + "self_attn.o_proj.weight"], "attn_output")
+        if arch == "qwen2":
+            for x in "qkv":
+                put(f"blk.{i}.attn_{x}.bias", hf[p + f"self_attn.{x}_proj.bias"], None)
+        put(f"blk.{i}.ffn_gate.weight", hf[p + "mlp.gate_proj.weight"], "ffn_gate")
+        put(f"blk.{i}.ffn_up.weight", hf[p + "mlp.up_proj.weight"], "ffn_up")
+        put(f"blk.{i}.ffn_down.weight", hf[p + "mlp.down_proj.weight"], "ffn_down")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, hf

@@ -12,6 +12,16 @@ when the source marks it. Loaders:
   "paragraphs": [{"title", "paragraph_text", "is_supporting"}], "answerable"}``.
 - ``load_longbench``: LongBench JSON lines ``{"input", "context", "answers", "_id", "dataset"}``;
   ``context`` is split at passage markers ("Passage 1:", "Paragraph 2:", ...), else at blank lines.
+- ``load_cacheblend``: CacheBlend's / LMCache's inputs, a JSON list of ``{"ctxs": [{"title",
+  "text"}], "question", "answers": [str]}`` (their ``musique_s.json`` and friends).
+- ``load_ircot``: IRCoT's processed sets, JSON lines ``{"question_id", "question_text",
+  "answers_objects": [{"spans", "number", "date"}], "contexts": [{"id", "title", "paragraph_text",
+  "is_supporting"}]}`` (HotpotQA, 2WikiMultihopQA, MuSiQue dev subsamples).
+
+``load_hotpotqa`` and ``load_musique`` recognise the last two formats and hand over to them, so
+``load_dataset("musique", "musique_s.json")`` and ``load_dataset("hotpotqa",
+"hotpotqa_dev_500.jsonl")`` read the real-QA files as they are. Passage titles are kept: a document
+is ``"Title\ntext"`` (just the text where the title is empty, as in ``musique_s.json``).
 
 ``relayout`` re-packs each record's documents into ``n_chunks`` chunks of at most ``chunk_tokens``
 tokens (4 x 2K, 8 x 4K, ...), keeping document order, padding with other records' documents as
@@ -132,7 +142,11 @@ def _load_wiki_style(path, fmt: str, limit: int | None) -> list[dict]:
 
 
 def load_hotpotqa(path, limit: int | None = None) -> list[dict]:
-    """HotpotQA (distractor / fullwiki dev JSON): one document per context paragraph, "Title\\ntext"."""
+    """HotpotQA (distractor / fullwiki dev JSON): one document per context paragraph, "Title\\ntext".
+    IRCoT's and CacheBlend's processed files are recognised and read with their loaders."""
+    fmt = _detect(path)
+    if fmt in ("ircot", "cacheblend"):
+        return LOADERS[fmt](path, limit=limit, dataset="hotpotqa")
     return _load_wiki_style(path, "hotpotqa", limit)
 
 
@@ -144,7 +158,11 @@ def load_2wikimultihopqa(path, limit: int | None = None) -> list[dict]:
 # ---- MuSiQue ------------------------------------------------------------------------------------
 def load_musique(path, limit: int | None = None, include_unanswerable: bool = False) -> list[dict]:
     """MuSiQue (ans / full JSON lines); type ``musique/2hop`` etc. from the id prefix. Records with
-    ``"answerable": false`` (the full set's contrast questions) are skipped unless asked for."""
+    ``"answerable": false`` (the full set's contrast questions) are skipped unless asked for.
+    CacheBlend's ``musique_s.json`` and IRCoT's files are recognised and read with their loaders."""
+    fmt = _detect(path)
+    if fmt in ("ircot", "cacheblend"):
+        return LOADERS[fmt](path, limit=limit, dataset="musique")
     records = []
     for where, item in _read_json_or_jsonl(path):
         item = _need(item, where, ("question", "answer", "paragraphs"), "musique")
@@ -196,11 +214,86 @@ def load_longbench(path, limit: int | None = None) -> list[dict]:
     return records
 
 
+# ---- CacheBlend / IRCoT processed sets -----------------------------------------------------------
+def _detect(path) -> str | None:
+    """``"cacheblend"`` / ``"ircot"`` when the file's first record has that format's keys."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    with path.open(encoding="utf-8", errors="replace") as f:
+        head = f.read(1 << 16)
+    keys = set(re.findall(r'"(ctxs|question_text|answers_objects|contexts)"\s*:', head))
+    if {"question_text", "contexts"} <= keys:
+        return "ircot"
+    if "ctxs" in keys:
+        return "cacheblend"
+    return None
+
+
+def load_cacheblend(path, limit: int | None = None, dataset: str = "musique") -> list[dict]:
+    """CacheBlend's input format (``musique_s.json``, ...): ``{"ctxs": [{"title", "text"}],
+    "question", "answers"}``; id ``<file stem>/<index>``, type ``<dataset>``. The format marks no
+    supporting passages (``relayout`` then protects the passages holding an answer)."""
+    records = []
+    stem = Path(path).stem
+    for k, (where, item) in enumerate(_read_json_or_jsonl(path)[:limit]):
+        item = _need(item, where, ("ctxs", "question", "answers"), "cacheblend")
+        ctxs = item["ctxs"]
+        if not isinstance(ctxs, list) or not all(isinstance(c, dict) and "text" in c for c in ctxs):
+            raise DatasetError(f"{where}: 'ctxs' must be a list of objects with 'text'")
+        rec = {"id": str(item.get("id", item.get("_id", f"{stem}/{k}"))),
+               "documents": [_doc(c.get("title") or "", str(c["text"])) for c in ctxs],
+               "question": str(item["question"]), "answers": _answers(item["answers"]), "type": dataset}
+        records.append(_finish(rec, where))
+    return records
+
+
+def _ircot_answers(objects, where: str) -> list[str]:
+    if not isinstance(objects, list):
+        raise DatasetError(f"{where}: 'answers_objects' must be a list")
+    out = []
+    for obj in objects:
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{where}: an answers_objects entry is not an object")
+        out += [str(x) for x in obj.get("spans") or []]
+        if str(obj.get("number") or "").strip():
+            out.append(str(obj["number"]))
+        date = obj.get("date") or {}
+        parts = [str(date.get(k) or "").strip() for k in ("day", "month", "year")]
+        if any(parts):
+            out.append(" ".join(p for p in parts if p))
+    return _answers(out)
+
+
+def load_ircot(path, limit: int | None = None, dataset: str | None = None) -> list[dict]:
+    """IRCoT's processed format: one document per ``contexts`` paragraph ("Title\\ntext"),
+    ``supporting`` from ``is_supporting``, answers from the spans (and number / date) of
+    ``answers_objects``; type ``<dataset>`` (default: guessed from the file name), plus the MuSiQue
+    hop count where the id carries one (``musique/2hop``)."""
+    records = []
+    name = Path(path).name.lower()
+    dataset = dataset or next((d for d in ("hotpotqa", "2wikimultihopqa", "musique", "iirc") if d in name), "ircot")
+    for where, item in _read_json_or_jsonl(path)[:limit]:
+        item = _need(item, where, ("question_text", "answers_objects", "contexts"), "ircot")
+        contexts = item["contexts"]
+        if not isinstance(contexts, list) or not all(isinstance(c, dict) and "paragraph_text" in c for c in contexts):
+            raise DatasetError(f"{where}: 'contexts' must be a list of objects with 'paragraph_text'")
+        rid = str(item.get("question_id", where))
+        hops = rid.split("__", 1)[0] if dataset == "musique" and "__" in rid else ""
+        rec = {"id": rid, "documents": [_doc(c.get("title") or "", str(c["paragraph_text"])) for c in contexts],
+               "question": str(item["question_text"]),
+               "answers": _ircot_answers(item["answers_objects"], where),
+               "type": f"{dataset}/{hops}" if hops else dataset,
+               "supporting": [i for i, c in enumerate(contexts) if c.get("is_supporting")]}
+        records.append(_finish(rec, where))
+    return records
+
+
 # ---- dispatch -----------------------------------------------------------------------------------
 LOADERS = {"hotpotqa": load_hotpotqa, "2wikimultihopqa": load_2wikimultihopqa, "musique": load_musique,
-           "longbench": load_longbench, "redknot": None}
+           "longbench": load_longbench, "cacheblend": load_cacheblend, "ircot": load_ircot, "redknot": None}
 ALIASES = {"2wiki": "2wikimultihopqa", "2wikimqa": "2wikimultihopqa", "hotpot": "hotpotqa", "testbed": "redknot",
-           "jsonl": "redknot", "records": "redknot"}
+           "jsonl": "redknot", "records": "redknot", "musiques": "cacheblend"}
 
 
 def load_dataset(name: str, path, limit: int | None = None) -> list[dict]:

