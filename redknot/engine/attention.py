@@ -32,10 +32,24 @@ class PagedAttention:
         ctx = get_context()
         bt = ctx.block_tables[layer]
         pool = self.pool
+        if self.kernel == "torch" and ctx.max_q_len == 1:
+            return self._decode_torch(layer, q, k, v, ctx)
         self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t)
-        if self.kernel == "torch" and ctx.max_q_len == 1:  # decode on the CPU: one batched SDPA
-            return reference.paged_decode_attention(q, pool.k_pages, pool.v_pages, bt, ctx.seq_lens_t,
-                                                    ctx.window[layer], ctx.sink[layer], self.scale,
-                                                    max(ctx.seq_lens))
         return self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
                             ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len)
+
+    def _decode_torch(self, layer, q, k, v, ctx):
+        """Decode on the CPU: every layer's store slots and visibility masks are built once per
+        step (``reference.decode_layout``), so a layer costs a store and one batched attention."""
+        lay = ctx.extras.get("decode_layout")
+        if lay is None:
+            lay = ctx.extras["decode_layout"] = reference.decode_layout(
+                ctx.block_tables, ctx.seq_lens_t, ctx.window, ctx.sink, self.pool.page_size, max(ctx.seq_lens))
+        pool = self.pool
+        phys, slot = lay["store_page"][layer], lay["store_slot"]  # [B, Hkv], [B]
+        ok = phys >= 0
+        rows, heads = ok.nonzero(as_tuple=True)
+        pool.k_pages[phys[rows, heads], slot[rows]] = k[rows, heads].to(pool.k_pages.dtype)
+        pool.v_pages[phys[rows, heads], slot[rows]] = v[rows, heads].to(pool.v_pages.dtype)
+        return reference.paged_decode_attention_masked(q, pool.k_pages, pool.v_pages, lay["pages"][layer],
+                                                       lay["mask"][layer], self.scale)

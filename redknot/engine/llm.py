@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ..config import HeadConfig, SparseFFNConfig
-from ..models import ModelConfig, build_model, load_model, resolve_dtype
+from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolve_model
 from ..models.fingerprint import model_fingerprint
 from ..reuse.methods import ReuseOptions
 from ..reuse.prompt import build_prompt, is_conversation
@@ -53,11 +53,14 @@ class LLM:
                  cpu_chunk_store_bytes: int = 0, reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True):
-        """``model``: an HF checkpoint directory, or a ModelConfig for random weights of that
-        architecture (benchmarks; the tokenizer then defaults to a small built-in BPE)."""
+        """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
+        fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
+        that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE)."""
         if model is None:
             from ..testbed import model_path
             model = model_path()
+        if not isinstance(model, ModelConfig):
+            model = resolve_model(model)  # an HF directory, a .gguf (converted once) or a shelf name
         if head_config is None and not isinstance(model, ModelConfig) and (Path(model) / "heads.json").is_file():
             head_config = Path(model) / "heads.json"  # a checkpoint may carry its head config (the bundled one does)
         if sparse_ffn is None and not isinstance(model, ModelConfig) and (Path(model) / "sparse_ffn.json").is_file():

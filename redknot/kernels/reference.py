@@ -161,27 +161,42 @@ def dense_masked_attention(q, k, v, window, sink, sm_scale=None, sel=None, retur
     return (o, lse.transpose(0, 1).contiguous()) if return_lse else o
 
 
-def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, window, sink, sm_scale,
-                           max_len: int) -> torch.Tensor:
-    """One query per sequence (decode), every sequence and head at once: gathers each head's
-    pages into [B, Hkv, max_len, D] and runs one masked SDPA. The CPU fast path beside
-    ``segpaged_attention_ref``; same rule, no loop over sequences.
+def decode_layout(block_tables, seq_lens, window, sink, page_size: int, max_len: int) -> dict:
+    """What a decode step (one query per sequence, at seq_len - 1) needs in every layer, at once:
+    the page and slot each new token is stored in, the pages to gather and the visibility mask.
 
-    q [B, Hq, D]; block_tables [B, Hkv, >= ceil(max_len / page_size)]; seq_lens [B] (the query
-    sits at seq_len - 1); window/sink [Hkv] tensors; max_len >= every seq_len (host int)."""
-    B, hq, d = q.shape
-    page_size = k_pages.shape[1]
+    block_tables int32 [L, B, Hkv, >= ceil(max_len / page_size)]; window/sink [L, Hkv]."""
     n_pages = -(-max_len // page_size)
-    pages = block_tables[:, :, :n_pages].long()  # [B, Hkv, P]
-    present = (pages >= 0).repeat_interleave(page_size, dim=2)  # [B, Hkv, P * ps]
-    kk = k_pages[pages.clamp_min(0)].flatten(2, 3)  # [B, Hkv, P * ps, D]
-    vv = v_pages[pages.clamp_min(0)].flatten(2, 3)
-    j = torch.arange(n_pages * page_size, device=q.device)[None, None, :]
-    p = (seq_lens.long() - 1)[:, None, None]
-    mask = visible(p, j, window.long()[None, :, None], sink.long()[None, :, None]) & present
-    hkv = kk.shape[1]
+    tables = block_tables[:, :, :, :n_pages].long()  # [L, B, Hkv, P]
+    pos = seq_lens.long() - 1  # [B]
+    lp = (pos // page_size).clamp_max(n_pages - 1)
+    store_page = tables.gather(3, lp[None, :, None, None].expand(*tables.shape[:3], 1))[..., 0]  # [L, B, Hkv]
+    present = (tables >= 0).repeat_interleave(page_size, dim=3)  # [L, B, Hkv, P * ps]
+    j = torch.arange(n_pages * page_size, device=tables.device)[None, None, None, :]
+    mask = visible(pos[None, :, None, None], j, window.long()[:, None, :, None], sink.long()[:, None, :, None]) & present
+    return {"store_page": store_page, "store_slot": pos % page_size, "pages": tables.clamp_min(0), "mask": mask}
+
+
+def paged_decode_attention_masked(q, k_pages, v_pages, pages, mask, sm_scale) -> torch.Tensor:
+    """q [B, Hq, D] over the gathered pages [B, Hkv, P] of one layer under mask [B, Hkv, P * ps]."""
+    B, hq, d = q.shape
+    hkv = pages.shape[1]
+    kk = k_pages[pages].flatten(2, 3)  # [B, Hkv, P * ps, D]
+    vv = v_pages[pages].flatten(2, 3)
     # plain matmuls: for one query row they beat SDPA's masked CPU paths, which vary 100x by mask
     scores = torch.einsum("bhgd,bhld->bhgl", q.view(B, hkv, hq // hkv, d).to(kk.dtype), kk) * sm_scale
     probs = scores.float().masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
     o = torch.einsum("bhgl,bhld->bhgd", probs.to(vv.dtype), vv)
     return o.reshape(B, hq, d).to(q.dtype)
+
+
+def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, window, sink, sm_scale,
+                           max_len: int) -> torch.Tensor:
+    """One query per sequence (decode), every sequence and head at once: gathers each head's
+    pages and runs one masked attention. The CPU fast path beside ``segpaged_attention_ref``;
+    same rule, no loop over sequences.
+
+    q [B, Hq, D]; block_tables [B, Hkv, >= ceil(max_len / page_size)]; seq_lens [B] (the query
+    sits at seq_len - 1); window/sink [Hkv] tensors; max_len >= every seq_len (host int)."""
+    lay = decode_layout(block_tables[None], seq_lens, window[None], sink[None], k_pages.shape[1], max_len)
+    return paged_decode_attention_masked(q, k_pages, v_pages, lay["pages"][0], lay["mask"][0], sm_scale)
