@@ -61,7 +61,7 @@ def _llm(args, dev):
         head = (HeadConfig.from_json(args.head_config) if os.path.isfile(args.head_config)
                 else _head_config(args.head_config, cfg, None))
     return LLM(model=model, head_config=head, device=dev, kv_pages=args.kv_pages,
-               chunk_store_bytes=(64 << 30) if dev.type == "cuda" else (1 << 30))
+               chunk_store_bytes=(16 << 30) if dev.type == "cuda" else (1 << 30))
 
 
 async def _client(client, model, jobs, results, max_tokens, method):
@@ -138,6 +138,10 @@ def run(args) -> dict:
             results, wall, errors = asyncio.run(_load(server.base, "bench", method, per_client, args.max_tokens))
         finally:
             server.stop()
+        engine = llm.engine
+        cached_pages = engine.prefix_cache.num_pages() if engine.prefix_cache is not None else 0
+        # every page is free again or held by the prefix cache: no request kept any
+        pool_idle = not engine.has_unfinished() and engine.pool.num_free_pages + cached_pages == engine.pool.num_pages
         ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
         tokens = sum(r["completion_tokens"] for r in results)
         row = {"requests": len(results), "errors": errors, "wall_s": wall,
@@ -145,7 +149,8 @@ def run(args) -> dict:
                "ttft_mean_s": statistics.mean(ttfts) if ttfts else float("nan"),
                "throughput_tok_s": tokens / wall, "requests_per_s": len(results) / wall,
                "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in results) if results else 0,
-               "cached_tokens_mean": statistics.mean(r["cached_tokens"] for r in results) if results else 0}
+               "cached_tokens_mean": statistics.mean(r["cached_tokens"] for r in results) if results else 0,
+               "pool_idle_after": pool_idle, "preemptions": engine.num_preemptions}
         result["methods"][method] = row
         print(json.dumps({"method": method, **row}), flush=True)
         with open(out, "w") as f:
