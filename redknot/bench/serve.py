@@ -65,20 +65,25 @@ def _llm(args, dev):
 
 
 async def _client(client, model, jobs, results, max_tokens, method):
+    """One client: its requests one after another, streamed (SSE over httpx), timed."""
     for question, docs in jobs:
         t0 = time.perf_counter()
         first, n_tok, cached, prompt = None, 0, 0, 0
-        stream = await client.completions.create(
-            model=model, prompt=question, max_tokens=max_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"documents": docs, "method": method, "ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices and first is None:
-                first = time.perf_counter() - t0
-            if chunk.usage is not None:
-                n_tok, prompt = chunk.usage.completion_tokens, chunk.usage.prompt_tokens
-                details = chunk.usage.prompt_tokens_details
-                cached = details.cached_tokens if details else 0
+        body = {"model": model, "prompt": question, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "documents": docs, "method": method, "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices") and first is None:
+                    first = time.perf_counter() - t0
+                usage = chunk.get("usage")
+                if usage:
+                    n_tok, prompt = usage["completion_tokens"], usage["prompt_tokens"]
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         results.append({"ttft_s": first, "completion_tokens": n_tok, "prompt_tokens": prompt, "cached_tokens": cached,
                         "latency_s": time.perf_counter() - t0})
         if len(results) % 8 == 0:  # progress, so a stalled run shows where it stalled
@@ -86,16 +91,16 @@ async def _client(client, model, jobs, results, max_tokens, method):
 
 
 async def _load(base, model, method, jobs_per_client, max_tokens):
-    import openai
+    import httpx
 
-    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+    limits = httpx.Limits(max_connections=len(jobs_per_client) + 4)
     results: list[dict] = []
-    t0 = time.perf_counter()
-    outcome = await asyncio.gather(*[_client(client, model, jobs, results, max_tokens, method)
-                                     for jobs in jobs_per_client], return_exceptions=True)
-    wall = time.perf_counter() - t0
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        outcome = await asyncio.gather(*[_client(client, model, jobs, results, max_tokens, method)
+                                         for jobs in jobs_per_client], return_exceptions=True)
+        wall = time.perf_counter() - t0
     errors = [f"{type(e).__name__}: {str(e)[:120]}" for e in outcome if isinstance(e, BaseException)]
-    await client.close()
     return results, wall, errors
 
 
