@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--kv-pages", type=int, default=None)
+    p.add_argument("--capture-graphs", action="store_true",
+                   help="capture every decode graph the run can need before the clients start")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
@@ -135,6 +137,11 @@ def run(args) -> dict:
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__,
               "argv": ["redknot", "bench", "serve"] + sys.argv[3:],
               "args": {k: v for k, v in vars(args).items() if not callable(v)}, "methods": {}}
+    if args.capture_graphs:
+        t0 = time.perf_counter()
+        n_graphs = llm.engine.capture_graphs(args.max_tokens + args.docs_per_request * args.doc_words * 5 + 256)
+        result["graphs_captured"], result["graph_capture_s"] = n_graphs, time.perf_counter() - t0
+        print(f"captured {n_graphs} decode graphs in {result['graph_capture_s']:.1f} s", flush=True)
     for method in methods:
         llm.engine.clear_caches()
         server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs), "bench")

@@ -375,6 +375,10 @@ class Engine:
         """Bytes of KV pages in use (shared pages once), cached prefixes included."""
         return (self.pool.num_pages - self.pool.num_free_pages) * self.pool.bytes_per_page
 
+    def capture_graphs(self, max_len: int | None = None) -> int:
+        """Capture the decode CUDA graphs for contexts up to ``max_len`` (default 8192) now."""
+        return self.runner.capture(min(max_len or 8192, self.max_model_len))
+
     def request_kv_bytes(self, outputs: list[StepOutput] = ()) -> int:
         """Bytes of the pages requests hold: the running ones, and those that finished in
         ``outputs`` counted at their last length (their pages are already back)."""

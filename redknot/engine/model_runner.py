@@ -151,6 +151,23 @@ class ModelRunner:
         self.last_graph = graph
         return logits[:B]
 
+    def capture(self, max_len: int) -> int:
+        """Capture every decode graph a batch of contexts up to ``max_len`` tokens can need (each
+        plan, batch bucket and table-width bucket), as vLLM does at start-up, so serving never
+        pauses to capture. Returns how many were captured."""
+        if not self.cuda_graphs:
+            return 0
+        top = self._page_bucket(max_len)
+        widths = sorted({min(top, 1 << k) for k in range(4, top.bit_length() + 1)} | {top})
+        n = 0
+        for plan in self.plans:
+            for size in self.graph_sizes:
+                for pages in widths:
+                    if (plan, size, pages) not in self._graphs:
+                        self._graphs[(plan, size, pages)] = self._capture(plan, size, pages)
+                        n += 1
+        return n
+
     def _graph_body(self, plan: str, size: int, pages: int) -> torch.Tensor:
         s = self._static[:, :size]
         ctx = self._context(plan, [1] * size, [1] * size, [0] * size, self._static_cu[:size + 1],

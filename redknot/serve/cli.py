@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model, or redknot-testbed)")
+    p.add_argument("--cuda-graph-max-len", type=int, default=0,
+                   help="capture decode CUDA graphs for contexts up to this many tokens at start-up "
+                        "(default 0: each one is captured when first met)")
     p.add_argument("--log-level", default="info")
 
 
@@ -33,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size)
     llm.method = llm.check_method(default_method(llm) if args.method == "auto" else args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
+    if args.cuda_graph_max_len > 0:
+        n = llm.engine.capture_graphs(args.cuda_graph_max_len)
+        print(f"captured {n} decode CUDA graphs (contexts up to {args.cuda_graph_max_len} tokens)", flush=True)
     engine = AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs)
     app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"))
     try:
