@@ -27,7 +27,7 @@ def test_smollm2_matches_transformers_and_answers():
     torch.set_num_threads(2)
     llm = LLM(model=path, device="cpu", dtype="float32")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = llm._prompt_ids("In which city is the Eiffel Tower?", DOCS)
+    ids = llm.prompt_ids("In which city is the Eiffel Tower?", DOCS)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     ours = llm.first_token_logits("In which city is the Eiffel Tower?", DOCS)

@@ -169,10 +169,17 @@ def test_concurrent_streams_return_every_page(server):
     assert wait_pool_free(server.llm), server.pool.occupancy()
 
 
-def test_disconnect_aborts_and_frees_pages(server):
+def test_disconnect_aborts_and_frees_pages(server, monkeypatch):
+    forward = server.llm.engine.runner.forward
+
+    def slow_forward(*args, **kwargs):  # 10 ms a step: 480 tokens take ~5 s, well past the disconnects
+        time.sleep(0.01)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(server.llm.engine.runner, "forward", slow_forward)
     stats = server.engine.stats()
     body = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=480)
-    extra = {"method": "headsparse", "ignore_eos": True}  # 480 tokens take several seconds on CPU
+    extra = {"method": "headsparse", "ignore_eos": True}
     with server.client.chat.completions.create(stream=True, extra_body=extra, **body) as stream:
         next(iter(stream))
         next(iter(stream))
