@@ -273,3 +273,24 @@ def test_metrics(server):
         "redknot_time_to_first_token_seconds_count"]
     assert values["redknot_generation_tokens_total"] >= 6 and values["redknot_reused_chunk_tokens_total"] > 0
     assert values["redknot_requests_running"] == 0 and values["redknot_requests_waiting"] == 0
+
+
+def test_a_default_server_reuses_documents(tiny_checkpoint):
+    """`redknot serve` with no --method: the second request with the same documents is served
+    from the chunk cache (cached_tokens > 0), in any order."""
+    from redknot.serve.cli import set_default_method
+
+    llm = LLM(model=tiny_checkpoint("llama"), head_config=head_config(), device="cpu", page_size=16)
+    assert set_default_method(llm) == "redknot_kv"
+    server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=4), MODEL)
+    try:
+        body = {"model": MODEL, "prompt": "Who founded Varna?", "max_tokens": 4, "documents": DOCS}
+        first = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()
+        body["documents"] = DOCS[::-1]
+        second = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()
+    finally:
+        server.stop()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert first["usage"]["completion_tokens"] == 4 and cached > 0
+    llm_plain = LLM(model=tiny_checkpoint("llama"), device="cpu")
+    assert set_default_method(llm_plain) == "cacheblend"  # no head config: still a reuse method

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size)
-    llm.method = llm.check_method(default_method(llm) if args.method == "auto" else args.method)
+    set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
     if args.cuda_graph_max_len > 0:
         n = llm.engine.capture_graphs(args.cuda_graph_max_len)
@@ -52,6 +52,12 @@ def default_method(llm) -> str:
     """The best-quality reuse method the model can run (docs/results/quality.md): redknot_kv
     needs a head config; without one, cacheblend is the strongest head-agnostic reuse."""
     return "redknot_kv" if llm.head_config is not None else "cacheblend"
+
+
+def set_default_method(llm, method: str = "auto") -> str:
+    """The method requests that name none get (``auto``: ``default_method``)."""
+    llm.method = llm.check_method(default_method(llm) if method == "auto" else method)
+    return llm.method
 
 
 def main(argv=None) -> int:
