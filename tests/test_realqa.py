@@ -113,3 +113,11 @@ def test_real_files():
     assert len(mq) == 150 and all(len(r["documents"]) == 10 for r in mq)
     assert len(hp) == 500 and all(len(r["supporting"]) == 2 for r in hp)
     assert all("\n" in d for d in hp[0]["documents"])  # titles kept
+
+
+def test_quality_reads_a_public_set_by_name(files):
+    from redknot.bench.quality import load_records
+
+    cb, ir = files
+    assert load_records(f"musique:{cb}") == load_dataset("musique", cb)
+    assert len(load_records(f"hotpotqa:{ir}", limit=1)) == 1

@@ -136,8 +136,15 @@ def dense_prefill_flops(cfg, n_tokens: int) -> int:
 
 # ---- data ---------------------------------------------------------------------------------------
 def load_records(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Read and validate a jsonl file (errors name file:line); blank lines are skipped."""
-    records = read_jsonl(path, limit)
+    """Read and validate a jsonl file (errors name file:line); blank lines are skipped.
+    ``NAME:PATH`` reads a public set through its loader (``hotpotqa:hotpotqa_dev_500.jsonl``,
+    ``musique:musique_s.json``; see ``redknot.bench.datasets.load_dataset``)."""
+    name, sep, rest = str(path).partition(":")
+    if sep and not Path(path).exists() and name.isidentifier():
+        from .datasets import load_dataset
+        records = load_dataset(name, rest, limit)
+    else:
+        records = read_jsonl(path, limit)
     if not records:
         raise ValueError(f"{path}: no records")
     return records
@@ -246,7 +253,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..engine import METHODS
 
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
-    p.add_argument("--data", required=True, help="jsonl: id, documents, question, answers, type per line")
+    p.add_argument("--data", required=True, help="jsonl: id, documents, question, answers, type per line; "
+                                                 "or NAME:PATH of a public set (hotpotqa:FILE, musique:FILE)")
     p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of: {', '.join(METHODS)}")
     p.add_argument("--head-config", default=None,
                    help=f"head config JSON (needed by {', '.join(NEEDS_HEAD_CONFIG)}; default: heads.json "
