@@ -177,20 +177,18 @@ def _copy_member(archive: Path, member: str, out, h) -> int:
                              f"{member!r} inside (has {', '.join(list(names)[:6])})")
         return hits[0]
 
-    n = 0
-    if zipfile.is_zipfile(archive):
-        with zipfile.ZipFile(archive) as z:
-            src = z.open(pick(z.namelist()))
-            while block := src.read(1 << 22):
-                out.write(block), h.update(block)
-                n += len(block)
-        return n
-    with tarfile.open(archive) as t:
-        src = t.extractfile(pick(t.getnames()))
+    def copy(src) -> int:
+        n = 0
         while block := src.read(1 << 22):
             out.write(block), h.update(block)
             n += len(block)
-    return n
+        return n
+
+    if zipfile.is_zipfile(archive):
+        with zipfile.ZipFile(archive) as z:
+            return copy(z.open(pick(z.namelist())))
+    with tarfile.open(archive) as t:
+        return copy(t.extractfile(pick(t.getnames())))
 
 
 def assemble(model: ShelfModel, archives_dir: Path, out_file: Path) -> str:
