@@ -62,8 +62,7 @@ def _llm(args, dev):
     if args.head_config:
         head = (HeadConfig.from_json(args.head_config) if os.path.isfile(args.head_config)
                 else _head_config(args.head_config, cfg, None))
-    return LLM(model=model, head_config=head, device=dev, kv_pages=args.kv_pages,
-               chunk_store_bytes=(16 << 30) if dev.type == "cuda" else (1 << 30))
+    return LLM(model=model, head_config=head, device=dev, kv_pages=args.kv_pages)
 
 
 async def _client(client, model, jobs, results, max_tokens, method):

@@ -184,6 +184,15 @@ class PagePool:
         self._ref[pages] = 1
         return pages
 
+    def allocate(self, n: int) -> np.ndarray:
+        """Take ``n`` free pages (one reference each) for an owner outside any sequence, e.g. the
+        chunk cache; they count as global-head pages. Raises PoolExhausted, taking nothing."""
+        if n > self._nfree:
+            raise PoolExhausted(f"{n} pages wanted, only {self._nfree} of {self.num_pages} free")
+        pages = self._alloc(n)
+        self._global_page[pages] = True
+        return pages
+
     def retain(self, pages) -> None:
         """Take one more reference on each page (>= 0 entries), e.g. a chunk store keeping them."""
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)

@@ -13,7 +13,7 @@ from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolv
 from ..models.fingerprint import model_fingerprint
 from ..reuse.methods import ReuseOptions
 from ..reuse.prompt import build_prompt, is_conversation
-from .engine import METHODS, Engine, EngineConfig, prefills_through_reuse
+from .engine import METHODS, Engine, EngineConfig, prefills_through_reuse, uses_chunks
 from .sampling import SamplingParams
 from .sequence import Sequence
 
@@ -49,8 +49,8 @@ class LLM:
     def __init__(self, model: str | Path | None = None, head_config: str | Path | HeadConfig | None = None,
                  method: str = "dense", device: str | torch.device | None = None, dtype=None,
                  page_size: int = 64, kv_pages: int | None = None, max_num_batched_tokens: int = 8192,
-                 sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_store_bytes: int = 4 << 30,
-                 cpu_chunk_store_bytes: int = 0, reuse_options: ReuseOptions | None = None, tokenizer=None,
+                 sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
+                 reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
@@ -91,17 +91,24 @@ class LLM:
                                  page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                  enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
-                                 chunk_store_bytes=chunk_store_bytes, cpu_chunk_store_bytes=cpu_chunk_store_bytes,
+                                 chunk_cache_bytes=chunk_cache_bytes,
                                  reuse_options=reuse_options))
         self.max_model_len = self.engine.max_model_len
-        self.pool = self.engine.pool
-        self.chunk_store, self.prefix_store = self.engine.chunk_store, self.engine.prefix_store
         self.reuse = self.engine.reuse
         self.method = self.check_method(method)
 
     @property
+    def pool(self):
+        return self.engine.pool
+
+    @property
+    def chunk_cache(self):
+        """Cached document KV (pool pages)."""
+        return self.engine.chunk_cache
+
+    @property
     def last_prefill(self):
-        """What the last reuse prefill executed (PrefillResult: cached tokens, FLOPs, KV)."""
+        """What the last recovery prefill executed (PrefillResult: cached tokens, FLOPs, KV)."""
         return self.engine.last_prefill
 
     # ---- public API ---------------------------------------------------------------------------
@@ -109,7 +116,7 @@ class LLM:
         """Validate and tokenise one request; raises ValueError/TypeError on bad input."""
         method = self.check_method(method or self.method)
         cp = None
-        if documents is None and not is_conversation(prompt) and not prefills_through_reuse(method):
+        if documents is None and not is_conversation(prompt) and not uses_chunks(method):
             ids = self._encode(prompt)
         else:  # the reuse engine needs the prompt's layout: prefix, documents, suffix
             cp = build_prompt(self.tokenizer, prompt, documents)
@@ -164,11 +171,6 @@ class LLM:
     def first_token_logits(self, prompt, documents=None, method: str | None = None) -> torch.Tensor:
         """float32 logits [vocab] of the first generated position."""
         method = self.check_method(method or self.method)
-        if prefills_through_reuse(method):
-            cp = build_prompt(self.tokenizer, prompt, documents)
-            self._check_ids(cp.token_ids)
-            self.engine.last_prefill = self.reuse.prefill(cp, method)
-            return self.engine.last_prefill.recovered.logits
         params = SamplingParams(max_tokens=1, temperature=0, return_first_logits=True, ignore_eos=True)
         return self.generate(prompt, params, documents=documents, method=method)[0].first_token_logits
 
