@@ -1,5 +1,7 @@
 """Document KV in pool pages: round trips, LRU eviction, caps, and requests that only read them."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from redknot.config import GLOBAL_WINDOW
 from redknot.reuse.prompt import build_prompt
 
 L, H, D, PS = 2, 3, 8, 4
+DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")  # the engine tests below also run on a GPU
 
 
 def make_pool(pages=64):
@@ -91,7 +94,7 @@ QUESTION = "Question: who founded the city of Varna? Answer:"
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
     hc = HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4)
-    return LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device="cpu", head_config=hc, page_size=16)
+    return LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device=DEVICE, head_config=hc, page_size=16)
 
 
 def test_requests_read_cached_chunk_pages_and_never_write_them(llm):
@@ -103,7 +106,7 @@ def test_requests_read_cached_chunk_pages_and_never_write_them(llm):
     keys = [chunk_key(llm.fingerprint, prompt.prefix, c) for c in prompt.chunks]
     entries = [cache.peek(k) for k in keys]
     assert all(e is not None for e in entries)
-    pages = torch.from_numpy(np.concatenate([e.pages.ravel() for e in entries]).astype(np.int64))
+    pages = torch.from_numpy(np.concatenate([e.pages.ravel() for e in entries]).astype(np.int64)).to(pool.device)
     before = pool.k_pages[pages].clone(), pool.v_pages[pages].clone()
     for method in ("full_reuse", "epic", "cacheblend", "redknot_kv"):
         out = llm.generate([QUESTION, "Question: what jumps?"], params, documents=[DOCS[::-1], DOCS[1:]],
@@ -119,7 +122,7 @@ def test_a_small_pool_evicts_chunks_and_answers_the_same(tiny_checkpoint, llm):
     docs = [[DOCS[0]], [DOCS[1]], [DOCS[2]], [DOCS[0]]]
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, documents=docs, method="full_reuse")]
     hc = HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4)
-    small = LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device="cpu", head_config=hc, page_size=16,
+    small = LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device=DEVICE, head_config=hc, page_size=16,
                 max_num_seqs=1)
     # a pool of just what the largest request needs: every new document evicts the cached ones
     need = max(small.engine.pages_for(small.make_sequence(q, params, d, "full_reuse")) for q, d in zip(prompts, docs))

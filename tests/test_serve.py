@@ -274,6 +274,11 @@ def test_metrics(server):
         "redknot_time_to_first_token_seconds_count"]
     assert values["redknot_generation_tokens_total"] >= 6 and values["redknot_reused_chunk_tokens_total"] > 0
     assert values["redknot_requests_running"] == 0 and values["redknot_requests_waiting"] == 0
+    # the two requests' documents stay cached in pool pages, counted in bytes by head class
+    assert values["redknot_chunk_cache_pages"] > 0 and values["redknot_requests_preempted_total"] == 0
+    used = values['redknot_kv_pool_pages{head_class="global"}'] + values['redknot_kv_pool_pages{head_class="local"}']
+    assert values['redknot_kv_pool_bytes{head_class="global"}'] + values['redknot_kv_pool_bytes{head_class="local"}'] \
+        == used * server.llm.pool.bytes_per_page
 
 
 def test_a_default_server_reuses_documents(tiny_checkpoint):

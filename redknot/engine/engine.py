@@ -50,9 +50,11 @@ METHODS = ("dense", "headsparse") + tuple(m for m in REUSE_METHODS if m != "dens
 # The head plan each method's KV lives under in the pool.
 PLAN_OF = {m: "headsparse" if m in ("headsparse", "redknot", "redknot_kv") else "dense" for m in METHODS}
 
-# Default pool size when none is given: this share of free GPU memory, or this many bytes on CPU.
-GPU_POOL_FRACTION = 0.7
+# Default pool size when none is given: on a GPU, what is left of gpu_memory_utilization x the
+# device's memory once weights, the activations of the largest step (measured) and the CUDA-graph
+# reserve are counted (vLLM's rule); on the CPU this many bytes.
 CPU_POOL_BYTES = 256 << 20
+GRAPH_RESERVE_BYTES = 1 << 30
 
 
 # Chunk KV copied (relocated) into the request's pages; the rest of the prompt prefills in the pool.
@@ -85,7 +87,8 @@ class RequestTooLarge(ValueError):
 @dataclass
 class EngineConfig:
     page_size: int = 64
-    kv_pages: int | None = None  # None: GPU_POOL_FRACTION of free memory / CPU_POOL_BYTES
+    kv_pages: int | None = None  # None: sized from gpu_memory_utilization (GPU) / CPU_POOL_BYTES
+    gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -118,12 +121,15 @@ class Engine:
         plans = {"dense": HeadConfig.all_global(L, hkv)}
         if head_config is not None:
             plans["headsparse"] = head_config
+        if not 0 < cfg.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
         num_pages = cfg.kv_pages
         page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
-        if num_pages is None:
-            budget = (torch.cuda.mem_get_info(device)[0] * GPU_POOL_FRACTION if device.type == "cuda"
-                      else CPU_POOL_BYTES)
-            num_pages = max(int(budget // page_bytes), 1)
+        profile = num_pages is None and device.type == "cuda"
+        if profile:  # a pool for one largest step, measured below and then resized
+            num_pages = L * hkv * (-(-cfg.max_num_batched_tokens // cfg.page_size) + 1)
+        elif num_pages is None:
+            num_pages = max(int(CPU_POOL_BYTES // page_bytes), 1)
         vis = {name: plan.visibility(model_windows=config.sliding_windows) for name, plan in plans.items()}
         self.pool = PagePool(num_pages, cfg.page_size, config.head_dim, *vis["dense"], dtype=self.dtype,
                              device=device)
@@ -147,6 +153,66 @@ class Engine:
         self.num_preemptions = 0
         self._heads = L * hkv
         self.timings = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0}  # host seconds per phase
+        self.memory = {"kv_pages": self.pool.num_pages, "kv_bytes": self.pool.num_pages * self.pool.bytes_per_page}
+        if profile:
+            self._size_pool_from_memory()
+
+    def _size_pool_from_memory(self) -> None:
+        """Run the largest prefill step once (random token ids), measure its activation peak, and
+        give the pages what is left of gpu_memory_utilization x the device's memory after the
+        weights, everything else on the device, that peak and the CUDA-graph reserve."""
+        dev = self.device
+        tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        sid = next(self._chunk_seq_ids)
+        self.pool.add_sequence(sid, "dense")
+        try:
+            self.pool.ensure(sid, tokens)
+            ids = torch.randint(0, self.config.vocab_size, (tokens,)).tolist()
+            self.runner.forward("dense", [sid], [ids], [0])
+            torch.cuda.synchronize(dev)
+        finally:
+            self.pool.free_sequence(sid)
+        activations = torch.cuda.max_memory_allocated(dev) - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        pool_bytes = self.pool.num_pages * self.pool.bytes_per_page
+        cached_free = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        others = total - free - cached_free - pool_bytes  # weights, buffers, context, other processes
+        graphs = GRAPH_RESERVE_BYTES if self.runner.cuda_graphs else 0
+        budget = total * self.cfg.gpu_memory_utilization - others - activations - graphs
+        num_pages = int(budget // self.pool.bytes_per_page)
+        if num_pages < self.pool.num_pages:
+            raise RuntimeError(
+                f"gpu_memory_utilization={self.cfg.gpu_memory_utilization} leaves {max(budget, 0) / 2**30:.2f} GiB "
+                f"for KV pages after {others / 2**30:.2f} GiB in use and {activations / 2**30:.2f} GiB of "
+                f"activations: not even one {tokens}-token step fits; raise it or lower max_num_batched_tokens")
+        self.resize_pool(num_pages)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.memory = {"gpu_memory_utilization": self.cfg.gpu_memory_utilization, "total_bytes": total,
+                       "weights_bytes": weights, "other_bytes": others - weights, "activation_bytes": activations,
+                       "graph_reserve_bytes": graphs, "kv_pages": num_pages,
+                       "kv_bytes": num_pages * self.pool.bytes_per_page}
+
+    def capacity(self, lengths=(8192, 32768, 131072), new_tokens: int = 256) -> dict:
+        """Sessions of each context length (prompt + ``new_tokens``) the whole pool holds at
+        once, per head plan: the analytic bound admission works against."""
+        out = {}
+        for plan in self.pool.plans:
+            if plan == "default":
+                continue
+            per = {}
+            for n in lengths:
+                if n + new_tokens > self.max_model_len:
+                    continue
+                pages = self.pool.peak_pages(n + new_tokens, 1, plan)
+                per[n] = {"pages_per_session": pages, "bytes_per_session": pages * self.pool.bytes_per_page,
+                          "sessions": self.pool.num_pages // pages}
+            out[plan] = per
+        return out
 
     # ------------------------------------------------------------------ requests
 
@@ -502,11 +568,9 @@ class Engine:
         self.pool.sync_device_tables()
         slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
         tables = self.pool.device_tables.index_select(1, slot)[:, 0]  # [L, Hkv, pages]
-        L = self.config.num_hidden_layers
-        cu = torch.arange(0, (L + 1) * n, n, dtype=torch.int32, device=self.device)
-        lens = torch.full((L,), n, dtype=torch.int32, device=self.device)
-        k, v = torch.stack(rec.k), torch.stack(rec.v)
-        self.runner.attn.store(k.view(L * n, *k.shape[2:]), v.view(L * n, *v.shape[2:]), tables, cu, lens)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+        for layer, (k, v) in enumerate(zip(rec.k, rec.v)):  # layer by layer: no second copy of the KV
+            self.runner.attn.store(k, v, tables[layer:layer + 1], cu, cu[1:])
         self.pool.trim(seq.seq_id)
         seq.num_computed = n
         seq.reuse_done = True
@@ -628,7 +692,7 @@ class Engine:
     def stats(self) -> dict:
         occ = self.pool.occupancy()
         return {"running": len(self.running), "waiting": len(self.waiting), "preemptions": self.num_preemptions,
-                "pool_pages": occ, "kv_bytes": self.kv_bytes(),
+                "pool_pages": occ, "page_bytes": self.pool.bytes_per_page, "kv_bytes": self.kv_bytes(),
                 "prefix_cache_pages": self.prefix_cache.num_pages() if self.prefix_cache else 0,
                 "prefix_cache_hit_tokens": self.prefix_cache.hits if self.prefix_cache else 0,
                 "chunk_cache": self.chunk_cache.stats()}

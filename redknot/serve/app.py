@@ -356,6 +356,15 @@ def render_metrics(stats: dict) -> str:
                [({"head_class": c}, pool.get(c, 0)) for c in ("global", "local")])
         metric("redknot_kv_pool_free_pages", "gauge", "SegPaged KV pool pages free.", [({}, pool.get("free", 0))])
         metric("redknot_kv_pool_total_pages", "gauge", "SegPaged KV pool size in pages.", [({}, pool.get("total", 0))])
+        page = stats.get("page_bytes", 0)
+        metric("redknot_kv_pool_bytes", "gauge", "SegPaged KV pool bytes in use, by the owner head's class.",
+               [({"head_class": c}, pool.get(c, 0) * page) for c in ("global", "local")])
+    metric("redknot_requests_preempted_total", "counter", "Requests preempted (pages freed, re-queued).",
+           [({}, stats.get("preemptions", 0))])
+    metric("redknot_prefix_cache_pages", "gauge", "Pool pages the prefix cache references.",
+           [({}, stats.get("prefix_cache_pages", 0))])
+    metric("redknot_chunk_cache_pages", "gauge", "Pool pages cached document KV holds.",
+           [({}, (stats.get("chunk_cache") or {}).get("pages", 0))])
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
-    p.add_argument("--kv-pages", type=int, default=None, help="SegPaged pool pages (default: from free memory)")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="SegPaged pool pages (default: sized from --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, activations and KV pages together (vLLM's flag)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per SegPaged page")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
@@ -33,9 +36,11 @@ def run(args: argparse.Namespace) -> int:
     from .app import build_app
 
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
-              dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size)
+              dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
+    print(capacity_summary(llm.engine), flush=True)
     if args.cuda_graph_max_len > 0:
         n = llm.engine.capture_graphs(args.cuda_graph_max_len)
         print(f"captured {n} decode CUDA graphs (contexts up to {args.cuda_graph_max_len} tokens)", flush=True)
@@ -46,6 +51,20 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def capacity_summary(engine) -> str:
+    """What the pool holds, said at start-up: pages, bytes, and sessions of 8K/32K/128K per head plan."""
+    mem = engine.memory
+    lines = [f"KV pool: {mem['kv_pages']} pages of {engine.pool.bytes_per_page} B = {mem['kv_bytes'] / 2**30:.2f} GiB"]
+    if "weights_bytes" in mem:
+        lines[0] += (f" (of {mem['total_bytes'] / 2**30:.1f} GiB x {mem['gpu_memory_utilization']}: weights "
+                     f"{mem['weights_bytes'] / 2**30:.2f}, activations {mem['activation_bytes'] / 2**30:.2f}, "
+                     f"graphs {mem['graph_reserve_bytes'] / 2**30:.2f}, other {mem['other_bytes'] / 2**30:.2f} GiB)")
+    for plan, per in engine.capacity().items():
+        fits = ", ".join(f"{n // 1024}K: {v['sessions']}" for n, v in per.items())
+        lines.append(f"  sessions that fit under the {plan} plan: {fits or 'none (max_model_len)'}")
+    return "\n".join(lines)
 
 
 def default_method(llm) -> str:
