@@ -28,9 +28,10 @@ request = st.tuples(st.sampled_from(["dense", "headsparse", "full_reuse", "epic"
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(request, min_size=1, max_size=8), st.integers(60, 200))
-def test_admission_never_overcommits_and_every_page_comes_back(llm, mix, pages):
+@given(st.lists(request, min_size=1, max_size=8), st.integers(60, 200), st.booleans())
+def test_admission_never_overcommits_and_every_page_comes_back(llm, mix, pages, reserve):
     engine = llm.engine
+    engine.cfg.reserve_full_length = reserve  # reserved full lengths, or optimistic admission + preemption
     engine.resize_pool(pages * 4)  # 4 (layer, KV head) pairs: `pages` per head
     docs = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(12 + 5 * i)) for i in range(4)]
     seqs = []
@@ -56,6 +57,8 @@ def test_admission_never_overcommits_and_every_page_comes_back(llm, mix, pages):
     assert not engine.has_unfinished(), "the engine stopped making progress"
     for s in seqs:  # every admitted request finishes with all its tokens, none fails for want of pages
         assert s.error is None and len(s.output_token_ids) == s.params.max_tokens, (s.method, s.error)
+        assert s.num_preemptions == 0 or not reserve
+    assert engine._committed == 0
     engine.clear_caches()
     assert engine.pool.num_free_pages == total
 

@@ -262,11 +262,13 @@ class PagePool:
             s.table = np.concatenate(
                 [s.table, np.full(s.table.shape[:2] + (extra,), -1, np.int32)], axis=2)
 
-    def ensure(self, seq_id: int, new_len: int) -> None:
+    def ensure(self, seq_id: int, new_len: int, skip_dead: bool = False) -> None:
         """Give positions [length, new_len) a page in every (layer, head); length becomes new_len.
 
         All-or-nothing: raises PoolExhausted and changes nothing when pages run short.
         A shared page that would receive new tokens (the last, partial one) is copied first.
+        ``skip_dead``: leave out the pages `trim` would drop at new_len (for K/V computed elsewhere
+        and stored at once: a local head only gets its sink pages and the pages of its window).
         """
         s = self._seq(seq_id)
         old = s.length
@@ -282,6 +284,10 @@ class PagePool:
         self._grow(s, end)
         span = s.table[:, :, first:end]  # view
         missing = span == -1
+        if skip_dead:
+            lp = np.arange(first, end)
+            plan = s.plan
+            missing &= ~((lp >= plan.sink_pages[:, :, None]) & (lp < self._dead_end(new_len, plan)[:, :, None]))
         # Copy on write: the page holding position `old` is written this step; if another owner
         # shares it, this sequence gets a private copy.
         cow = np.zeros_like(missing)

@@ -36,7 +36,7 @@ from ..cache import PagePool, PoolExhausted
 from ..cache.chunk_cache import ChunkCache, ChunkPages
 from ..cache.chunk_store import chunk_key
 from ..cache.prefix_cache import PrefixCache
-from ..config import HeadConfig, SparseFFNConfig
+from ..config import GLOBAL_WINDOW, HeadConfig, SparseFFNConfig
 from ..models.config import ModelConfig
 from ..models.llama import LlamaForCausalLM
 from ..reuse.flops import FlopReport, visible_pairs
@@ -89,6 +89,11 @@ class EngineConfig:
     page_size: int = 64
     kv_pages: int | None = None  # None: sized from gpu_memory_utilization (GPU) / CPU_POOL_BYTES
     gpu_memory_utilization: float = 0.9
+    # Admit a request only when the pool holds every running request at its full length (no
+    # preemption unless sharing or EOS estimates are off); False admits on the first prompt
+    # chunk's pages and preempts when decode growth runs short (vLLM's optimistic admission:
+    # more requests at once when most stop well before max_tokens).
+    reserve_full_length: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -151,6 +156,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._committed = 0  # pages admission has promised the running requests (their full lengths)
         self._heads = L * hkv
         self.timings = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0}  # host seconds per phase
         self.memory = {"kv_pages": self.pool.num_pages, "kv_bytes": self.pool.num_pages * self.pool.bytes_per_page}
@@ -236,12 +242,24 @@ class Engine:
             need += per_head * self._heads
         return need
 
+    def _steady_pages(self, seq: Sequence) -> int:
+        """Pages the request holds at its full length (prompt + max_tokens) once decoding under
+        its plan: what admission commits for it, so running requests never outgrow the pool."""
+        return self.pool.peak_pages(len(seq.token_ids) + seq.params.max_tokens, 1, seq.plan)
+
+    def _headroom(self) -> int:
+        """Pages kept out of the commitments for what prefill holds only for a while: local heads'
+        pages of one token budget, stored before trim drops them (at most an eighth of the pool)."""
+        ps, budget = self.pool.page_size, self.cfg.max_num_batched_tokens
+        n_local = max(int((self.pool.window_sink(p)[0] < GLOBAL_WINDOW).sum()) for p in self.pool.plans)
+        return min(n_local * (-(-budget // ps) + 1), self.pool.num_pages // 8)
+
     def check_fits(self, seq: Sequence) -> None:
         n = len(seq.token_ids)
         if n + seq.params.max_tokens > self.max_model_len:
             raise RequestTooLarge(f"prompt ({n} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the "
                                   f"model's {self.max_model_len} (max_model_len)")
-        need = self.pages_for(seq)
+        need = max(self.pages_for(seq), self._steady_pages(seq) + self._headroom())
         if need > self.pool.num_pages:
             raise RequestTooLarge(f"the request needs {need} KV pages ({need * self.pool.bytes_per_page} bytes) "
                                   f"under plan {seq.plan!r}; the pool has {self.pool.num_pages}")
@@ -299,8 +317,6 @@ class Engine:
             try:
                 self._forward(plan, items, outputs)
             except Exception as e:  # a failing forward fails its requests, never the engine
-                if isinstance(e, torch.OutOfMemoryError) and self.device.type == "cuda":
-                    torch.cuda.empty_cache()
                 for s, _ in items:
                     self._fail(s, e, outputs)
         return outputs
@@ -311,6 +327,9 @@ class Engine:
             chunked = uses_chunks(seq.method) and not seq.reuse_done
             first = seq.chunked_prompt.suffix_start if seq.method in PLACED_METHODS and chunked else \
                 len(seq.token_ids) if chunked else min(seq.num_pending, budget)
+            steady = self._steady_pages(seq)
+            if self.cfg.reserve_full_length and self._committed + steady + self._headroom() > self.pool.num_pages:
+                break  # the running requests' full contexts leave no room for this one's yet
             need = self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
             if need > self.pool.num_free_pages:
                 self._reclaim(need - self.pool.num_free_pages)
@@ -335,6 +354,8 @@ class Engine:
             self.waiting.popleft()
             self.pool.add_sequence(seq.seq_id, seq.plan)
             self.running.append(seq)
+            seq.committed_pages = steady
+            self._committed += steady
             if chunked:
                 try:
                     if seq.method in PLACED_METHODS:
@@ -564,13 +585,14 @@ class Engine:
         self.last_prefill = result
         rec = result.recovered
         n = rec.k[0].shape[0]
-        self.pool.ensure(seq.seq_id, n)
+        self.pool.ensure(seq.seq_id, n, skip_dead=True)  # local heads get only the pages they still see
         self.pool.sync_device_tables()
         slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
         tables = self.pool.device_tables.index_select(1, slot)[:, 0]  # [L, Hkv, pages]
         cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
         for layer, (k, v) in enumerate(zip(rec.k, rec.v)):  # layer by layer: no second copy of the KV
             self.runner.attn.store(k, v, tables[layer:layer + 1], cu, cu[1:])
+        rec.k, rec.v = [], []  # the KV lives in the pool now; last_prefill keeps logits and FLOPs only
         self.pool.trim(seq.seq_id)
         seq.num_computed = n
         seq.reuse_done = True
@@ -636,13 +658,18 @@ class Engine:
         return out
 
     def _fail(self, seq: Sequence, error: Exception, outputs: list[StepOutput]) -> None:
-        seq.error = error
+        # without its traceback: the frames would keep the failed step's tensors alive
+        seq.error = error.with_traceback(None)
+        if isinstance(error, torch.OutOfMemoryError) and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         seq.finish_reason = "error"
         if seq in self.running:
             self._free(seq)
         outputs.append(StepOutput(seq))
 
     def _free(self, seq: Sequence) -> None:
+        self._committed -= seq.committed_pages
+        seq.committed_pages = 0
         if seq.seq_id in self.pool:
             seq.pages_at_finish = self.pool.pages_held(seq.seq_id)
             self.pool.free_sequence(seq.seq_id)

@@ -52,7 +52,7 @@ class LLM:
                  sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 cuda_graphs: bool = True, gpu_memory_utilization: float = 0.9):
+                 cuda_graphs: bool = True, gpu_memory_utilization: float = 0.9, reserve_full_length: bool = True):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
         that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE)."""
@@ -92,6 +92,7 @@ class LLM:
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                  enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
                                  chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                                 reserve_full_length=reserve_full_length,
                                  reuse_options=reuse_options))
         self.max_model_len = self.engine.max_model_len
         self.reuse = self.engine.reuse

@@ -38,6 +38,7 @@ class Sequence:
     prefill_start: int | None = None  # first prompt position the pool prefill computes
     recomputed: list[int] = field(default_factory=list)  # positions recomputed before it (epic)
     num_preemptions: int = 0
+    committed_pages: int = 0  # pages admission reserved for it while it runs
     pages_at_finish: int = 0  # pool pages it held when its pages were last freed
 
     def __post_init__(self):
