@@ -269,10 +269,12 @@ class Engine:
         self.check_method(seq.method)
         seq.plan = PLAN_OF[seq.method]
         self.check_fits(seq)
+        seq.prepared = True
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a request (prompt ids, params, method and chunked prompt already set)."""
-        self.prepare(seq)
+        if not seq.prepared:
+            self.prepare(seq)
         seq.detok = IncrementalDetokenizer(self.tokenizer, lazy=not (seq.stream or seq.params.stop))
         seq.arrival = time.perf_counter()
         self.waiting.append(seq)
