@@ -57,11 +57,9 @@ def chat_ids(tokenizer, messages):
 
 
 def wait_pool_free(llm, timeout=5.0) -> bool:
-    """Every page is free or held by the prefix cache (no request holds any)."""
-    pool, cache = llm.pool, llm.engine.prefix_cache
-
+    """Every page is free or held by the prefix and chunk caches (no request holds any)."""
     def idle():
-        return pool.num_free_pages + cache.num_pages() == pool.num_pages
+        return llm.engine.idle()
 
     deadline = time.time() + timeout
     while not idle() and time.time() < deadline:

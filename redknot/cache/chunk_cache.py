@@ -60,6 +60,11 @@ class ChunkCache:
     def num_pages(self) -> int:
         return self._pages
 
+    def page_ids(self) -> np.ndarray:
+        """Every page id the cache references, once."""
+        ids = [e.pages.ravel() for e in self._entries.values()]
+        return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int32)
+
     def stats(self) -> dict:
         return {"entries": len(self._entries), "pages": self._pages, "bytes": self._pages * self.pool.bytes_per_page,
                 "hits": self.hits, "misses": self.misses, "evictions": self.evictions}

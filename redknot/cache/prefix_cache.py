@@ -96,5 +96,10 @@ class PrefixCache:
         while self._blocks:
             self.pool.release(self._blocks.popitem()[1])
 
+    def page_ids(self) -> np.ndarray:
+        """Every page id the cache references (with repeats where blocks share none: unique)."""
+        ids = [p[p >= 0] for p in list(self._blocks.values())]
+        return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int32)
+
     def num_pages(self) -> int:
         return sum(int((p >= 0).sum()) for p in list(self._blocks.values()))

@@ -405,6 +405,12 @@ class Engine:
         """Pages the prefix and chunk caches reference (an upper bound on what evicting frees)."""
         return self.chunk_cache.num_pages() + (self.prefix_cache.num_pages() if self.prefix_cache else 0)
 
+    def idle(self) -> bool:
+        """No request holds a page: every page is free or referenced by the caches only."""
+        ids = [self.chunk_cache.page_ids()] + ([self.prefix_cache.page_ids()] if self.prefix_cache else [])
+        cached = np.unique(np.concatenate(ids)).size
+        return not self.has_unfinished() and self.pool.num_free_pages + cached == self.pool.num_pages
+
     def _reclaim(self, pages: int) -> int:
         """Free up to ``pages`` pages from the caches: cached prefixes first, then chunks (LRU)."""
         freed = self.prefix_cache.evict(pages) if self.prefix_cache is not None else 0
