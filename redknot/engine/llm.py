@@ -105,8 +105,10 @@ class LLM:
         return self.engine.last_prefill
 
     # ---- public API ---------------------------------------------------------------------------
-    def make_sequence(self, prompt, params: SamplingParams, documents=None, method: str | None = None) -> Sequence:
-        """Validate and tokenise one request; raises ValueError/TypeError on bad input."""
+    def make_sequence(self, prompt, params: SamplingParams, documents=None, method: str | None = None,
+                      cache_salt: str | None = None) -> Sequence:
+        """Validate and tokenise one request; raises ValueError/TypeError on bad input.
+        ``cache_salt`` names the cache namespace the request's content belongs to (``Sequence.cache_salt``)."""
         method = self.check_method(method or self.method)
         cp = None
         if documents is None and not is_conversation(prompt) and not prefills_through_reuse(method):
@@ -114,7 +116,7 @@ class LLM:
         else:  # the reuse engine needs the prompt's layout: prefix, documents, suffix
             cp = build_prompt(self.tokenizer, prompt, documents)
             ids = self._check_ids(cp.token_ids)
-        seq = Sequence(ids, params, method=method, chunked_prompt=cp)
+        seq = Sequence(ids, params, method=method, chunked_prompt=cp, cache_salt=cache_salt)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return seq
@@ -174,6 +176,26 @@ class LLM:
 
     def check_method(self, method: str) -> str:
         return self.engine.check_method(method)
+
+    def max_context(self, method: str | None = None) -> int:
+        """The most tokens (prompt + max_tokens) one request of ``method`` can ever hold: the
+        model's max_model_len, or less where the page pool is smaller than that under the
+        method's head plan."""
+        from .engine import PLAN_OF
+
+        plan = PLAN_OF[self.check_method(method or self.method)]
+        engine = self.engine
+        pool, chunk = engine.pool, engine.cfg.max_num_batched_tokens
+        if pool.peak_pages(engine.max_model_len, chunk, plan) <= pool.num_pages:
+            return engine.max_model_len
+        lo, hi = 0, engine.max_model_len  # peak_pages grows with the length: bisect the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if pool.peak_pages(mid, chunk, plan) <= pool.num_pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def prompt_ids(self, prompt, documents=None) -> list[int]:
         """The token ids a request's prompt (with its documents) is served as."""
