@@ -155,6 +155,8 @@ class AsyncLLMEngine:
                 self._aborts.clear()
             for req in aborts:
                 if self._live.pop(req.seq.seq_id, None) is not None:
+                    if req.seq in engine.waiting and req.seq.num_computed == 0:  # queued, never prefilled
+                        self.abandoned_before_prefill += 1
                     engine.abort(req.seq)
             for req in inbox:
                 if req.aborted or req.seq.abandoned:  # its client left while it was queued: never prefilled

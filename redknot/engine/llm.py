@@ -177,25 +177,37 @@ class LLM:
     def check_method(self, method: str) -> str:
         return self.engine.check_method(method)
 
-    def max_context(self, method: str | None = None) -> int:
-        """The most tokens (prompt + max_tokens) one request of ``method`` can ever hold: the
-        model's max_model_len, or less where the page pool is smaller than that under the
-        method's head plan."""
+    def context_limits(self, method: str | None = None) -> tuple[int, int]:
+        """(most tokens of prompt + max_tokens, most prompt tokens) one request of ``method`` can
+        ever hold: the model's max_model_len, or less where the page pool is smaller than that
+        under the method's head plan. The first bounds the request's pages at their largest
+        (``Engine.check_fits``), the second its admission, which wants the first prefill's pages
+        plus one page per head free (``Engine._admit``)."""
         from .engine import PLAN_OF
 
-        plan = PLAN_OF[self.check_method(method or self.method)]
-        engine = self.engine
+        method = self.check_method(method or self.method)
+        plan, engine = PLAN_OF[method], self.engine
         pool, chunk = engine.pool, engine.cfg.max_num_batched_tokens
-        if pool.peak_pages(engine.max_model_len, chunk, plan) <= pool.num_pages:
-            return engine.max_model_len
-        lo, hi = 0, engine.max_model_len  # peak_pages grows with the length: bisect the largest that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if pool.peak_pages(mid, chunk, plan) <= pool.num_pages:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        heads = self.config.num_hidden_layers * self.config.num_key_value_heads
+        whole = prefills_through_reuse(method)  # the reuse prefill stores the whole prompt at once
+
+        def largest(ok) -> int:  # ok grows false with the length: bisect the largest length it holds for
+            if ok(engine.max_model_len):
+                return engine.max_model_len
+            lo, hi = 0, engine.max_model_len
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+            return lo
+
+        total = largest(lambda n: pool.peak_pages(n, chunk, plan) <= pool.num_pages)
+        prompt = largest(lambda n: pool.pages_needed(n if whole else min(n, chunk), plan=plan).peak + heads
+                         <= pool.num_pages)
+        return total, min(prompt, total)
+
+    def max_context(self, method: str | None = None) -> int:
+        """The most tokens (prompt + max_tokens) any request of ``method`` can hold, however they split."""
+        return min(self.context_limits(method))
 
     def prompt_ids(self, prompt, documents=None) -> list[int]:
         """The token ids a request's prompt (with its documents) is served as."""

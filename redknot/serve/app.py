@@ -202,12 +202,16 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
             seq = llm.make_sequence(prompt, params, documents, req.method, cache_salt=salt)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="method" if "method" in str(e) else param) from None
+        total, most_prompt = llm.context_limits(seq.method)
+        if seq.num_prompt > most_prompt:  # it could never be admitted: 400, with the numbers
+            raise APIError(400, f"prompt has {seq.num_prompt} tokens; a {seq.method} request's prompt can have at "
+                                f"most {most_prompt} (KV pages and context)", param=param)
         if req.max_tokens is None:  # whatever the context has left, as vLLM does
-            room = llm.max_context(seq.method)
-            if seq.num_prompt >= room:
+            if seq.num_prompt >= total:
                 raise APIError(400, f"prompt has {seq.num_prompt} tokens; a {seq.method} request holds at most "
-                                    f"{room} with room for at least one generated token", param=param)
-            seq.params = replace(params, max_tokens=room - seq.num_prompt)
+                                    f"{total} tokens (KV pages and context) with room for at least one generated "
+                                    f"token", param=param)
+            seq.params = replace(params, max_tokens=total - seq.num_prompt)
         return seq
 
     async def tokenize(request: Request, req, prompt=None, documents=None):
