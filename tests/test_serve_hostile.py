@@ -402,3 +402,48 @@ def test_connections_past_the_cap_are_closed_at_once(server):
         except httpx.TransportError:
             time.sleep(0.1)
     assert httpx.get(f"{server.base}/health", timeout=1).status_code == 200
+
+
+# ---- the sampler itself --------------------------------------------------------------------------
+
+def test_sampler_rows_with_extreme_values_never_fail_or_change_their_neighbours():
+    """Any value SamplingParams accepts samples a valid token; greedy rows are the argmax whatever
+    shares their batch; a top_p that rounds to 0 in float32 keeps the top token."""
+    import torch
+    from hypothesis import given, settings, strategies as st
+
+    from redknot.engine.sampling import SamplingParams, sample
+
+    values = st.fixed_dictionaries({
+        "temperature": st.one_of(st.just(0.0), st.floats(min_value=1e-300, max_value=1e300)),
+        "top_p": st.one_of(st.just(1.0), st.floats(min_value=1e-300, max_value=1.0, exclude_min=False)),
+        "top_k": st.one_of(st.just(0), st.integers(min_value=-1, max_value=2 ** 62))})
+
+    @given(rows=st.lists(values, min_size=1, max_size=6), seed=st.integers(0, 2 ** 32))
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None)
+    def check(rows, seed):
+        torch.manual_seed(seed)
+        logits = torch.randn(len(rows) + 1, 50) * 30
+        params = [SamplingParams(max_tokens=1, **r) for r in rows] + [SamplingParams(max_tokens=1, temperature=0)]
+        tokens = sample(logits, params, [None] * len(params))
+        assert tokens.shape == (len(params),) and bool(((tokens >= 0) & (tokens < 50)).all())
+        top = logits.argmax(dim=-1)
+        for i, p in enumerate(params):
+            if p.greedy or (p.top_p < 1e-38 and p.top_k != 1) or p.top_k == 1:
+                assert tokens[i] == top[i], (p, i)
+
+    check()
+
+
+def test_sampler_tiny_top_p_and_huge_top_k():
+    """A top_p that is 0 in float32 used to drop every token (a NaN draw: token 0); a top_k past
+    int64 used to raise inside the batched sampler, failing every request in the batch."""
+    import torch
+
+    from redknot.engine.sampling import SamplingParams, sample
+
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
+    for top_p in (1e-300, 1e-45, 1e-40):
+        assert sample(logits[:1], [SamplingParams(temperature=1.0, top_p=top_p)], [None]).item() == 1
+    rows = [SamplingParams(temperature=1.0, top_k=10 ** 30, top_p=0.5), SamplingParams(temperature=0)]
+    assert sample(logits, rows, [None, None]).tolist() == [1, 0]
