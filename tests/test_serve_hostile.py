@@ -309,12 +309,18 @@ def test_stop_token_ids(server):
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == stop_at + 1
 
 
-def test_empty_documents_are_no_documents(server):
-    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "method": "dense"}
+def test_completions_without_documents_are_raw_prompts(server):
+    """/v1/completions with no documents (or an empty list) serves the prompt as it is, with every
+    method: the chat template is for /v1/chat/completions and for documents."""
+    body = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0, "method": "dense",
+            "ignore_eos": True}
+    raw = len(server.llm.tokenizer.encode(body["prompt"]))
     plain = server.http.post("/v1/completions", json=body).json()
-    empty = server.http.post("/v1/completions", json={**body, "documents": []}).json()
-    assert plain["usage"]["prompt_tokens"] == empty["usage"]["prompt_tokens"]
-    assert plain["choices"][0]["text"] == empty["choices"][0]["text"]
+    assert plain["usage"]["prompt_tokens"] == raw
+    for extra in ({"documents": []}, {"method": "full_reuse"}, {"method": "cacheblend", "documents": []}):
+        other = server.http.post("/v1/completions", json={**body, **extra}).json()
+        assert other["usage"]["prompt_tokens"] == raw, extra
+        assert other["choices"][0]["text"] == plain["choices"][0]["text"], extra
 
 
 def test_models_advertise_what_fits_and_larger_is_400_with_numbers(server):

@@ -194,9 +194,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
 
     def build_sequence(req, prompt, documents, salt):
         """Tokenise and check one request (in the tokenizer pool): the engine's Sequence."""
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if isinstance(req, ChatCompletionRequest):
             prompt, documents = _chat_prompt(llm, req)
-        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        elif documents is None and isinstance(prompt, str):  # a raw completion, whatever the method: no chat template
+            try:
+                prompt = llm.prompt_ids(prompt)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param=param) from None
         params = sampling_params(req, 1 if req.max_tokens is None else req.max_tokens)
         try:
             seq = llm.make_sequence(prompt, params, documents, req.method, cache_salt=salt)

@@ -17,6 +17,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
     p.add_argument("--kv-pages", type=int, default=None, help="SegPaged pool pages (default: from free memory)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per SegPaged page")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length to serve (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens one engine step computes at most; smaller prompt chunks let decoding requests "
+                        "run between the chunks of a long dense prefill")
+    p.add_argument("--chunk-store-bytes", type=int, default=4 << 30,
+                   help="device bytes of cached document KV (the chunk store; the prefix store gets as much)")
+    p.add_argument("--cpu-chunk-store-bytes", type=int, default=0,
+                   help="host bytes the chunk store spills to (default 0: no CPU tier)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model, or redknot-testbed)")
@@ -65,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
                           max_stop_string_chars=args.max_stop_string_chars, tokenizer_workers=args.tokenizer_workers)
 
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
-              dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size)
+              dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, chunk_store_bytes=args.chunk_store_bytes,
+              cpu_chunk_store_bytes=args.cpu_chunk_store_bytes)
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
     if args.cuda_graph_max_len > 0:
