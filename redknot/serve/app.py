@@ -130,7 +130,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
         # drop "body" and the union-branch tags pydantic puts in locations ("str", "list[int]")
         loc = [str(x) for x in err.get("loc", ()) if x != "body" and str(x) not in _TYPE_TAGS and "[" not in str(x)]
         if err.get("type") == "json_invalid":
-            return _error(400, "malformed JSON body")
+            detail = (err.get("ctx") or {}).get("error", "")
+            return _error(400, f"malformed JSON body: {detail}".rstrip(": "))
         msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
         param = ".".join(loc) or None
         if param is None and ": " in msg and msg.split(": ", 1)[0].isidentifier():  # "field: why" from a model check
