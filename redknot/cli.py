@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_config_make)
 
-    from .bench import decode as bench_decode, kernel, offline as bench_offline, profile_time, quality, serve as bench_serve, ttft
+    from .bench import capacity as bench_capacity, decode as bench_decode, kernel, offline as bench_offline, profile_time, quality, serve as bench_serve, ttft
     from .profile import cli as profile_cli
     from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli
@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
         (bsub, "serve", "concurrent streaming clients against redknot serve, per method", bench_serve),
         (bsub, "decode", "offline decode tok/s against the bandwidth bound, with HF eager (GPU)", bench_decode),
         (bsub, "offline", "LLM.generate against HF transformers' eager generate on the same prompts", bench_offline),
+        (bsub, "capacity", "long sessions one GPU serves at once per head plan, against the bound (GPU)",
+         bench_capacity),
         (bsub, "profile", "time the head profiler on a random-weight architecture (GPU)", profile_time),
         (sub, "serve", "OpenAI-compatible server with continuous batching", serve_cli),
         (sub, "profile", "classify every (layer, KV head) of a model and write a head config", profile_cli),

@@ -162,7 +162,8 @@ def test_end_to_end_json_and_gates(setup, capsys):
     longest = max(len(build_prompt(llm.tokenizer, r["question"], r["documents"]).token_ids)
                   for r in RECORDS)
     heads = llm.config.num_hidden_layers * llm.config.num_key_value_heads
-    assert heads * -(-(longest + 4) // 64) <= saved["kv_pages"] <= heads * (-(-(longest + 4) // 64) + 1)
+    # its context, and for the chunk methods the chunk pages it copies from
+    assert heads * -(-(longest + 4) // 64) <= saved["kv_pages"] <= 3 * heads * (-(-(longest + 4) // 64) + 1)
 
     table = capsys.readouterr().out
     for m in methods:

@@ -134,13 +134,18 @@ def test_preemption_keeps_greedy_tokens_and_returns_every_page(tiny_checkpoint):
     prompts = [f"Request {i}: " + LONG[: 60 + 40 * i] for i in range(5)]
     big = LLM(model=path, device="cpu", page_size=16, enable_prefix_caching=False)
     ref = [o.outputs[0].token_ids for o in big.generate(prompts, greedy(40))]
-    # room for about two requests at a time: decode growth forces preemptions
+    # room for about two requests at a time: with optimistic admission decode growth forces preemptions
     small = LLM(model=path, device="cpu", page_size=16, kv_pages=96, enable_prefix_caching=False,
-                max_num_batched_tokens=256)
+                max_num_batched_tokens=256, reserve_full_length=False)
     out = small.generate(prompts, greedy(40))
     assert small.engine.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in out] == ref
     assert small.pool.num_free_pages == small.pool.num_pages
+    # reserving every request's full length, the same pool runs them without a preemption
+    reserved = LLM(model=path, device="cpu", page_size=16, kv_pages=96, enable_prefix_caching=False,
+                   max_num_batched_tokens=256)
+    assert [o.outputs[0].token_ids for o in reserved.generate(prompts, greedy(40))] == ref
+    assert reserved.engine.num_preemptions == 0 and reserved.engine._committed == 0
 
 
 def test_a_request_larger_than_the_pool_is_refused_and_the_next_one_runs(tiny_checkpoint):

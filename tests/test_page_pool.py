@@ -287,3 +287,21 @@ def test_property_visible_pages_kept_dead_pages_freed(ps, L, H, data):
         check_pool(pool)  # kept == exactly the pages a query at p = n can see
     pool.free_sequence(0)
     assert pool.num_free_pages == pool.num_pages
+
+
+@pytest.mark.parametrize("n", [1, 5, 17, 40, 63])
+def test_ensure_skipping_dead_pages_holds_what_ensure_then_trim_holds(n):
+    window, sink = np.array([[G, 3], [9, 20]]), np.array([[0, 1], [4, 0]])
+    a = PagePool(200, 4, 8, window=window, sink=sink)
+    b = PagePool(200, 4, 8, window=window, sink=sink)
+    a.add_sequence(1)
+    a.ensure(1, n)
+    a.trim(1)
+    b.add_sequence(1)
+    b.ensure(1, n, skip_dead=True)
+    assert ((a.table(1) >= 0) == (b.table(1) >= 0)).all()
+    assert a.num_free_pages == b.num_free_pages
+    b.trim(1)
+    assert b.num_free_pages == a.num_free_pages  # nothing left for trim to drop
+    b.free_sequence(1)
+    assert b.num_free_pages == b.num_pages

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from redknot import LLM, HeadConfig, SamplingParams
+from redknot.cache import chunk_key
 from redknot.config import HeadConfigError, SparseFFNConfig
 from redknot.reuse.methods import RedKnot, chunk_ranked, rank_descending, select_tokens
 from redknot.reuse.prompt import build_prompt
@@ -47,22 +48,41 @@ def test_redknot_exact_equals_dense(tiny_checkpoint, family, kw):
     assert llm.generate(QUESTION, params, documents=DOCS, method="redknot_exact")[0].outputs[0].token_ids == ref
 
 
+def first(llm, method, docs=DOCS, question=QUESTION):
+    """One greedy token through the engine: (first-token logits, request metrics)."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+    out = llm.generate(question, params, documents=docs, method=method)[0]
+    return out.first_token_logits, out.metrics
+
+
 def test_full_reuse_of_a_single_document_equals_dense(llm):
+    llm.engine.clear_caches()
     dense = llm.first_token_logits(QUESTION, documents=DOCS[:1], method="dense")
-    # twice: cold (chunk computed now) and warm (served from the store)
-    for _ in range(2):
-        reused = llm.first_token_logits(QUESTION, documents=DOCS[:1], method="full_reuse")
+    prompt = build_prompt(llm.tokenizer, QUESTION, DOCS[:1])
+    # cold (the chunk is computed now: nothing was served from a cache) and warm (served from it)
+    for cached in (0, prompt.suffix_start):
+        reused, metrics = first(llm, "full_reuse", DOCS[:1])
         assert cos(reused, dense) >= 0.99999
-    assert llm.last_prefill.cached_tokens == len(build_prompt(llm.tokenizer, QUESTION, DOCS[:1]).token_ids) - \
-        len(build_prompt(llm.tokenizer, QUESTION, DOCS[:1]).suffix)
+        assert metrics["cached_tokens"] == cached
+
+
+def test_placed_chunks_equal_the_recovery_oracle(llm):
+    """full_reuse/epic copy relocated chunk KV into the request's pages and prefill the rest in
+    the pool; the recovery forward (ReuseEngine.prefill) computes the same thing its own way."""
+    prompt = build_prompt(llm.tokenizer, QUESTION, DOCS[::-1])
+    for method in ("full_reuse", "epic"):
+        logits, metrics = first(llm, method, DOCS[::-1])
+        oracle = llm.reuse.prefill(prompt, method).recovered
+        torch.testing.assert_close(logits, oracle.logits, rtol=1e-4, atol=1e-4)
+        assert metrics["flops"] == oracle.flops.totals()
 
 
 def test_documents_reused_in_another_order_are_relocated(llm):
     llm.first_token_logits(QUESTION, documents=DOCS, method="full_reuse")
-    hits = llm.chunk_store.stats()["hits"]
+    hits = llm.chunk_cache.stats()["hits"]
     swapped = [DOCS[2], DOCS[0], DOCS[1]]
     logits = llm.first_token_logits(QUESTION, documents=swapped, method="full_reuse")
-    assert llm.chunk_store.stats()["hits"] >= hits + 3  # every chunk served from the store
+    assert llm.chunk_cache.stats()["hits"] >= hits + 3  # every chunk served from the store
     assert torch.isfinite(logits).all()
     # the moved chunks carry keys rotated to their new offsets: the exact gate still holds
     exact = llm.first_token_logits(QUESTION, documents=swapped, method="redknot_exact")
@@ -70,13 +90,17 @@ def test_documents_reused_in_another_order_are_relocated(llm):
 
 
 def test_prefix_method_reuses_exact_prefixes(llm):
-    first = llm.first_token_logits(QUESTION, documents=DOCS, method="prefix")
-    assert llm.last_prefill.cached_tokens == 0
-    second = llm.first_token_logits("Question: where is the mill?", documents=DOCS, method="prefix")
-    prompt = build_prompt(llm.tokenizer, "Question: where is the mill?", DOCS)
-    assert llm.last_prefill.cached_tokens == prompt.suffix_start  # every chunk boundary was cached
-    dense = llm.first_token_logits("Question: where is the mill?", documents=DOCS, method="dense")
-    assert cos(second, dense) >= 0.99999 and torch.isfinite(first).all()
+    llm.engine.clear_caches()
+    first_logits, metrics = first(llm, "prefix")
+    assert metrics["cached_tokens"] == 0
+    question = "Question: where is the mill?"
+    second, metrics = first(llm, "prefix", question=question)
+    prompt = build_prompt(llm.tokenizer, question, DOCS)
+    ps = llm.pool.page_size
+    # every full page of the documents (and of the question's shared first words)
+    assert prompt.suffix_start // ps * ps <= metrics["cached_tokens"] < len(prompt.token_ids)
+    dense, _ = first(llm, "dense", question=question)
+    assert cos(second, dense) >= 0.99999 and torch.isfinite(first_logits).all()
 
 
 @pytest.mark.parametrize("method", ALL)
@@ -109,14 +133,10 @@ def test_generate_returns_the_first_token_logits_on_request(llm, method):
 
 
 def test_sparse_ffn_and_kv_reuse_execute_less(llm):
-    flops = {}
-    for m in ("dense", "redknot_exact", "redknot", "redknot_kv", "full_reuse", "epic", "cacheblend"):
-        llm.first_token_logits(QUESTION, documents=DOCS, method=m if m != "dense" else "redknot_exact")
-        if m == "dense":
-            continue
-        flops[m] = llm.last_prefill.recovered.flops
-    exact, rk, rkv = flops["redknot_exact"], flops["redknot"], flops["redknot_kv"]
     prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    flops = {m: llm.reuse.prefill(prompt, m).recovered.flops
+             for m in ("redknot_exact", "redknot", "redknot_kv", "full_reuse", "epic", "cacheblend")}
+    exact, rk, rkv = flops["redknot_exact"], flops["redknot"], flops["redknot_kv"]
     first = len(prompt.chunks[0])  # its cache is exact: redknot leaves it out, redknot_exact does not
     assert rk.ffn_tokens[0] == exact.ffn_tokens[0] - first  # dense_until=1: layer 0 runs the dense FFN
     assert sum(rk.ffn) < sum(exact.ffn)  # deeper layers: sparse FFN
@@ -146,10 +166,11 @@ def test_chunks_never_cross_models(tiny_checkpoint):
     b = make_llm(tiny_checkpoint("llama", num_hidden_layers=3, seed=5))
     assert a.fingerprint != b.fingerprint
     a.first_token_logits(QUESTION, documents=DOCS[:1], method="full_reuse")
-    b.reuse.store = a.chunk_store  # hand B the store A filled: it must not find A's entries
-    misses = a.chunk_store.stats()["misses"]
+    prompt = build_prompt(a.tokenizer, QUESTION, DOCS[:1])
+    # the same chunk under B's fingerprint is another key: B can never read A's entry
+    assert chunk_key(a.fingerprint, prompt.prefix, prompt.chunks[0]) in a.chunk_cache
+    assert chunk_key(b.fingerprint, prompt.prefix, prompt.chunks[0]) not in a.chunk_cache
     reused = b.first_token_logits(QUESTION, documents=DOCS[:1], method="full_reuse")
-    assert a.chunk_store.stats()["misses"] > misses
     dense = b.first_token_logits(QUESTION, documents=DOCS[:1], method="dense")
     assert cos(reused, dense) >= 0.99999
 

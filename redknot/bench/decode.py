@@ -217,7 +217,7 @@ def run(args) -> dict:
         pages = max(b * heads * (-(-(n + args.tokens + 8) // 64) + 1) for b, n in cases)
         llm = LLM(model=cfg, head_config=head, device=dev, dtype=dtype, kv_pages=pages, max_num_seqs=max(b for b, _ in cases),
                   max_model_len=arch["max_position_embeddings"], enable_prefix_caching=False,
-                  cuda_graphs=not args.no_cuda_graphs, chunk_store_bytes=0)
+                  cuda_graphs=not args.no_cuda_graphs, chunk_cache_bytes=0)
         _fill_random(llm.pool)
         weights = _weight_bytes(llm.model)
         result["weight_bytes"] = weights

@@ -316,8 +316,7 @@ def rescore(results_path: str | Path, records: list[dict]) -> dict:
 
 
 def run(args) -> dict:
-    from ..engine import LLM
-    from ..reuse.prompt import build_prompt
+    from ..engine import LLM, SamplingParams
     from ..testbed import model_path
 
     if args.rescore:  # no model
@@ -344,12 +343,12 @@ def run(args) -> dict:
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
               dtype=args.dtype, reuse_options=ReuseOptions(shallow_suffix=args.shallow_suffix,
                                                    shallow_window=args.shallow_window))
-    # One request at a time: a page pool for the longest record (+1 page per head for copy on write),
-    # not the serving default of half the free GPU memory, so harness processes can share a device.
-    longest = max(len(build_prompt(llm.tokenizer, r["question"], r["documents"]).token_ids) for r in records)
-    cfg = llm.config
-    pages_per_head = -(-(longest + args.max_tokens) // llm.pool.page_size) + 1
-    kv_pages = cfg.num_hidden_layers * cfg.num_key_value_heads * pages_per_head
+    # One request at a time: a page pool for the largest request (its context, and for chunk
+    # methods the cached chunks it copies from), not the serving default share of GPU memory, so
+    # harness processes can share a device.
+    params = SamplingParams(max_tokens=args.max_tokens)
+    kv_pages = max(llm.engine.pages_for(llm.make_sequence(r["question"], params, r["documents"], m))
+                   for r in records for m in methods)
     llm.engine.resize_pool(kv_pages)
     meta = {
         "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,

@@ -184,6 +184,15 @@ class PagePool:
         self._ref[pages] = 1
         return pages
 
+    def allocate(self, n: int) -> np.ndarray:
+        """Take ``n`` free pages (one reference each) for an owner outside any sequence, e.g. the
+        chunk cache; they count as global-head pages. Raises PoolExhausted, taking nothing."""
+        if n > self._nfree:
+            raise PoolExhausted(f"{n} pages wanted, only {self._nfree} of {self.num_pages} free")
+        pages = self._alloc(n)
+        self._global_page[pages] = True
+        return pages
+
     def retain(self, pages) -> None:
         """Take one more reference on each page (>= 0 entries), e.g. a chunk store keeping them."""
         pages = np.asarray(pages, dtype=np.int64).reshape(-1)
@@ -253,11 +262,13 @@ class PagePool:
             s.table = np.concatenate(
                 [s.table, np.full(s.table.shape[:2] + (extra,), -1, np.int32)], axis=2)
 
-    def ensure(self, seq_id: int, new_len: int) -> None:
+    def ensure(self, seq_id: int, new_len: int, skip_dead: bool = False) -> None:
         """Give positions [length, new_len) a page in every (layer, head); length becomes new_len.
 
         All-or-nothing: raises PoolExhausted and changes nothing when pages run short.
         A shared page that would receive new tokens (the last, partial one) is copied first.
+        ``skip_dead``: leave out the pages `trim` would drop at new_len (for K/V computed elsewhere
+        and stored at once: a local head only gets its sink pages and the pages of its window).
         """
         s = self._seq(seq_id)
         old = s.length
@@ -273,6 +284,10 @@ class PagePool:
         self._grow(s, end)
         span = s.table[:, :, first:end]  # view
         missing = span == -1
+        if skip_dead:
+            lp = np.arange(first, end)
+            plan = s.plan
+            missing &= ~((lp >= plan.sink_pages[:, :, None]) & (lp < self._dead_end(new_len, plan)[:, :, None]))
         # Copy on write: the page holding position `old` is written this step; if another owner
         # shares it, this sequence gets a private copy.
         cow = np.zeros_like(missing)

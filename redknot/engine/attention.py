@@ -38,6 +38,12 @@ class PagedAttention:
         return self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
                             ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len)
 
+    def store(self, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor,
+              seq_lens: torch.Tensor) -> None:
+        """Write K/V [T, Hkv, D] of packed rows (row b: the tokens ending at ``seq_lens[b]``) into
+        the pages of ``block_tables`` [B, Hkv, pages]; -1 pages are skipped."""
+        self._store(k, v, self.pool.k_pages, self.pool.v_pages, block_tables, cu_seqlens, seq_lens)
+
     def _decode_torch(self, layer, q, k, v, ctx):
         """Decode on the CPU: every layer's store slots and visibility masks are built once per
         step (``reference.decode_layout``), so a layer costs a store and one batched attention."""

@@ -5,8 +5,12 @@ methods under the all-global head plan, ``headsparse``/``redknot``/``redknot_kv`
 model's head config. A step
 
 1. admits waiting requests while sequence slots and pages allow (FIFO), mapping the longest
-   cached prompt prefix's pages into each (automatic prefix caching) and running the reuse
-   prefill of chunk-reuse methods;
+   cached prompt prefix's pages into each (automatic prefix caching). Chunk-reuse methods first
+   have every document they name in the chunk cache (missing ones are prefilled at their
+   canonical positions, batched, as short-lived pool sequences whose pages the cache keeps);
+   ``full_reuse``/``epic`` then copy the chunks' KV, keys relocated, into the request's pages
+   (``epic`` recomputes each chunk's first tokens) and leave the question to the batched
+   prefill; the head-aware recovery methods run the reuse engine's recovery forward;
 2. schedules one token for every decoding sequence and prompt chunks of prefilling ones under
    the token budget (chunked prefill mixed with decode);
 3. makes room: pages for every scheduled token, evicting cached prefixes first and preempting
@@ -25,13 +29,17 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from ..cache import ChunkStore, PagePool, PoolExhausted
+from ..cache import PagePool, PoolExhausted
+from ..cache.chunk_cache import ChunkCache, ChunkPages
+from ..cache.chunk_store import chunk_key
 from ..cache.prefix_cache import PrefixCache
-from ..config import HeadConfig, SparseFFNConfig
+from ..config import GLOBAL_WINDOW, HeadConfig, SparseFFNConfig
 from ..models.config import ModelConfig
 from ..models.llama import LlamaForCausalLM
+from ..reuse.flops import FlopReport, visible_pairs
 from ..reuse.methods import REUSE_METHODS, ReuseEngine, ReuseOptions
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
@@ -42,14 +50,34 @@ METHODS = ("dense", "headsparse") + tuple(m for m in REUSE_METHODS if m != "dens
 # The head plan each method's KV lives under in the pool.
 PLAN_OF = {m: "headsparse" if m in ("headsparse", "redknot", "redknot_kv") else "dense" for m in METHODS}
 
-# Default pool size when none is given: this share of free GPU memory, or this many bytes on CPU.
-GPU_POOL_FRACTION = 0.7
+# Default pool size when none is given: on a GPU, what is left of gpu_memory_utilization x the
+# device's memory once weights, the activations of the largest step (measured) and the CUDA-graph
+# reserve are counted (vLLM's rule); on the CPU this many bytes.
 CPU_POOL_BYTES = 256 << 20
+GRAPH_RESERVE_BYTES = 1 << 30
+
+
+# Chunk KV copied (relocated) into the request's pages; the rest of the prompt prefills in the pool.
+PLACED_METHODS = ("full_reuse", "epic")
+# Prefilled by the reuse engine's recovery forward over the cached chunks.
+RECOVERY_METHODS = ("cacheblend", "redknot", "redknot_kv", "redknot_exact")
+# Pool sequences set aside for prefilling missing chunks (beside max_num_seqs requests).
+CHUNK_SLOTS = 32
 
 
 def prefills_through_reuse(method: str) -> bool:
     """Methods whose prefill is the reuse engine's recovery (the others prefill in the pool)."""
-    return method in REUSE_METHODS and method != "dense"
+    return method in RECOVERY_METHODS
+
+
+def uses_chunks(method: str) -> bool:
+    """Methods that read document KV from the chunk cache."""
+    return method in PLACED_METHODS or method in RECOVERY_METHODS
+
+
+def _pages_of(entries: dict) -> np.ndarray:
+    """Every page id of a set of chunk entries (one entry per reference)."""
+    return np.concatenate([e.pages.ravel() for e in entries.values()] + [np.zeros(0, np.int32)])
 
 
 class RequestTooLarge(ValueError):
@@ -59,15 +87,20 @@ class RequestTooLarge(ValueError):
 @dataclass
 class EngineConfig:
     page_size: int = 64
-    kv_pages: int | None = None  # None: GPU_POOL_FRACTION of free memory / CPU_POOL_BYTES
+    kv_pages: int | None = None  # None: sized from gpu_memory_utilization (GPU) / CPU_POOL_BYTES
+    gpu_memory_utilization: float = 0.9
+    # Admit a request only when the pool holds every running request at its full length (no
+    # preemption unless sharing or EOS estimates are off); False admits on the first prompt
+    # chunk's pages and preempts when decode growth runs short (vLLM's optimistic admission:
+    # more requests at once when most stop well before max_tokens).
+    reserve_full_length: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
     kernel: str = "auto"  # "triton" on CUDA, "torch" (the reference) on CPU
-    chunk_store_bytes: int = 4 << 30
-    cpu_chunk_store_bytes: int = 0
+    chunk_cache_bytes: int | None = None  # cap on the pool bytes cached chunks hold (None: the pool)
     reuse_options: ReuseOptions | None = None
 
 
@@ -93,34 +126,99 @@ class Engine:
         plans = {"dense": HeadConfig.all_global(L, hkv)}
         if head_config is not None:
             plans["headsparse"] = head_config
+        if not 0 < cfg.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
         num_pages = cfg.kv_pages
         page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
-        if num_pages is None:
-            budget = (torch.cuda.mem_get_info(device)[0] * GPU_POOL_FRACTION if device.type == "cuda"
-                      else CPU_POOL_BYTES)
-            num_pages = max(int(budget // page_bytes), 1)
+        profile = num_pages is None and device.type == "cuda"
+        if profile:  # a pool for one largest step, measured below and then resized
+            num_pages = L * hkv * (-(-cfg.max_num_batched_tokens // cfg.page_size) + 1)
+        elif num_pages is None:
+            num_pages = max(int(CPU_POOL_BYTES // page_bytes), 1)
         vis = {name: plan.visibility(model_windows=config.sliding_windows) for name, plan in plans.items()}
         self.pool = PagePool(num_pages, cfg.page_size, config.head_dim, *vis["dense"], dtype=self.dtype,
                              device=device)
         self.pool.add_plan("dense", *vis["dense"])
         if "headsparse" in vis:
             self.pool.add_plan("headsparse", *vis["headsparse"])
-        self.pool.attach_device_tables(cfg.max_num_seqs, self.max_model_len)
+        self.pool.attach_device_tables(cfg.max_num_seqs + CHUNK_SLOTS, self.max_model_len)
         plan_tensors = {name: (torch.as_tensor(w, dtype=torch.int32).to(device),
                                torch.as_tensor(s, dtype=torch.int32).to(device)) for name, (w, s) in vis.items()}
         self.runner = ModelRunner(model, self.pool, plan_tensors, cfg.max_num_seqs, cfg.cuda_graphs, cfg.kernel)
         self.prefix_cache = PrefixCache(self.pool, fingerprint) if cfg.enable_prefix_caching else None
-        self.chunk_store = ChunkStore(fingerprint, cfg.chunk_store_bytes, cfg.cpu_chunk_store_bytes, device)
-        self.prefix_store = ChunkStore(fingerprint, cfg.chunk_store_bytes, 0, device)
-        self.reuse = ReuseEngine(model, config, fingerprint, head_config, sparse_ffn, self.chunk_store,
-                                 self.prefix_store, device, cfg.reuse_options)
+        self.fingerprint = fingerprint
+        self.chunk_cache = ChunkCache(self.pool, fingerprint, cfg.chunk_cache_bytes)
+        self.reuse = ReuseEngine(model, config, fingerprint, head_config, sparse_ffn, self.chunk_cache,
+                                 self.chunk_cache, device, cfg.reuse_options)
+        self._chunk_seq_ids = iter(range(-1, -(1 << 62), -1))  # pool ids of chunk prefills
         self.last_prefill = None  # what the last reuse prefill executed (PrefillResult)
         self.max_num_seqs = cfg.max_num_seqs  # a front may lower it (never above the slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._committed = 0  # pages admission has promised the running requests (their full lengths)
         self._heads = L * hkv
         self.timings = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0}  # host seconds per phase
+        self.memory = {"kv_pages": self.pool.num_pages, "kv_bytes": self.pool.num_pages * self.pool.bytes_per_page}
+        if profile:
+            self._size_pool_from_memory()
+
+    def _size_pool_from_memory(self) -> None:
+        """Run the largest prefill step once (random token ids), measure its activation peak, and
+        give the pages what is left of gpu_memory_utilization x the device's memory after the
+        weights, everything else on the device, that peak and the CUDA-graph reserve."""
+        dev = self.device
+        tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        sid = next(self._chunk_seq_ids)
+        self.pool.add_sequence(sid, "dense")
+        try:
+            self.pool.ensure(sid, tokens)
+            ids = torch.randint(0, self.config.vocab_size, (tokens,)).tolist()
+            self.runner.forward("dense", [sid], [ids], [0])
+            torch.cuda.synchronize(dev)
+        finally:
+            self.pool.free_sequence(sid)
+        activations = torch.cuda.max_memory_allocated(dev) - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(dev)
+        pool_bytes = self.pool.num_pages * self.pool.bytes_per_page
+        cached_free = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        others = total - free - cached_free - pool_bytes  # weights, buffers, context, other processes
+        graphs = GRAPH_RESERVE_BYTES if self.runner.cuda_graphs else 0
+        budget = total * self.cfg.gpu_memory_utilization - others - activations - graphs
+        num_pages = int(budget // self.pool.bytes_per_page)
+        if num_pages < self.pool.num_pages:
+            raise RuntimeError(
+                f"gpu_memory_utilization={self.cfg.gpu_memory_utilization} leaves {max(budget, 0) / 2**30:.2f} GiB "
+                f"for KV pages after {others / 2**30:.2f} GiB in use and {activations / 2**30:.2f} GiB of "
+                f"activations: not even one {tokens}-token step fits; raise it or lower max_num_batched_tokens")
+        self.resize_pool(num_pages)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.memory = {"gpu_memory_utilization": self.cfg.gpu_memory_utilization, "total_bytes": total,
+                       "weights_bytes": weights, "other_bytes": others - weights, "activation_bytes": activations,
+                       "graph_reserve_bytes": graphs, "kv_pages": num_pages,
+                       "kv_bytes": num_pages * self.pool.bytes_per_page}
+
+    def capacity(self, lengths=(8192, 32768, 131072), new_tokens: int = 256) -> dict:
+        """Sessions of each context length (prompt + ``new_tokens``) the whole pool holds at
+        once, per head plan: the analytic bound admission works against."""
+        out = {}
+        for plan in self.pool.plans:
+            if plan == "default":
+                continue
+            per = {}
+            for n in lengths:
+                if n + new_tokens > self.max_model_len:
+                    continue
+                pages = self.pool.peak_pages(n + new_tokens, 1, plan)
+                per[n] = {"pages_per_session": pages, "bytes_per_session": pages * self.pool.bytes_per_page,
+                          "sessions": self.pool.num_pages // pages}
+            out[plan] = per
+        return out
 
     # ------------------------------------------------------------------ requests
 
@@ -132,17 +230,36 @@ class Engine:
         return method
 
     def pages_for(self, seq: Sequence) -> int:
-        """Pages the request holds at its largest: its whole context under its plan, and while a
-        prompt chunk is stored, that chunk's pages for every head."""
+        """Pages the request needs at its largest: its whole context under its plan, and while a
+        prompt chunk is stored, that chunk's pages for every head; a chunk-reuse request also holds
+        its chunks' cached pages (and one chunk prefill's prefix pages) while they are copied in."""
         total = len(seq.token_ids) + seq.params.max_tokens
-        return self.pool.peak_pages(total, self.cfg.max_num_batched_tokens, seq.plan)
+        need = self.pool.peak_pages(total, self.cfg.max_num_batched_tokens, seq.plan)
+        if uses_chunks(seq.method) and seq.chunked_prompt is not None:
+            ps, cp = self.pool.page_size, seq.chunked_prompt
+            p = len(cp.prefix)
+            per_head = sum(-(-(p % ps + len(c)) // ps) for c in cp.chunks) + 2 * (-(-p // ps)) + 1
+            need += per_head * self._heads
+        return need
+
+    def _steady_pages(self, seq: Sequence) -> int:
+        """Pages the request holds at its full length (prompt + max_tokens) once decoding under
+        its plan: what admission commits for it, so running requests never outgrow the pool."""
+        return self.pool.peak_pages(len(seq.token_ids) + seq.params.max_tokens, 1, seq.plan)
+
+    def _headroom(self) -> int:
+        """Pages kept out of the commitments for what prefill holds only for a while: local heads'
+        pages of one token budget, stored before trim drops them (at most an eighth of the pool)."""
+        ps, budget = self.pool.page_size, self.cfg.max_num_batched_tokens
+        n_local = max(int((self.pool.window_sink(p)[0] < GLOBAL_WINDOW).sum()) for p in self.pool.plans)
+        return min(n_local * (-(-budget // ps) + 1), self.pool.num_pages // 8)
 
     def check_fits(self, seq: Sequence) -> None:
         n = len(seq.token_ids)
         if n + seq.params.max_tokens > self.max_model_len:
             raise RequestTooLarge(f"prompt ({n} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the "
                                   f"model's {self.max_model_len} (max_model_len)")
-        need = self.pages_for(seq)
+        need = max(self.pages_for(seq), self._steady_pages(seq) + self._headroom())
         if need > self.pool.num_pages:
             raise RequestTooLarge(f"the request needs {need} KV pages ({need * self.pool.bytes_per_page} bytes) "
                                   f"under plan {seq.plan!r}; the pool has {self.pool.num_pages}")
@@ -200,8 +317,6 @@ class Engine:
             try:
                 self._forward(plan, items, outputs)
             except Exception as e:  # a failing forward fails its requests, never the engine
-                if isinstance(e, torch.OutOfMemoryError) and self.device.type == "cuda":
-                    torch.cuda.empty_cache()
                 for s, _ in items:
                     self._fail(s, e, outputs)
         return outputs
@@ -209,31 +324,163 @@ class Engine:
     def _admit(self, budget: int, prefill: list[Sequence], outputs: list[StepOutput]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            reuse = prefills_through_reuse(seq.method) and not seq.reuse_done
-            first = len(seq.token_ids) if reuse else min(seq.num_pending, budget)
+            chunked = uses_chunks(seq.method) and not seq.reuse_done
+            first = seq.chunked_prompt.suffix_start if seq.method in PLACED_METHODS and chunked else \
+                len(seq.token_ids) if chunked else min(seq.num_pending, budget)
+            steady = self._steady_pages(seq)
+            if self.cfg.reserve_full_length and self._committed + steady + self._headroom() > self.pool.num_pages:
+                break  # the running requests' full contexts leave no room for this one's yet
             need = self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
-            if need > self.pool.num_free_pages and self.prefix_cache is not None:
-                self.prefix_cache.evict(need - self.pool.num_free_pages)
             if need > self.pool.num_free_pages:
+                self._reclaim(need - self.pool.num_free_pages)
+            if need > self.pool.num_free_pages:
+                if self._cannot_wait(seq, outputs):
+                    continue
                 break  # wait for pages (FIFO: nobody overtakes)
+            pinned = None
+            if chunked:
+                try:
+                    pinned, computed = self._ensure_chunks(seq, need)
+                except PoolExhausted:
+                    if self._cannot_wait(seq, outputs):
+                        continue
+                    break  # its missing chunks do not fit beside the running requests yet
+                except Exception as e:
+                    self.waiting.popleft()
+                    self.running.append(seq)
+                    self._fail(seq, e, outputs)
+                    continue
+                budget -= computed
             self.waiting.popleft()
             self.pool.add_sequence(seq.seq_id, seq.plan)
             self.running.append(seq)
-            if reuse:
+            seq.committed_pages = steady
+            self._committed += steady
+            if chunked:
                 try:
-                    self._reuse_prefill(seq, outputs)
+                    if seq.method in PLACED_METHODS:
+                        self._place_chunks(seq, pinned)
+                    else:
+                        self._reuse_prefill(seq, outputs)
+                        budget -= len(seq.token_ids)
                 except Exception as e:
                     self._fail(seq, e, outputs)
-                budget -= len(seq.token_ids)
-                continue
-            if self.prefix_cache is not None and seq.num_computed == 0:
+                finally:
+                    self.pool.release(_pages_of(pinned))
+                if seq.method not in PLACED_METHODS or seq.finished:
+                    continue
+            elif self.prefix_cache is not None and seq.num_computed == 0:
                 n, table = self.prefix_cache.match(seq.plan, seq.token_ids, len(seq.token_ids) - 1)
                 if n:
                     self.pool.share(seq.seq_id, table, n)
                     seq.num_computed = n
                     seq.cached_tokens = max(seq.cached_tokens, n)
+            if seq.prefill_start is None:
+                seq.prefill_start = seq.num_computed
             prefill.append(seq)
         return budget
+
+    def _cannot_wait(self, seq: Sequence, outputs: list[StepOutput]) -> bool:
+        """With nothing running and the caches empty, no page will ever come back: fail the
+        request at the head of the queue (``check_fits`` refuses such requests up front; this
+        keeps the engine from waiting forever should a request slip through)."""
+        if self.running:
+            return False
+        if self._reclaim(self.pool.num_pages):
+            return False  # cached pages came back: the next step tries again
+        self.waiting.popleft()
+        self._fail(seq, RequestTooLarge(f"the request does not fit the empty pool of {self.pool.num_pages} "
+                                        f"pages"), outputs)
+        return True
+
+    def _reclaim(self, pages: int) -> int:
+        """Free up to ``pages`` pages from the caches: cached prefixes first, then chunks (LRU)."""
+        freed = self.prefix_cache.evict(pages) if self.prefix_cache is not None else 0
+        if freed < pages:
+            freed += self.chunk_cache.evict(pages - freed)
+        return freed
+
+    # ------------------------------------------------------------------ chunks
+
+    def _chunk_specs(self, seq: Sequence) -> list[tuple[str, tuple, int]]:
+        """(key, canonical tokens, start) of the prompt prefix (computed alone) and of each chunk
+        (computed after the prefix, at its canonical position)."""
+        cp = seq.chunked_prompt
+        prefix = tuple(cp.prefix)
+        specs = [(chunk_key(self.fingerprint, (), prefix), prefix, 0)] if prefix else []
+        specs += [(chunk_key(self.fingerprint, prefix, ids), prefix + tuple(ids), len(prefix)) for ids in cp.chunks]
+        return specs
+
+    def _ensure_chunks(self, seq: Sequence, reserve: int) -> tuple[dict, int]:
+        """Put every chunk the request names into the chunk cache, prefilling the missing ones in
+        batches; the entries' pages are pinned (one reference each) until the caller releases
+        them. ``reserve`` pages must stay free for the request itself. Returns (key -> entry,
+        tokens computed). Raises PoolExhausted, keeping what it cached, when pages run short."""
+        specs = self._chunk_specs(seq)
+        entries, missing = {}, {}
+        for key, tokens, start in specs:
+            if key in entries or key in missing:
+                continue
+            entry = self.chunk_cache.lookup(key)
+            if entry is None:
+                missing[key] = (tokens, start)
+            else:
+                entries[key] = entry
+        self.pool.retain(_pages_of(entries))
+        try:
+            computed = self._prefill_chunks(list(missing.items()), reserve, entries)
+        except BaseException:
+            self.pool.release(_pages_of(entries))
+            raise
+        seq.fresh_chunk_tokens = sum(len(t) - s for t, s in missing.values())
+        return entries, computed
+
+    def _prefill_chunks(self, missing: list, reserve: int, entries: dict) -> int:
+        """Prefill chunks at their canonical positions as short-lived dense pool sequences (from
+        any cached prefix), CHUNK_SLOTS and one token budget at a time; the chunk cache keeps
+        their pages. Adds each pinned entry to ``entries``; returns tokens computed."""
+        computed = 0
+        while missing:
+            group, tokens = [], 0
+            while missing and len(group) < CHUNK_SLOTS and (not group or tokens + len(missing[0][1][0])
+                                                            <= self.cfg.max_num_batched_tokens):
+                group.append(missing.pop(0))
+                tokens += len(group[-1][1][0])
+            ids, cached = [], []
+            try:
+                for key, (toks, start) in group:
+                    sid = next(self._chunk_seq_ids)
+                    self.pool.add_sequence(sid, "dense")
+                    ids.append(sid)
+                    m = 0
+                    if self.prefix_cache is not None:
+                        m, table = self.prefix_cache.match("dense", toks, len(toks) - 1)
+                        if m:
+                            self.pool.share(sid, table, m)
+                    cached.append(m)
+                    need = self.pool.pages_needed(len(toks), m).peak + reserve
+                    if need > self.pool.num_free_pages:
+                        self._reclaim(need - self.pool.num_free_pages)
+                    if need > self.pool.num_free_pages:
+                        raise PoolExhausted(f"a chunk prefill needs {need} pages, {self.pool.num_free_pages} are free")
+                    self.pool.ensure(sid, len(toks))
+                self.runner.forward("dense", ids, [g[1][0][m:] for g, m in zip(group, cached)], cached)
+                computed += sum(len(g[1][0]) - m for g, m in zip(group, cached))
+                ps = self.pool.page_size
+                for sid, (key, (toks, start)) in zip(ids, group):
+                    table = self.pool.table(sid)
+                    if self.prefix_cache is not None:
+                        self.prefix_cache.insert("dense", toks, table)
+                    pages = table[:, :, start // ps:-(-len(toks) // ps)]
+                    self.chunk_cache.insert(key, toks[start:], start, pages, start % ps)
+                    # pinned for this request (also when the cache is capped below its size)
+                    entries[key] = self.chunk_cache.peek(key) or ChunkPages(tuple(toks[start:]), start, pages.copy(),
+                                                                            start % ps)
+                    self.pool.retain(entries[key].pages)
+            finally:
+                for sid in ids:
+                    self.pool.free_sequence(sid)
+        return computed
 
     def _make_room(self, batch: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Ensure pages for every scheduled token; evict cached prefixes, then preempt the newest
@@ -249,7 +496,7 @@ class Engine:
                     break
                 except PoolExhausted:
                     need = self.pool.pages_needed(s.num_computed + n, self.pool.length(s.seq_id), s.plan).peak
-                    if self.prefix_cache is not None and self.prefix_cache.evict(need):
+                    if self._reclaim(need):
                         continue
                     victim = next((v for v in reversed(self.running) if v is not s), None)
                     if victim is None:
@@ -266,6 +513,7 @@ class Engine:
         self._free(seq)
         seq.num_computed = 0
         seq.reuse_done = True  # its re-prefill runs in the pool, not through the reuse engine
+        seq.exact_kv = True
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -280,36 +528,90 @@ class Engine:
         for i, (s, n) in enumerate(items):
             s.num_computed += n
             self.pool.trim(s.seq_id)
-            if n > 1 and self.prefix_cache is not None:
+            if n > 1 and self.prefix_cache is not None and s.exact_kv:
                 m = min(s.num_computed, s.num_prompt)
                 self.prefix_cache.insert(plan, s.token_ids[:m], self.pool.table(s.seq_id))
             if s.num_pending == 0:
                 done.append(i)
+                if s.flops is None and s.prefill_start is not None:
+                    s.flops = self._prefill_flops(s)
         if not done:
             return
         rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device)]
         seqs = [items[i][0] for i in done]
         self._sample(seqs, rows, outputs)
 
+    def _place_chunks(self, seq: Sequence, entries: dict) -> None:
+        """Copy the prompt prefix's and every chunk's cached KV into the request's own pages, keys
+        rotated from the chunk's canonical position to where it sits (one store per piece, all
+        layers at once); ``epic`` then recomputes each chunk's first tokens in place. The rest of
+        the prompt (the question) is left to the batched prefill."""
+        cp = seq.chunked_prompt
+        end = cp.suffix_start
+        self.pool.ensure(seq.seq_id, end)
+        self.pool.sync_device_tables()
+        slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
+        tables = self.pool.device_tables.index_select(1, slot)[:, 0]  # [L, Hkv, pages]
+        rope = self.model.model.rotary_emb
+        L = self.config.num_hidden_layers
+        positions = [0] * bool(cp.prefix) + list(cp.chunk_starts)
+        with torch.inference_mode():
+            for (key, _, start), pos in zip(self._chunk_specs(seq), positions):
+                entry = entries[key]
+                k, v = self.chunk_cache.gather(entry)
+                n = entry.num_tokens
+                if pos != start:
+                    h, d = k.shape[2:]
+                    k = rope.relocate(k.reshape(L * n, h, d), pos - start).view(L, n, h, d)
+                cu = torch.arange(0, (L + 1) * n, n, dtype=torch.int32, device=self.device)
+                lens = torch.full((L,), pos + n, dtype=torch.int32, device=self.device)
+                self.runner.attn.store(k.reshape(L * n, *k.shape[2:]), v.reshape(L * n, *v.shape[2:]),
+                                       tables, cu, lens)
+        seq.recomputed = []
+        if seq.method == "epic":
+            e = self.reuse.options.epic_tokens
+            spans = [(s, min(e, len(c))) for c, s in zip(cp.chunks, cp.chunk_starts)]
+            if spans:
+                self.runner.forward("dense", [seq.seq_id] * len(spans),
+                                    [seq.token_ids[s:s + n] for s, n in spans], [s for s, _ in spans])
+                seq.recomputed = [p for s, n in spans for p in range(s, s + n)]
+        seq.num_computed = end
+        seq.reuse_done = True
+        seq.exact_kv = False  # reused chunk KV: never offered to the prefix cache
+        seq.cached_tokens = end - seq.fresh_chunk_tokens
+
     def _reuse_prefill(self, seq: Sequence, outputs: list[StepOutput]) -> None:
         result = self.reuse.prefill(seq.chunked_prompt, seq.method)
         self.last_prefill = result
         rec = result.recovered
         n = rec.k[0].shape[0]
-        self.pool.ensure(seq.seq_id, n)
+        self.pool.ensure(seq.seq_id, n, skip_dead=True)  # local heads get only the pages they still see
         self.pool.sync_device_tables()
         slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
-        bt = self.pool.device_tables.index_select(1, slot)
+        tables = self.pool.device_tables.index_select(1, slot)[:, 0]  # [L, Hkv, pages]
         cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
-        store = self.runner.attn._store
-        for layer, (k, v) in enumerate(zip(rec.k, rec.v)):
-            store(k, v, self.pool.k_pages, self.pool.v_pages, bt[layer], cu, cu[1:])
+        for layer, (k, v) in enumerate(zip(rec.k, rec.v)):  # layer by layer: no second copy of the KV
+            self.runner.attn.store(k, v, tables[layer:layer + 1], cu, cu[1:])
+        rec.k, rec.v = [], []  # the KV lives in the pool now; last_prefill keeps logits and FLOPs only
         self.pool.trim(seq.seq_id)
         seq.num_computed = n
         seq.reuse_done = True
-        seq.cached_tokens = result.cached_tokens
+        seq.cached_tokens = max(0, result.cached_tokens - seq.fresh_chunk_tokens)
         seq.flops = rec.flops.totals()
         self._sample([seq], rec.logits[None], outputs)
+
+    def _prefill_flops(self, seq: Sequence) -> dict:
+        """What the pool prefill of a request executed: every position it computed (from its
+        first uncached one, and ``epic``'s recomputed chunk heads), under its plan's windows."""
+        window, sink = (torch.as_tensor(x) for x in self.pool.window_sink(seq.plan))
+        q_pos = torch.tensor(seq.recomputed + list(range(seq.prefill_start, seq.num_prompt)), dtype=torch.int64)
+        group = self.config.num_attention_heads // self.config.num_key_value_heads
+        report = FlopReport()
+        for layer in range(self.config.num_hidden_layers):
+            pairs = visible_pairs(q_pos, window[layer], sink[layer], group)
+            report.add_layer(self.config, q_pos.numel(), pairs, q_pos.numel())
+        report.add_lm_head(self.config)
+        return report.totals()
 
     # ------------------------------------------------------------------ tokens
 
@@ -356,13 +658,18 @@ class Engine:
         return out
 
     def _fail(self, seq: Sequence, error: Exception, outputs: list[StepOutput]) -> None:
-        seq.error = error
+        # without its traceback: the frames would keep the failed step's tensors alive
+        seq.error = error.with_traceback(None)
+        if isinstance(error, torch.OutOfMemoryError) and self.device.type == "cuda":
+            torch.cuda.empty_cache()
         seq.finish_reason = "error"
         if seq in self.running:
             self._free(seq)
         outputs.append(StepOutput(seq))
 
     def _free(self, seq: Sequence) -> None:
+        self._committed -= seq.committed_pages
+        seq.committed_pages = 0
         if seq.seq_id in self.pool:
             seq.pages_at_finish = self.pool.pages_held(seq.seq_id)
             self.pool.free_sequence(seq.seq_id)
@@ -393,29 +700,32 @@ class Engine:
         if self.has_unfinished():
             raise RuntimeError("resize_pool while requests are running")
         old = self.pool
+        self.chunk_cache.clear()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.pool = PagePool(num_pages, old.page_size, old.head_dim, old.window, old.sink, dtype=old.dtype,
                              device=old.device)
         for name in old.plans:
             self.pool.add_plan(name, *old.window_sink(name))
-        self.pool.attach_device_tables(self.cfg.max_num_seqs, self.max_model_len)
+        self.pool.attach_device_tables(self.cfg.max_num_seqs + CHUNK_SLOTS, self.max_model_len)
         del old
         self.runner = ModelRunner(self.model, self.pool, self.runner.plans, self.cfg.max_num_seqs,
                                   self.cfg.cuda_graphs, self.cfg.kernel)
         if self.prefix_cache is not None:
             self.prefix_cache = PrefixCache(self.pool, self.prefix_cache.fingerprint)
+        self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes)
+        self.reuse.store = self.reuse.prefix_store = self.chunk_cache
 
     def stats(self) -> dict:
         occ = self.pool.occupancy()
         return {"running": len(self.running), "waiting": len(self.waiting), "preemptions": self.num_preemptions,
-                "pool_pages": occ, "kv_bytes": self.kv_bytes(),
+                "pool_pages": occ, "page_bytes": self.pool.bytes_per_page, "kv_bytes": self.kv_bytes(),
                 "prefix_cache_pages": self.prefix_cache.num_pages() if self.prefix_cache else 0,
-                "prefix_cache_hit_tokens": self.prefix_cache.hits if self.prefix_cache else 0}
+                "prefix_cache_hit_tokens": self.prefix_cache.hits if self.prefix_cache else 0,
+                "chunk_cache": self.chunk_cache.stats()}
 
     def clear_caches(self) -> None:
         """Drop every cached prefix and chunk (benchmarks measure cold starts with this)."""
-        self.chunk_store.clear()
-        self.prefix_store.clear()
+        self.chunk_cache.clear()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()

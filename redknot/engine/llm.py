@@ -13,7 +13,7 @@ from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolv
 from ..models.fingerprint import model_fingerprint
 from ..reuse.methods import ReuseOptions
 from ..reuse.prompt import build_prompt, is_conversation
-from .engine import METHODS, Engine, EngineConfig, prefills_through_reuse
+from .engine import METHODS, Engine, EngineConfig, prefills_through_reuse, uses_chunks
 from .sampling import SamplingParams
 from .sequence import Sequence
 
@@ -49,10 +49,10 @@ class LLM:
     def __init__(self, model: str | Path | None = None, head_config: str | Path | HeadConfig | None = None,
                  method: str = "dense", device: str | torch.device | None = None, dtype=None,
                  page_size: int = 64, kv_pages: int | None = None, max_num_batched_tokens: int = 8192,
-                 sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_store_bytes: int = 4 << 30,
-                 cpu_chunk_store_bytes: int = 0, reuse_options: ReuseOptions | None = None, tokenizer=None,
+                 sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
+                 reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, gpu_memory_utilization: float = 0.9, reserve_full_length: bool = True):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
         that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE)."""
@@ -91,17 +91,25 @@ class LLM:
                                  page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                  enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
-                                 chunk_store_bytes=chunk_store_bytes, cpu_chunk_store_bytes=cpu_chunk_store_bytes,
+                                 chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
+                                 reserve_full_length=reserve_full_length,
                                  reuse_options=reuse_options))
         self.max_model_len = self.engine.max_model_len
-        self.pool = self.engine.pool
-        self.chunk_store, self.prefix_store = self.engine.chunk_store, self.engine.prefix_store
         self.reuse = self.engine.reuse
         self.method = self.check_method(method)
 
     @property
+    def pool(self):
+        return self.engine.pool
+
+    @property
+    def chunk_cache(self):
+        """Cached document KV (pool pages)."""
+        return self.engine.chunk_cache
+
+    @property
     def last_prefill(self):
-        """What the last reuse prefill executed (PrefillResult: cached tokens, FLOPs, KV)."""
+        """What the last recovery prefill executed (PrefillResult: cached tokens, FLOPs, KV)."""
         return self.engine.last_prefill
 
     # ---- public API ---------------------------------------------------------------------------
@@ -111,7 +119,7 @@ class LLM:
         ``cache_salt`` names the cache namespace the request's content belongs to (``Sequence.cache_salt``)."""
         method = self.check_method(method or self.method)
         cp = None
-        if documents is None and not is_conversation(prompt) and not prefills_through_reuse(method):
+        if documents is None and not is_conversation(prompt) and not uses_chunks(method):
             ids = self._encode(prompt)
         else:  # the reuse engine needs the prompt's layout: prefix, documents, suffix
             cp = build_prompt(self.tokenizer, prompt, documents)
@@ -166,11 +174,6 @@ class LLM:
     def first_token_logits(self, prompt, documents=None, method: str | None = None) -> torch.Tensor:
         """float32 logits [vocab] of the first generated position."""
         method = self.check_method(method or self.method)
-        if prefills_through_reuse(method):
-            cp = build_prompt(self.tokenizer, prompt, documents)
-            self._check_ids(cp.token_ids)
-            self.engine.last_prefill = self.reuse.prefill(cp, method)
-            return self.engine.last_prefill.recovered.logits
         params = SamplingParams(max_tokens=1, temperature=0, return_first_logits=True, ignore_eos=True)
         return self.generate(prompt, params, documents=documents, method=method)[0].first_token_logits
 
@@ -179,19 +182,31 @@ class LLM:
 
     def context_limits(self, method: str | None = None) -> tuple[int, int]:
         """(most tokens of prompt + max_tokens, most prompt tokens) one request of ``method`` can
-        ever hold: the model's max_model_len, or less where the page pool is smaller than that
-        under the method's head plan. The first bounds the request's pages at their largest
-        (``Engine.check_fits``), the second its admission, which wants the first prefill's pages
-        plus one page per head free (``Engine._admit``)."""
-        from .engine import PLAN_OF
+        ever hold, documents aside: the model's max_model_len, or less where the page pool is
+        smaller than that under the method's head plan. The first is what ``Engine.check_fits``
+        accepts; the second what admission can find pages for in the empty pool (its first
+        prefill's pages, plus one page per head)."""
+        from .engine import PLAN_OF, RequestTooLarge
 
         method = self.check_method(method or self.method)
         plan, engine = PLAN_OF[method], self.engine
         pool, chunk = engine.pool, engine.cfg.max_num_batched_tokens
         heads = self.config.num_hidden_layers * self.config.num_key_value_heads
-        whole = prefills_through_reuse(method)  # the reuse prefill stores the whole prompt at once
 
-        def largest(ok) -> int:  # ok grows false with the length: bisect the largest length it holds for
+        def fits(n: int) -> bool:
+            seq = Sequence([0] * max(n - 1, 1), SamplingParams(max_tokens=1), method=method)
+            seq.plan = plan
+            try:
+                engine.check_fits(seq)
+            except RequestTooLarge:
+                return False
+            return True
+
+        def admissible(n: int) -> bool:  # a chunk method stores the whole prompt at once, the others a chunk
+            first = n if uses_chunks(method) else min(n, chunk)
+            return pool.pages_needed(first, plan=plan).peak + heads <= pool.num_pages
+
+        def largest(ok) -> int:  # ok turns false once, as the length grows: bisect where
             if ok(engine.max_model_len):
                 return engine.max_model_len
             lo, hi = 0, engine.max_model_len
@@ -200,10 +215,8 @@ class LLM:
                 lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
             return lo
 
-        total = largest(lambda n: pool.peak_pages(n, chunk, plan) <= pool.num_pages)
-        prompt = largest(lambda n: pool.pages_needed(n if whole else min(n, chunk), plan=plan).peak + heads
-                         <= pool.num_pages)
-        return total, min(prompt, total)
+        total = largest(fits)
+        return total, min(largest(admissible), total)
 
     def max_context(self, method: str | None = None) -> int:
         """The most tokens (prompt + max_tokens) any request of ``method`` can hold, however they split."""

@@ -33,7 +33,12 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens whose KV came from a cache
     flops: dict | None = None  # executed prefill FLOPs (reuse methods)
     reuse_done: bool = False  # the reuse prefill ran (or is skipped after a preemption)
+    exact_kv: bool = True  # its KV is what a prefill under its plan computes (prefix-cacheable)
+    fresh_chunk_tokens: int = 0  # chunk and prefix tokens computed for this request (not cache hits)
+    prefill_start: int | None = None  # first prompt position the pool prefill computes
+    recomputed: list[int] = field(default_factory=list)  # positions recomputed before it (epic)
     num_preemptions: int = 0
+    committed_pages: int = 0  # pages admission reserved for it while it runs
     pages_at_finish: int = 0  # pool pages it held when its pages were last freed
     # Namespace of the request's cached content (a tenant's salt): requests with different salts must
     # never share cached KV (prefix cache blocks, stored chunks). None: the shared namespace.

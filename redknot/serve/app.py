@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncLLMEngine, EngineOverloaded, RequestFailed, StreamDelta
+from ..engine.engine import RequestTooLarge
 from ..engine.sampling import SamplingParams
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -229,6 +230,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
 
     def failed(e: RequestFailed) -> APIError:
         cause = e.__cause__
+        if isinstance(cause, RequestTooLarge):  # found at admission: it can never run
+            return APIError(400, str(cause))
         if isinstance(cause, torch.OutOfMemoryError):  # the request's pages are freed; retrying later can succeed
             return APIError(503, "out of accelerator memory for this request's prefill; retry later or send a "
                                  "shorter prompt", type="server_overloaded", code="out_of_memory")
@@ -605,6 +608,15 @@ def render_metrics(stats: dict) -> str:
                [({"head_class": c}, pool.get(c, 0)) for c in ("global", "local")])
         metric("redknot_kv_pool_free_pages", "gauge", "SegPaged KV pool pages free.", [({}, pool.get("free", 0))])
         metric("redknot_kv_pool_total_pages", "gauge", "SegPaged KV pool size in pages.", [({}, pool.get("total", 0))])
+        page = stats.get("page_bytes", 0)
+        metric("redknot_kv_pool_bytes", "gauge", "SegPaged KV pool bytes in use, by the owner head's class.",
+               [({"head_class": c}, pool.get(c, 0) * page) for c in ("global", "local")])
+    metric("redknot_requests_preempted_total", "counter", "Requests preempted (pages freed, re-queued).",
+           [({}, stats.get("preemptions", 0))])
+    metric("redknot_prefix_cache_pages", "gauge", "Pool pages the prefix cache references.",
+           [({}, stats.get("prefix_cache_pages", 0))])
+    metric("redknot_chunk_cache_pages", "gauge", "Pool pages cached document KV holds.",
+           [({}, (stats.get("chunk_cache") or {}).get("pages", 0))])
     return "\n".join(lines) + "\n"
 
 

@@ -15,17 +15,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
-    p.add_argument("--kv-pages", type=int, default=None, help="SegPaged pool pages (default: from free memory)")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="SegPaged pool pages (default: sized from --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory for weights, activations and KV pages together (vLLM's flag)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per SegPaged page")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length to serve (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens one engine step computes at most; smaller prompt chunks let decoding requests "
                         "run between the chunks of a long dense prefill")
-    p.add_argument("--chunk-store-bytes", type=int, default=4 << 30,
-                   help="device bytes of cached document KV (the chunk store; the prefix store gets as much)")
-    p.add_argument("--cpu-chunk-store-bytes", type=int, default=0,
-                   help="host bytes the chunk store spills to (default 0: no CPU tier)")
+    p.add_argument("--chunk-cache-bytes", type=int, default=None,
+                   help="pool bytes cached document KV may hold at most (default: as much as the pool has free)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model, or redknot-testbed)")
@@ -75,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, chunk_store_bytes=args.chunk_store_bytes,
-              cpu_chunk_store_bytes=args.cpu_chunk_store_bytes)
+              max_num_batched_tokens=args.max_num_batched_tokens, chunk_cache_bytes=args.chunk_cache_bytes,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
+    print(capacity_summary(llm.engine), flush=True)
     if args.cuda_graph_max_len > 0:
         n = llm.engine.capture_graphs(args.cuda_graph_max_len)
         print(f"captured {n} decode CUDA graphs (contexts up to {args.cuda_graph_max_len} tokens)", flush=True)
@@ -107,6 +109,20 @@ def api_keys_of(args: argparse.Namespace) -> list[str]:
         return [k for k in args.api_key if k]
     key = os.environ.get("REDKNOT_API_KEY", "")
     return [key] if key else []
+
+
+def capacity_summary(engine) -> str:
+    """What the pool holds, said at start-up: pages, bytes, and sessions of 8K/32K/128K per head plan."""
+    mem = engine.memory
+    lines = [f"KV pool: {mem['kv_pages']} pages of {engine.pool.bytes_per_page} B = {mem['kv_bytes'] / 2**30:.2f} GiB"]
+    if "weights_bytes" in mem:
+        lines[0] += (f" (of {mem['total_bytes'] / 2**30:.1f} GiB x {mem['gpu_memory_utilization']}: weights "
+                     f"{mem['weights_bytes'] / 2**30:.2f}, activations {mem['activation_bytes'] / 2**30:.2f}, "
+                     f"graphs {mem['graph_reserve_bytes'] / 2**30:.2f}, other {mem['other_bytes'] / 2**30:.2f} GiB)")
+    for plan, per in engine.capacity().items():
+        fits = ", ".join(f"{n // 1024}K: {v['sessions']}" for n, v in per.items())
+        lines.append(f"  sessions that fit under the {plan} plan: {fits or 'none (max_model_len)'}")
+    return "\n".join(lines)
 
 
 def default_method(llm) -> str:

@@ -1,0 +1,134 @@
+"""Document KV in pool pages: round trips, LRU eviction, caps, and requests that only read them."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from redknot import LLM, HeadConfig, SamplingParams
+from redknot.cache import ChunkKV, PagePool, chunk_key
+from redknot.cache.chunk_cache import ChunkCache
+from redknot.config import GLOBAL_WINDOW
+from redknot.reuse.prompt import build_prompt
+
+L, H, D, PS = 2, 3, 8, 4
+DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")  # the engine tests below also run on a GPU
+
+
+def make_pool(pages=64):
+    window = torch.full((L, H), GLOBAL_WINDOW)
+    return PagePool(pages, PS, D, window, torch.zeros(L, H, dtype=torch.long))
+
+
+def chunk(n, start=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return ChunkKV(tuple(range(n)), start, torch.randn(L, n, H, D, generator=g), torch.randn(L, n, H, D, generator=g))
+
+
+def test_put_then_get_returns_the_same_kv():
+    pool = make_pool()
+    cache = ChunkCache(pool, "fp")
+    c = chunk(10)
+    assert cache.put("a", c)
+    assert pool.num_free_pages == pool.num_pages - L * H * 3  # ceil(10 / 4) pages per head
+    got = cache.get("a")
+    assert got.start == 5 and got.token_ids == c.token_ids
+    torch.testing.assert_close(got.k, c.k, rtol=0, atol=0)
+    torch.testing.assert_close(got.v, c.v, rtol=0, atol=0)
+    assert cache.get("b") is None
+
+
+def test_insert_keeps_a_sequence_pages_from_an_offset():
+    pool = make_pool()
+    pool.add_sequence(1)
+    pool.ensure(1, 11)
+    table = pool.table(1)  # [L, H, 3]
+    kv = torch.randn(2, L, 11, H, D)
+    for layer in range(L):
+        idx = torch.from_numpy(table[layer].astype(np.int64))  # [H, 3]
+        for name, x in zip(("k_pages", "v_pages"), kv):
+            flat = torch.zeros(H, 12, D)
+            flat[:, :11] = x[layer].transpose(0, 1)
+            getattr(pool, name)[idx] = flat.view(H, 3, PS, D)
+    cache = ChunkCache(pool, "fp")
+    assert cache.insert("c", tuple(range(6)), 5, table[:, :, 1:], 1)  # tokens 5..10 live from slot 1 of page 1
+    pool.free_sequence(1)
+    assert pool.num_free_pages == pool.num_pages - L * H * 2  # only the cached span's pages stay
+    k, v = cache.gather(cache.lookup("c"))
+    torch.testing.assert_close(k, kv[0][:, 5:], rtol=0, atol=0)
+    torch.testing.assert_close(v, kv[1][:, 5:], rtol=0, atol=0)
+
+
+def test_lru_eviction_and_the_byte_cap_return_pages():
+    pool = make_pool(pages=L * H * 3 * 2)  # room for two 3-page chunks
+    cache = ChunkCache(pool, "fp")
+    assert cache.put("a", chunk(10)) and cache.put("b", chunk(10, seed=1))
+    cache.lookup("a")  # a is now the most recent
+    assert cache.put("c", chunk(10, seed=2))  # the pool is full: b, the least recent, goes
+    assert "b" not in cache and "a" in cache and "c" in cache and cache.stats()["evictions"] == 1
+    assert cache.evict(1) == L * H * 3 and "a" not in cache and "c" in cache  # a whole entry, LRU first
+    cache.clear()
+    assert pool.num_free_pages == pool.num_pages and len(cache) == 0
+    capped = ChunkCache(pool, "fp", max_bytes=L * H * 3 * pool.bytes_per_page)
+    assert capped.put("a", chunk(10)) and capped.put("b", chunk(9))
+    assert "a" not in capped and capped.num_pages() == L * H * 3
+    assert not capped.put("big", chunk(20))  # larger than the cap: refused, nothing taken
+    assert pool.num_free_pages == pool.num_pages - L * H * 3
+
+
+def test_bad_entries_are_refused():
+    cache = ChunkCache(make_pool(), "fp")
+    with pytest.raises(ValueError, match="every"):
+        cache.insert("x", (1, 2), 0, np.full((L, H, 1), -1, np.int32), 0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        ChunkCache(make_pool(), "fp", max_bytes=-1)
+
+
+DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 2,
+        "Attention heads differ: some look far back, most look at recent tokens. " * 2,
+        "The quick brown fox jumps over the lazy dog near the old mill. " * 2]
+QUESTION = "Question: who founded the city of Varna? Answer:"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    hc = HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4)
+    return LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device=DEVICE, head_config=hc, page_size=16)
+
+
+def test_requests_read_cached_chunk_pages_and_never_write_them(llm):
+    llm.engine.clear_caches()
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm.generate(QUESTION, params, documents=DOCS, method="full_reuse")
+    cache, pool = llm.chunk_cache, llm.pool
+    prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    keys = [chunk_key(llm.fingerprint, prompt.prefix, c) for c in prompt.chunks]
+    entries = [cache.peek(k) for k in keys]
+    assert all(e is not None for e in entries)
+    pages = torch.from_numpy(np.concatenate([e.pages.ravel() for e in entries]).astype(np.int64)).to(pool.device)
+    before = pool.k_pages[pages].clone(), pool.v_pages[pages].clone()
+    for method in ("full_reuse", "epic", "cacheblend", "redknot_kv"):
+        out = llm.generate([QUESTION, "Question: what jumps?"], params, documents=[DOCS[::-1], DOCS[1:]],
+                           method=method)
+        assert all(o.metrics["cached_tokens"] > 0 for o in out)
+    assert torch.equal(pool.k_pages[pages], before[0]) and torch.equal(pool.v_pages[pages], before[1])
+    assert llm.engine.request_kv_bytes() == 0
+
+
+def test_a_small_pool_evicts_chunks_and_answers_the_same(tiny_checkpoint, llm):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [QUESTION, "Question: what jumps?", "Question: what differs?", QUESTION]
+    docs = [[DOCS[0]], [DOCS[1]], [DOCS[2]], [DOCS[0]]]
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, documents=docs, method="full_reuse")]
+    hc = HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4)
+    small = LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device=DEVICE, head_config=hc, page_size=16,
+                max_num_seqs=1)
+    # a pool of just what the largest request needs: every new document evicts the cached ones
+    need = max(small.engine.pages_for(small.make_sequence(q, params, d, "full_reuse")) for q, d in zip(prompts, docs))
+    small.engine.resize_pool(need)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, documents=docs, method="full_reuse")]
+    assert got == ref
+    assert small.chunk_cache.stats()["evictions"] > 0
+    small.engine.clear_caches()
+    assert small.pool.num_free_pages == small.pool.num_pages
