@@ -297,13 +297,14 @@ def test_no_op_values_of_unimplemented_fields_pass(server):
     assert r.status_code == 200, r.text
 
 
-def test_stop_token_ids(server):
+def test_stop_token_ids(server, tiny_checkpoint):
     from redknot import SamplingParams
 
     body = {"model": MODEL, "prompt": [5, 6, 7, 8, 9], "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "method": "dense"}
-    ids = server.llm.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                              method="dense")[0].outputs[0].token_ids
+    ref = LLM(model=tiny_checkpoint("llama"), **{**LLM_KW, "method": "dense"})  # the server's engine is its worker's
+    ids = ref.generate([5, 6, 7, 8, 9], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       method="dense")[0].outputs[0].token_ids
     stop_at = ids.index(ids[2])
     r = server.http.post("/v1/completions", json={**body, "stop_token_ids": [ids[2]]}).json()
     assert r["choices"][0]["finish_reason"] == "stop" and r["usage"]["completion_tokens"] == stop_at + 1

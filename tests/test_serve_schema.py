@@ -33,8 +33,8 @@ def running(tiny_checkpoint):
     srv.stop()
 
 
-# per operation and mode: ~400 cases in all by default; REDKNOT_SCHEMA_EXAMPLES=1500 runs ~10,000
-EXAMPLES = int(os.environ.get("REDKNOT_SCHEMA_EXAMPLES", "50"))
+# per operation and mode: ~300 cases in all by default; REDKNOT_SCHEMA_EXAMPLES=1500 runs ~10,000
+EXAMPLES = int(os.environ.get("REDKNOT_SCHEMA_EXAMPLES", "40"))
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])

@@ -371,9 +371,13 @@ _ERRORS = {code: {"model": ErrorResponse, "description": why} for code, why in [
     (503, "Overloaded: retry later")]}
 
 
+# One server-sent event: its data is a JSON chunk, an in-band {"error": ...}, or the closing [DONE].
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+
+
 def _responses(model) -> dict:
     ok = {200: {"model": model, "description": "The completion; with `stream: true`, server-sent events of chunks",
-                "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
     return {**ok, **_ERRORS}
 
 
@@ -418,12 +422,22 @@ def _err_body(message: str, type: str = "invalid_request_error", param=None, cod
 
 class _Guard:
     """Pure ASGI middleware in front of every route: the API key on ``/v1`` routes (401, as vLLM
-    checks it), the body size (413 before the body is read when Content-Length says so, else as
-    soon as the body passes the limit), and a clean 500 with ``Connection: close`` for any error
+    checks it), the body size (413: at once when Content-Length announces far more, else once the
+    body passes the limit and the rest, if not far more, is read and dropped), and a clean 500 with ``Connection: close`` for any error
     nothing else handled (the exception's text goes to the log only)."""
 
     def __init__(self, app, api_keys=(), max_body_bytes: int = 1 << 20):
         self.app, self.keys, self.max_body = app, tuple(k.encode("utf-8") for k in api_keys), max_body_bytes
+        # a body up to this much past the limit is read (and dropped) before the 413, so the client
+        # sees the answer rather than a reset from closing on unread data; larger ones are cut off
+        self.drain = max(max_body_bytes, 1 << 20)
+
+    async def _drain(self, receive, message, size: int) -> None:
+        while message.get("more_body", False) and size <= self.max_body + self.drain:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -471,11 +485,11 @@ class _Guard:
         length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
         too_large = _err_body(f"request body exceeds {self.max_body} bytes (the server's --max-body-bytes)",
                               code="request_too_large")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            if not length.isdigit():
-                await _send_json(send, 400, _err_body("invalid Content-Length header"), close=True)
-            else:
-                await _send_json(send, 413, too_large, close=True)
+        if length is not None and not length.isdigit():
+            await _send_json(send, 400, _err_body("invalid Content-Length header"), close=True)
+            return None
+        if length is not None and int(length) > self.max_body + self.drain:  # not worth reading: refuse now
+            await _send_json(send, 413, too_large, close=True)
             return None
         if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") and length is None:
             return receive
@@ -487,6 +501,7 @@ class _Guard:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_body:
+                await self._drain(receive, message, size)
                 await _send_json(send, 413, too_large, close=True)
                 return None
             if not message.get("more_body", False):
