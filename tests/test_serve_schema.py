@@ -33,8 +33,8 @@ def running(tiny_checkpoint):
     srv.stop()
 
 
-# per operation and mode: ~300 cases in all by default; REDKNOT_SCHEMA_EXAMPLES=1500 runs ~10,000
-EXAMPLES = int(os.environ.get("REDKNOT_SCHEMA_EXAMPLES", "40"))
+# per operation and mode: ~200 cases in all by default; REDKNOT_SCHEMA_EXAMPLES=1500 runs ~10,000
+EXAMPLES = int(os.environ.get("REDKNOT_SCHEMA_EXAMPLES", "30"))
 
 
 @pytest.mark.parametrize("mode", ["positive", "negative"])
