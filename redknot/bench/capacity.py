@@ -79,6 +79,7 @@ def run_case(llm, method: str, context: int, args, rng: random.Random) -> dict:
     params = SamplingParams(max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)
     seqs = [llm.make_sequence(q, params, docs, method) for q, docs in _sessions(n, context, args, llm.config.vocab_size, rng)]
     preempt0 = engine.num_preemptions
+    host0 = dict(engine.timings)
     t0 = time.perf_counter()
     for s in seqs:
         engine.add_request(s)
@@ -106,7 +107,8 @@ def run_case(llm, method: str, context: int, args, rng: random.Random) -> dict:
             "sessions_peak": peak, "bound_sessions": bound, "of_bound": peak / bound if bound else float("nan"),
             "pages_per_session": per_session, "bytes_per_session": per_session * engine.pool.bytes_per_page,
             "decode_tok_s": sum(t for _, t in steady) / decode_s if decode_s else float("nan"),
-            "decode_steps_measured": len(steady),
+            "decode_steps_measured": len(steady), "decode_step_ms": 1e3 * decode_s / len(steady) if steady else None,
+            "host_s": {k: engine.timings[k] - host0[k] for k in ("schedule", "forward", "sample")},
             "ttft_p50_s": statistics.median(ttft) if ttft else float("nan"),
             "ttft_p99_s": sorted(ttft)[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] if ttft else float("nan"),
             "preemptions": engine.num_preemptions - preempt0, "errors": errors, "wall_s": wall,

@@ -269,10 +269,12 @@ class Engine:
         self.check_method(seq.method)
         seq.plan = PLAN_OF[seq.method]
         self.check_fits(seq)
+        seq.prepared = True
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a request (prompt ids, params, method and chunked prompt already set)."""
-        self.prepare(seq)
+        if not seq.prepared:
+            self.prepare(seq)
         seq.detok = IncrementalDetokenizer(self.tokenizer, lazy=not (seq.stream or seq.params.stop))
         seq.arrival = time.perf_counter()
         self.waiting.append(seq)
@@ -325,12 +327,18 @@ class Engine:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             chunked = uses_chunks(seq.method) and not seq.reuse_done
-            first = seq.chunked_prompt.suffix_start if seq.method in PLACED_METHODS and chunked else \
-                len(seq.token_ids) if chunked else min(seq.num_pending, budget)
             steady = self._steady_pages(seq)
             if self.cfg.reserve_full_length and self._committed + steady + self._headroom() > self.pool.num_pages:
                 break  # the running requests' full contexts leave no room for this one's yet
-            need = self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
+            if chunked and seq.method in RECOVERY_METHODS:  # stored at once, only the pages still seen
+                need = self.pool.peak_pages(len(seq.token_ids), 1, seq.plan) + self._heads
+            else:
+                first = seq.chunked_prompt.suffix_start if chunked else min(seq.num_pending, budget)
+                need = self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
+            if need > self.pool.num_free_pages + self._cached_pages():
+                if self._cannot_wait(seq, outputs):
+                    continue
+                break  # even emptying the caches would not make room: keep them and wait
             if need > self.pool.num_free_pages:
                 self._reclaim(need - self.pool.num_free_pages)
             if need > self.pool.num_free_pages:
@@ -392,6 +400,10 @@ class Engine:
         self._fail(seq, RequestTooLarge(f"the request does not fit the empty pool of {self.pool.num_pages} "
                                         f"pages"), outputs)
         return True
+
+    def _cached_pages(self) -> int:
+        """Pages the prefix and chunk caches reference (an upper bound on what evicting frees)."""
+        return self.chunk_cache.num_pages() + (self.prefix_cache.num_pages() if self.prefix_cache else 0)
 
     def _reclaim(self, pages: int) -> int:
         """Free up to ``pages`` pages from the caches: cached prefixes first, then chunks (LRU)."""

@@ -22,6 +22,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool
     plan: str = "dense"  # the head plan its pages live under (set by the engine from the method)
+    prepared: bool = False  # Engine.prepare checked it (plan set, fits the pool and the context)
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     error: Exception | None = None
     generator: torch.Generator | None = None
