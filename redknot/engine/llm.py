@@ -185,7 +185,8 @@ class LLM:
         ever hold, documents aside: the model's max_model_len, or less where the page pool is
         smaller than that under the method's head plan. The first is what ``Engine.check_fits``
         accepts; the second what admission can find pages for in the empty pool (its first
-        prefill's pages, plus one page per head)."""
+        prefill's pages, plus one page per head; for full_reuse and epic, whose first prefill stops
+        at the question, the whole prompt counts, an upper bound)."""
         from .engine import PLAN_OF, RequestTooLarge
 
         method = self.check_method(method or self.method)
@@ -202,7 +203,9 @@ class LLM:
                 return False
             return True
 
-        def admissible(n: int) -> bool:  # a chunk method stores the whole prompt at once, the others a chunk
+        def admissible(n: int) -> bool:  # as Engine._admit: a recovery method stores the prompt at once (only
+            if prefills_through_reuse(method):  # the pages its plan keeps), full_reuse/epic up to the question,
+                return pool.peak_pages(n, 1, plan) + heads <= pool.num_pages  # the others one token budget
             first = n if uses_chunks(method) else min(n, chunk)
             return pool.pages_needed(first, plan=plan).peak + heads <= pool.num_pages
 
