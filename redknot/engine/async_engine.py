@@ -2,8 +2,9 @@
 
 Requests enter through a thread-safe inbox; the worker moves them into the engine, steps it,
 and hands each request's new text to its asyncio queue. A request whose consumer goes away is
-aborted and its pages freed. One that can never fit is refused with ``EngineOverloaded`` (the
-server answers 503) before it is queued.
+aborted and its pages freed; one abandoned while still queued never reaches the engine. One that
+can never fit (context or page pool) is refused with ``RequestTooLarge`` (a ValueError: the server
+answers 400) and a full queue with ``EngineOverloaded`` (503), both before anything is queued.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from .engine import RequestTooLarge
 from .llm import LLM
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -26,7 +26,18 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
 
 
 class EngineOverloaded(RuntimeError):
-    """The request cannot be admitted: the queue is full or it needs more KV than the pool has."""
+    """The request cannot be admitted now (the queue is full); retrying later can succeed."""
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed this request while running it (the original error is ``__cause__``);
+    the engine itself keeps serving."""
+
+
+def _failed(e: BaseException) -> RequestFailed:
+    err = RequestFailed(f"{type(e).__name__} while running the request")
+    err.__cause__ = e
+    return err
 
 
 @dataclass
@@ -66,22 +77,21 @@ class AsyncLLMEngine:
         self.generated_tokens = 0
         self.reused_tokens = 0
         self.requests_finished = 0
+        self.abandoned_before_prefill = 0  # requests whose client left before they reached the engine
         self.started = time.time()
         self._thread = threading.Thread(target=self._loop, name="redknot-engine", daemon=True)
         self._thread.start()
 
     # ---- public -------------------------------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams, documents=None,
-                       method: str | None = None) -> AsyncIterator[StreamDelta]:
-        """Stream a request's output. Bad input raises ValueError/TypeError before anything runs."""
-        seq = self.llm.make_sequence(prompt, params, documents, method)
+    async def generate(self, prompt=None, params: SamplingParams | None = None, documents=None,
+                       method: str | None = None, sequence: Sequence | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream a request's output: of ``prompt`` (tokenised here, on the caller's thread), or of
+        ``sequence``, one made by ``LLM.make_sequence`` beforehand (the server tokenises in a worker
+        thread). Bad input raises ValueError/TypeError (``RequestTooLarge`` for a request that can
+        never fit) and a full queue EngineOverloaded, before anything runs."""
+        seq = sequence if sequence is not None else self.llm.make_sequence(prompt, params, documents, method)
         seq.stream = True
-        try:
-            self.engine.prepare(seq)
-        except RequestTooLarge as e:
-            if len(seq.token_ids) + params.max_tokens > self.engine.max_model_len:
-                raise ValueError(str(e)) from None
-            raise EngineOverloaded(str(e)) from None
+        self.engine.prepare(seq)  # RequestTooLarge (a ValueError): it can never fit, whatever else runs
         req = _Request(seq, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if len(self._inbox) + len(self.engine.waiting) >= self.max_waiting:
@@ -101,6 +111,7 @@ class AsyncLLMEngine:
                 self.abort(req)
 
     def abort(self, req: _Request) -> None:
+        req.seq.abandoned = True  # seen at once, before the worker takes the lock
         with self._lock:
             req.aborted = True
             self._aborts.append(req)
@@ -119,6 +130,7 @@ class AsyncLLMEngine:
             return {**engine, "waiting": engine["waiting"] + len(self._inbox),
                     "generated_tokens": self.generated_tokens, "reused_tokens": self.reused_tokens,
                     "requests_finished": self.requests_finished,
+                    "abandoned_before_prefill": self.abandoned_before_prefill,
                     "ttft_buckets": list(zip(TTFT_BUCKETS, self._ttft_counts)), "ttft_sum": self._ttft_sum,
                     "ttft_count": self._ttft_n, "uptime_s": time.time() - self.started}
 
@@ -143,14 +155,17 @@ class AsyncLLMEngine:
                 self._aborts.clear()
             for req in aborts:
                 if self._live.pop(req.seq.seq_id, None) is not None:
+                    if req.seq in engine.waiting and req.seq.num_computed == 0:  # queued, never prefilled
+                        self.abandoned_before_prefill += 1
                     engine.abort(req.seq)
             for req in inbox:
-                if req.aborted:
+                if req.aborted or req.seq.abandoned:  # its client left while it was queued: never prefilled
+                    self.abandoned_before_prefill += 1
                     continue
                 try:
                     engine.add_request(req.seq)
                 except Exception as e:
-                    self._send(req, e)
+                    self._send(req, _failed(e))
                     continue
                 self._live[req.seq.seq_id] = req
             if not engine.has_unfinished():
@@ -160,7 +175,7 @@ class AsyncLLMEngine:
             except Exception as e:  # the engine stays up: fail what was running
                 for req in list(self._live.values()):
                     engine.abort(req.seq)
-                    self._send(req, e)
+                    self._send(req, _failed(e))
                 self._live.clear()
                 continue
             with self._lock:
@@ -173,7 +188,7 @@ class AsyncLLMEngine:
         seq = req.seq
         if seq.error is not None:
             self._live.pop(seq.seq_id, None)
-            self._send(req, seq.error)
+            self._send(req, _failed(seq.error))
             return
         if req.sent_tokens == 0 and seq.output_token_ids:
             self._record_ttft(time.perf_counter() - req.arrival)

@@ -113,8 +113,10 @@ class LLM:
         return self.engine.last_prefill
 
     # ---- public API ---------------------------------------------------------------------------
-    def make_sequence(self, prompt, params: SamplingParams, documents=None, method: str | None = None) -> Sequence:
-        """Validate and tokenise one request; raises ValueError/TypeError on bad input."""
+    def make_sequence(self, prompt, params: SamplingParams, documents=None, method: str | None = None,
+                      cache_salt: str | None = None) -> Sequence:
+        """Validate and tokenise one request; raises ValueError/TypeError on bad input.
+        ``cache_salt`` names the cache namespace the request's content belongs to (``Sequence.cache_salt``)."""
         method = self.check_method(method or self.method)
         cp = None
         if documents is None and not is_conversation(prompt) and not uses_chunks(method):
@@ -122,7 +124,7 @@ class LLM:
         else:  # the reuse engine needs the prompt's layout: prefix, documents, suffix
             cp = build_prompt(self.tokenizer, prompt, documents)
             ids = self._check_ids(cp.token_ids)
-        seq = Sequence(ids, params, method=method, chunked_prompt=cp)
+        seq = Sequence(ids, params, method=method, chunked_prompt=cp, cache_salt=cache_salt)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return seq
@@ -177,6 +179,51 @@ class LLM:
 
     def check_method(self, method: str) -> str:
         return self.engine.check_method(method)
+
+    def context_limits(self, method: str | None = None) -> tuple[int, int]:
+        """(most tokens of prompt + max_tokens, most prompt tokens) one request of ``method`` can
+        ever hold, documents aside: the model's max_model_len, or less where the page pool is
+        smaller than that under the method's head plan. The first is what ``Engine.check_fits``
+        accepts; the second what admission can find pages for in the empty pool (its first
+        prefill's pages, plus one page per head; for full_reuse and epic, whose first prefill stops
+        at the question, the whole prompt counts, an upper bound)."""
+        from .engine import PLAN_OF, RequestTooLarge
+
+        method = self.check_method(method or self.method)
+        plan, engine = PLAN_OF[method], self.engine
+        pool, chunk = engine.pool, engine.cfg.max_num_batched_tokens
+        heads = self.config.num_hidden_layers * self.config.num_key_value_heads
+
+        def fits(n: int) -> bool:
+            seq = Sequence([0] * max(n - 1, 1), SamplingParams(max_tokens=1), method=method)
+            seq.plan = plan
+            try:
+                engine.check_fits(seq)
+            except RequestTooLarge:
+                return False
+            return True
+
+        def admissible(n: int) -> bool:  # as Engine._admit: a recovery method stores the prompt at once (only
+            if prefills_through_reuse(method):  # the pages its plan keeps), full_reuse/epic up to the question,
+                return pool.peak_pages(n, 1, plan) + heads <= pool.num_pages  # the others one token budget
+            first = n if uses_chunks(method) else min(n, chunk)
+            return pool.pages_needed(first, plan=plan).peak + heads <= pool.num_pages
+
+        def largest(ok) -> int:  # ok turns false once, as the length grows: bisect where
+            if ok(engine.max_model_len):
+                return engine.max_model_len
+            lo, hi = 0, engine.max_model_len
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+            return lo
+
+        total = largest(fits)
+        return total, min(largest(admissible), total)
+
+    def max_context(self, method: str | None = None) -> int:
+        """The most tokens (prompt + max_tokens) any request of ``method`` can hold, however they split."""
+        return min(self.context_limits(method))
 
     def prompt_ids(self, prompt, documents=None) -> list[int]:
         """The token ids a request's prompt (with its documents) is served as."""

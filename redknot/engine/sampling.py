@@ -39,7 +39,7 @@ class SamplingParams:
         if (not isinstance(self.top_p, (int, float)) or not math.isfinite(self.top_p)
                 or not 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
 
     @property
@@ -61,7 +61,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     dev = logits.device
     rows = logits[stochastic] if len(stochastic) < len(params) else logits
     sub = [params[i] for i in stochastic]
-    temps = torch.tensor([p.temperature for p in sub], device=dev, dtype=logits.dtype)
+    # capped so that no temperature becomes inf in float32 (finite logits / inf is 0, -inf / inf NaN)
+    temps = torch.tensor([min(p.temperature, 1e30) for p in sub], device=dev, dtype=logits.dtype)
     rows = rows / temps[:, None]
     if any(p.top_k > 0 or p.top_p < 1 for p in sub):
         rows = _filter(rows, sub)
@@ -81,12 +82,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = logits.shape[-1]
-    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device).clamp(max=vocab)
+    ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device=logits.device)
     ps = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     rank = torch.arange(vocab, device=logits.device)[None, :]
     drop = rank >= ks[:, None]
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop |= (cum - sorted_logits.softmax(dim=-1)) >= ps[:, None]  # keep the smallest set reaching top_p
+    drop[:, 0] = False  # the most likely token always stays (a top_p that rounds to 0 in float32 included)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

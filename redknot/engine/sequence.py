@@ -41,6 +41,10 @@ class Sequence:
     num_preemptions: int = 0
     committed_pages: int = 0  # pages admission reserved for it while it runs
     pages_at_finish: int = 0  # pool pages it held when its pages were last freed
+    # Namespace of the request's cached content (a tenant's salt): requests with different salts must
+    # never share cached KV (prefix cache blocks, stored chunks). None: the shared namespace.
+    cache_salt: str | None = None
+    abandoned: bool = False  # its client has gone: nothing it computes is read any more
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -4,25 +4,36 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SS
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
 
 Every request is validated and admitted before the response starts, so bad input is a 4xx with
-an OpenAI error body and an overloaded engine a 503, even for streams. A client that goes away
-closes the engine's generator, which aborts its request and frees its KV pages.
+an OpenAI error body (a request that can never fit: 400 with the numbers) and a full queue a 503,
+even for streams. Before any of that, ``_Guard`` checks the API key of every ``/v1`` route (401)
+and the body size (413). Tokenisation runs in a small worker pool, never on the event loop. A
+client that goes away closes the engine's generator, which aborts its request and frees its KV
+pages; one that goes away while its request is still queued is never prefilled. An unexpected
+failure answers a clean 500 (details in the log, under the id the body names) with
+``Connection: close``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.async_engine import AsyncLLMEngine, EngineOverloaded, StreamDelta
+from ..engine.async_engine import AsyncLLMEngine, EngineOverloaded, RequestFailed, StreamDelta
+from ..engine.engine import RequestTooLarge
 from ..engine.sampling import SamplingParams
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -65,10 +76,49 @@ class _SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
+@dataclass
+class ServerLimits:
+    """What one request may carry. ``None`` fields take defaults from the model's context length
+    (``resolve``): a body of 64 bytes per context token (at least 1 MiB), a document of 32 bytes
+    per context token (at least 256 KiB); both are far above what a fitting request needs, and
+    cut off a flood long before it costs memory or CPU."""
+    max_body_bytes: int | None = None
+    max_documents: int = 256
+    max_document_bytes: int | None = None
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    tokenizer_workers: int = 2
+
+    def resolve(self, max_model_len: int) -> "ServerLimits":
+        return replace(self, max_body_bytes=self.max_body_bytes or max(1 << 20, 64 * max_model_len),
+                       max_document_bytes=self.max_document_bytes or max(256 << 10, 32 * max_model_len))
+
+
+def tenant_salt(key: str) -> str:
+    """The cache namespace of one API key (a digest: the key itself never leaves the guard)."""
+    import hashlib
+
+    return "key:" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
+
+
+def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: ServerLimits | None = None,
+              share_cache_across_keys: bool = False) -> FastAPI:
+    """The FastAPI app. ``api_keys``: keys accepted on every ``/v1`` route (none: open).
+    With several keys, each key's requests get their own cache namespace unless
+    ``share_cache_across_keys``; that needs an engine that namespaces its caches by
+    ``Sequence.cache_salt`` (``Engine.honours_cache_salt``), so without one it is refused here."""
     llm = engine.llm
+    api_keys = tuple(k for k in api_keys if k)
+    limits = (limits or ServerLimits()).resolve(llm.max_model_len)
+    honours_salt = bool(getattr(llm.engine, "honours_cache_salt", False))
+    per_key_cache = len(api_keys) > 1 and not share_cache_across_keys
+    if per_key_cache and not honours_salt:
+        raise ValueError("this engine cannot give each API key its own cache namespace (it does not honour "
+                         "cache_salt); pass share_cache_across_keys (--share-cache-across-keys) to let keys share it")
     app = FastAPI(title="redknot", description="OpenAI-compatible redknot server")
-    app.state.engine = engine
+    pool = ThreadPoolExecutor(max_workers=max(1, limits.tokenizer_workers), thread_name_prefix="redknot-tokenize")
+    app.state.engine, app.state.limits, app.state.tokenizer_pool = engine, limits, pool
+    app.add_middleware(_Guard, api_keys=api_keys, max_body_bytes=limits.max_body_bytes)
 
     # ---- errors -------------------------------------------------------------------------------
     @app.exception_handler(APIError)
@@ -83,8 +133,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return _error(400, f"malformed JSON body: {detail}".rstrip(": "))
-        msg = err.get("msg", "invalid request").removeprefix("Value error, ")
+        msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
         param = ".".join(loc) or None
+        if param is None and ": " in msg and msg.split(": ", 1)[0].isidentifier():  # "field: why" from a model check
+            param = msg.split(": ", 1)[0]
+            return _error(400, msg, param=param)
         return _error(400, f"{param}: {msg}" if param else msg, param=param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -95,43 +148,107 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
     async def _client_gone(_, e):
         return Response(status_code=499)
 
-    @app.exception_handler(Exception)
-    async def _internal_error(_, e: Exception):  # e.g. a request failing inside the engine worker
-        return _error(500, f"{type(e).__name__}: {e}", "server_error")
-
     # ---- helpers ------------------------------------------------------------------------------
     def check_model(model: str) -> None:
         if model != model_name:
             raise APIError(404, f"The model `{model}` does not exist (serving `{model_name}`).",
                            param="model", code="model_not_found")
 
-    def sampling_params(req, prompt_len) -> SamplingParams:
-        max_tokens = req.max_tokens
-        if max_tokens is None:  # whatever the context has left, as vLLM does
-            n = prompt_len()
-            if n >= llm.max_model_len:
-                raise APIError(400, f"prompt has {n} tokens, the model allows {llm.max_model_len} "
-                                    f"with room for at least one generated token",
-                               param="messages" if isinstance(req, ChatCompletionRequest) else "prompt")
-            max_tokens = llm.max_model_len - n
+    def check_limits(req) -> None:
+        """The per-request caps, checked before anything is tokenised."""
+        docs = req.documents or []
+        if len(docs) > limits.max_documents:
+            raise APIError(400, f"documents: {len(docs)} documents, this server takes at most {limits.max_documents} "
+                                f"per request", param="documents")
+        for i, d in enumerate(docs):
+            if len(d) > limits.max_document_bytes or len(d.encode("utf-8")) > limits.max_document_bytes:
+                raise APIError(400, f"documents[{i}]: {len(d.encode('utf-8'))} bytes, this server takes at most "
+                                    f"{limits.max_document_bytes} per document", param="documents")
+        stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+        if len(stop) > limits.max_stop_strings:
+            raise APIError(400, f"stop: {len(stop)} stop strings, this server takes at most {limits.max_stop_strings}",
+                           param="stop")
+        if any(len(x) > limits.max_stop_string_chars for x in stop):
+            raise APIError(400, f"stop: a stop string is longer than {limits.max_stop_string_chars} characters",
+                           param="stop")
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > limits.max_stop_strings:
+            raise APIError(400, f"stop_token_ids: {len(req.stop_token_ids)} ids, this server takes at most "
+                                f"{limits.max_stop_strings}", param="stop_token_ids")
+
+    def cache_salt(req, request: Request) -> str | None:
+        parts = []
+        if per_key_cache:
+            parts.append(tenant_salt(api_keys[request.scope["state"]["api_key_index"]]))
+        if req.cache_salt is not None:
+            if not honours_salt:
+                raise APIError(400, "cache_salt: not supported by this server (its caches have no namespaces yet)",
+                               param="cache_salt")
+            parts.append("salt:" + req.cache_salt)
+        return "\x1f".join(parts) or None
+
+    def sampling_params(req, max_tokens: int) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos)
+                                  top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
+                                  stop_token_ids=list(req.stop_token_ids or []))
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    async def start(request: Request, prompt, params, documents, method) -> tuple[AsyncIterator[StreamDelta], StreamDelta]:
+    def build_sequence(req, prompt, documents, salt):
+        """Tokenise and check one request (in the tokenizer pool): the engine's Sequence."""
+        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        if isinstance(req, ChatCompletionRequest):
+            prompt, documents = _chat_prompt(llm, req)
+        elif documents is None and isinstance(prompt, str):  # a raw completion, whatever the method: no chat template
+            try:
+                prompt = llm.prompt_ids(prompt)
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param=param) from None
+        params = sampling_params(req, 1 if req.max_tokens is None else req.max_tokens)
+        try:
+            seq = llm.make_sequence(prompt, params, documents, req.method, cache_salt=salt)
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param="method" if "method" in str(e) else param) from None
+        total, most_prompt = llm.context_limits(seq.method)
+        if seq.num_prompt > most_prompt:  # it could never be admitted: 400, with the numbers
+            raise APIError(400, f"prompt has {seq.num_prompt} tokens; a {seq.method} request's prompt can have at "
+                                f"most {most_prompt} (KV pages and context)", param=param)
+        if req.max_tokens is None:  # whatever the context has left, as vLLM does
+            if seq.num_prompt >= total:
+                raise APIError(400, f"prompt has {seq.num_prompt} tokens; a {seq.method} request holds at most "
+                                    f"{total} tokens (KV pages and context) with room for at least one generated "
+                                    f"token", param=param)
+            seq.params = replace(params, max_tokens=total - seq.num_prompt)
+        return seq
+
+    async def tokenize(request: Request, req, prompt=None, documents=None):
+        check_model(req.model)
+        check_limits(req)
+        salt = cache_salt(req, request)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(pool, build_sequence, req, prompt, documents, salt)
+
+    def failed(e: RequestFailed) -> APIError:
+        cause = e.__cause__
+        if isinstance(cause, RequestTooLarge):  # found at admission: it can never run
+            return APIError(400, str(cause))
+        if isinstance(cause, torch.OutOfMemoryError):  # the request's pages are freed; retrying later can succeed
+            return APIError(503, "out of accelerator memory for this request's prefill; retry later or send a "
+                                 "shorter prompt", type="server_overloaded", code="out_of_memory")
+        eid = _log_failure("request failed in the engine", cause or e)
+        return APIError(500, f"the request failed inside the engine (error id {eid})", type="server_error")
+
+    async def start(request: Request, seq) -> tuple[AsyncIterator[StreamDelta], StreamDelta]:
         """Submit to the engine and wait for the first delta: input errors surface here as 4xx/503."""
-        gen = engine.generate(prompt, params, documents=documents, method=method)
+        gen = engine.generate(sequence=seq)
         try:
             first = await _unless_disconnected(request, gen.__anext__())
-        except (ValueError, TypeError) as e:
+        except RequestFailed as e:
+            raise failed(e) from None
+        except (ValueError, TypeError) as e:  # raised before queueing: RequestTooLarge and bad input
             raise APIError(400, str(e)) from None
         except EngineOverloaded as e:
             raise APIError(503, str(e), type="server_overloaded", code="engine_overloaded") from None
-        except torch.OutOfMemoryError:  # the request's pages are freed; retrying later can succeed
-            raise APIError(503, "out of accelerator memory for this request's prefill; retry later or "
-                                "send a shorter prompt", type="server_overloaded", code="out_of_memory") from None
         except _ClientGone:
             await gen.aclose()
             raise
@@ -148,6 +265,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             return text, last
         try:
             return await _unless_disconnected(request, drain())
+        except RequestFailed as e:
+            raise failed(e) from None
         finally:
             await gen.aclose()
 
@@ -162,22 +281,22 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
             return _error(503, "the engine worker has stopped", "server_error")
         return {"status": "ok"}
 
-    @app.get("/v1/models")
-    async def models():
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=llm.max_model_len)])
+    def card() -> ModelCard:  # the most a request of the default method can hold
+        return ModelCard(id=model_name, max_model_len=llm.max_context())
 
-    @app.get("/v1/models/{model:path}")
-    async def model(model: str):
+    @app.get("/v1/models", responses=_ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model:path}", responses=_ERRORS)
+    async def model(model: str) -> ModelCard:
         check_model(model)
-        return ModelCard(id=model_name, max_model_len=llm.max_model_len)
+        return card()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        check_model(req.model)
-        prompt, documents = _chat_prompt(llm, req)
-        params = sampling_params(req, lambda: len(prompt) if documents is None else
-                                 len(_prompt_ids(llm, prompt, documents)))
-        gen, first = await start(request, prompt, params, documents, req.method)
+        seq = await tokenize(request, req)
+        gen, first = await start(request, seq)
         rid, created = new_id("chatcmpl"), now()
         if req.stream:
             def chunk(delta: DeltaMessage | None, finish=None, usage_=None):
@@ -204,15 +323,11 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         return ChatCompletionResponse(id=rid, created=created, model=model_name, usage=usage(last), choices=[
             ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request):
-        check_model(req.model)
-        prompt, documents = req.prompt, req.documents
-        if documents is None:  # tokenize once, here
-            prompt = _prompt_ids(llm, prompt, None)
-        params = sampling_params(req, lambda: len(prompt) if documents is None else
-                                 len(_prompt_ids(llm, prompt, documents)))
-        gen, first = await start(request, prompt, params, documents, req.method)
+        # no documents and an empty list are the same request (a raw prompt, no chat template)
+        seq = await tokenize(request, req, req.prompt, req.documents or None)
+        gen, first = await start(request, seq)
         rid, created = new_id("cmpl"), now()
         if req.stream:
             def chunk(choice: CompletionChoice | None, usage_=None):
@@ -237,22 +352,172 @@ def build_app(engine: AsyncLLMEngine, model_name: str) -> FastAPI:
         return CompletionResponse(id=rid, created=created, model=model_name, usage=usage(last),
                                   choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)])
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format 0.0.4",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return PlainTextResponse(render_metrics(engine.stats()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.openapi = lambda: _openapi(app, bool(api_keys))
     return app
 
 
+# ---- guard, errors, schema ---------------------------------------------------------------------
+
+_ERRORS = {code: {"model": ErrorResponse, "description": why} for code, why in [
+    (400, "Invalid request"), (401, "Missing or wrong API key (when the server has one)"),
+    (404, "Unknown model"), (413, "Request body too large"), (500, "Internal error (details in the server log)"),
+    (503, "Overloaded: retry later")]}
+
+
+# One server-sent event: its data is a JSON chunk, an in-band {"error": ...}, or the closing [DONE].
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+
+
+def _responses(model) -> dict:
+    ok = {200: {"model": model, "description": "The completion; with `stream: true`, server-sent events of chunks",
+                "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+    return {**ok, **_ERRORS}
+
+
+def _openapi(app: FastAPI, auth: bool) -> dict:
+    """FastAPI's schema, corrected to what the server does: validation errors are 400 (never 422)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        if auth:
+            schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+            for p, path in schema.get("paths", {}).items():
+                if p.startswith("/v1"):
+                    for op in path.values():
+                        op["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _log_failure(what: str, e: BaseException) -> str:
+    """Log an unexpected failure with its traceback; the id links a client's error body to it."""
+    eid = uuid.uuid4().hex[:12]
+    log.error("%s [error id %s]", what, eid, exc_info=(type(e), e, e.__traceback__))
+    return eid
+
+
+async def _send_json(send, status: int, body: dict, close: bool = False, extra=()) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *extra]
+    if close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _err_body(message: str, type: str = "invalid_request_error", param=None, code=None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code)).model_dump()
+
+
+class _Guard:
+    """Pure ASGI middleware in front of every route: the API key on ``/v1`` routes (401, as vLLM
+    checks it), the body size (413: at once when Content-Length announces far more, else once the
+    body passes the limit and the rest, if not far more, is read and dropped), and a clean 500 with ``Connection: close`` for any error
+    nothing else handled (the exception's text goes to the log only)."""
+
+    def __init__(self, app, api_keys=(), max_body_bytes: int = 1 << 20):
+        self.app, self.keys, self.max_body = app, tuple(k.encode("utf-8") for k in api_keys), max_body_bytes
+        # a body up to this much past the limit is read (and dropped) before the 413, so the client
+        # sees the answer rather than a reset from closing on unread data; larger ones are cut off
+        self.drain = max(max_body_bytes, 1 << 20)
+
+    async def _drain(self, receive, message, size: int) -> None:
+        while message.get("more_body", False) and size <= self.max_body + self.drain:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.keys and scope["path"].startswith("/v1") and scope["method"] != "OPTIONS":
+            index = self._key_index(scope)
+            if index is None:
+                return await _send_json(send, 401, _err_body(
+                    "missing or incorrect API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"),
+                    extra=[(b"www-authenticate", b"Bearer")])
+            scope.setdefault("state", {})["api_key_index"] = index
+        receive = await self._bounded_body(scope, receive, send)
+        if receive is None:
+            return
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as e:
+            eid = _log_failure(f"{scope['method']} {scope['path']} failed", e)
+            if not started:
+                await _send_json(send, 500, _err_body(f"internal server error (error id {eid})", "server_error"),
+                                 close=True)
+
+    def _key_index(self, scope) -> int | None:
+        auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return None
+        token = token.strip()
+        found = None
+        for i, key in enumerate(self.keys):  # compare with every key: the time says nothing about which matched
+            if hmac.compare_digest(token, key) and found is None:
+                found = i
+        return found
+
+    async def _bounded_body(self, scope, receive, send):
+        """The body read up front within the limit, replayed to the app (then the client's own
+        receive, so disconnects still show); None once a 413 went out."""
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        too_large = _err_body(f"request body exceeds {self.max_body} bytes (the server's --max-body-bytes)",
+                              code="request_too_large")
+        if length is not None and not length.isdigit():
+            await _send_json(send, 400, _err_body("invalid Content-Length header"), close=True)
+            return None
+        if length is not None and int(length) > self.max_body + self.drain:  # not worth reading: refuse now
+            await _send_json(send, 413, too_large, close=True)
+            return None
+        if scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE") and length is None:
+            return receive
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                await self._drain(receive, message, size)
+                await _send_json(send, 413, too_large, close=True)
+                return None
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+        return replay
+
+
 # ---- prompts ----------------------------------------------------------------------------------
-
-def _prompt_ids(llm, prompt, documents) -> list[int]:
-    try:
-        return llm.prompt_ids(prompt, documents)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), param="prompt") from None
-
 
 def _chat_prompt(llm, req: ChatCompletionRequest):
     """(prompt, documents) for the engine: the rendered conversation as token ids, or, with
@@ -310,9 +575,11 @@ async def _unless_disconnected(request: Request, awaitable):
 
 
 def _stream_error(what: str, e: Exception) -> str:
-    """An error after the stream has started is reported in-band, as OpenAI does."""
-    log.exception(what)
-    return _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+    """An error after the stream has started is reported in-band, as OpenAI does; its details go
+    to the log under the id the message names."""
+    eid = _log_failure(what, e.__cause__ if isinstance(e, RequestFailed) and e.__cause__ else e)
+    return _sse({"error": {"message": f"the request failed inside the server (error id {eid})",
+                           "type": "server_error", "param": None, "code": None}})
 
 
 # ---- metrics ----------------------------------------------------------------------------------

@@ -8,17 +8,23 @@ import time
 
 
 class BackgroundServer:
-    def __init__(self, engine, model_name: str, host: str = "127.0.0.1"):
+    """``app_kw`` go to ``build_app`` (api_keys, limits, ...), ``server_kw`` to ``uvicorn_config``
+    (timeout_keep_alive, limit_concurrency, read_timeout, max_connections)."""
+
+    def __init__(self, engine, model_name: str, host: str = "127.0.0.1", app_kw: dict | None = None,
+                 server_kw: dict | None = None):
         import httpx
         import uvicorn
 
         from .app import build_app
+        from .http import uvicorn_config
 
         self.engine = engine
         self._sock = socket.socket()
         self._sock.bind((host, 0))
         self.base = f"http://{host}:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(build_app(engine, model_name), log_level="warning"))
+        self.app = build_app(engine, model_name, **(app_kw or {}))
+        self._server = uvicorn.Server(uvicorn_config(self.app, log_level="warning", **(server_kw or {})))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         self._thread.start()
         deadline = time.time() + 30
@@ -36,4 +42,5 @@ class BackgroundServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self.engine.shutdown()
+        self.app.state.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._sock.close()

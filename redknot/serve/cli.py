@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory for weights, activations and KV pages together (vLLM's flag)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per SegPaged page")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length to serve (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens one engine step computes at most; smaller prompt chunks let decoding requests "
+                        "run between the chunks of a long dense prefill")
+    p.add_argument("--chunk-cache-bytes", type=int, default=None,
+                   help="pool bytes cached document KV may hold at most (default: as much as the pool has free)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model, or redknot-testbed)")
@@ -26,6 +34,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="capture decode CUDA graphs for contexts up to this many tokens at start-up "
                         "(default 0: each one is captured when first met)")
     p.add_argument("--log-level", default="info")
+    g = p.add_argument_group("security and limits")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (repeat for several keys; "
+                        "default: $REDKNOT_API_KEY, else open). /health and /metrics stay open")
+    g.add_argument("--share-cache-across-keys", action="store_true",
+                   help="with several API keys, let them share cached prompt content (default: each key its own "
+                        "cache namespace, which needs an engine that honours cache_salt)")
+    g.add_argument("--max-body-bytes", type=int, default=None,
+                   help="largest request body (413 past it; default: 64 bytes per context token, at least 1 MiB)")
+    g.add_argument("--max-documents", type=int, default=256, help="documents per request at most")
+    g.add_argument("--max-document-bytes", type=int, default=None,
+                   help="UTF-8 bytes per document at most (default: 32 per context token, at least 256 KiB)")
+    g.add_argument("--max-stop-strings", type=int, default=16, help="stop strings (and stop_token_ids) per request")
+    g.add_argument("--max-stop-string-chars", type=int, default=256, help="characters per stop string")
+    g.add_argument("--tokenizer-workers", type=int, default=2,
+                   help="threads that tokenise requests (never the event loop)")
+    g.add_argument("--timeout-keep-alive", type=float, default=5,
+                   help="seconds an idle keep-alive connection stays open (uvicorn; vLLM's default)")
+    g.add_argument("--read-timeout", type=float, default=30,
+                   help="seconds a connection has to send each whole request (slow senders are closed)")
+    g.add_argument("--limit-concurrency", type=int, default=None,
+                   help="uvicorn: answer 503 once this many connections or requests are open (default: no limit)")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="close new connections past this many open ones (default: the file-descriptor limit, "
+                        "raised to its hard maximum, less a reserve)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,10 +66,17 @@ def run(args: argparse.Namespace) -> int:
 
     from ..engine import LLM
     from ..engine.async_engine import AsyncLLMEngine
-    from .app import build_app
+    from .app import ServerLimits, build_app
+    from .http import uvicorn_config
+
+    api_keys = api_keys_of(args)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
+                          max_document_bytes=args.max_document_bytes, max_stop_strings=args.max_stop_strings,
+                          max_stop_string_chars=args.max_stop_string_chars, tokenizer_workers=args.tokenizer_workers)
 
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
-              dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size,
+              dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size, max_model_len=args.max_model_len,
+              max_num_batched_tokens=args.max_num_batched_tokens, chunk_cache_bytes=args.chunk_cache_bytes,
               gpu_memory_utilization=args.gpu_memory_utilization)
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
@@ -45,12 +85,30 @@ def run(args: argparse.Namespace) -> int:
         n = llm.engine.capture_graphs(args.cuda_graph_max_len)
         print(f"captured {n} decode CUDA graphs (contexts up to {args.cuda_graph_max_len} tokens)", flush=True)
     engine = AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs)
-    app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"), api_keys=api_keys,
+                        limits=limits, share_cache_across_keys=args.share_cache_across_keys)
+    except ValueError as e:
+        engine.shutdown()
+        raise SystemExit(f"redknot serve: {e}") from None
+    print(f"API key required on /v1 routes: {'yes' if api_keys else 'no'}; "
+          f"max context of a default request: {llm.max_context()} tokens", flush=True)
+    try:
+        uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
+                                      timeout_keep_alive=args.timeout_keep_alive,
+                                      limit_concurrency=args.limit_concurrency, read_timeout=args.read_timeout,
+                                      max_connections=args.max_connections)).run()
     finally:
         engine.shutdown()
     return 0
+
+
+def api_keys_of(args: argparse.Namespace) -> list[str]:
+    """The keys of ``--api-key``, else ``$REDKNOT_API_KEY``; none: the server is open."""
+    if args.api_key:
+        return [k for k in args.api_key if k]
+    key = os.environ.get("REDKNOT_API_KEY", "")
+    return [key] if key else []
 
 
 def capacity_summary(engine) -> str:

@@ -1,22 +1,82 @@
 """OpenAI-compatible request and response bodies for ``/v1/chat/completions`` and ``/v1/completions``.
 
-Requests are validated strictly (no "5" for 5, no true for 1); unknown fields are ignored, except
-the ones that would silently change the answer (``n`` > 1, logprobs, penalties, tools), which are
-refused. redknot extensions in the body: ``top_k``, ``ignore_eos``, ``documents`` (strings reused
-as position-independent chunks) and ``method`` (one of ``redknot.engine.METHODS``).
+Requests are validated strictly (no "5" for 5, no true for 1, no NaN or infinities, no subnormal
+floats, integers within 64 bits); unknown fields are ignored, except the ones that would silently
+change the answer (``n`` > 1, logprobs, penalties, tools, ``logit_bias``, ``response_format``, and
+the vLLM sampling extensions redknot does not implement), which are refused naming the field.
+redknot extensions in the body: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``documents``
+(strings reused as position-independent chunks), ``method`` (one of ``redknot.engine.METHODS``) and
+``cache_salt`` (vLLM's name: requests with different salts never share cached content).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 
+_INT64 = (-(2 ** 63), 2 ** 63 - 1)
+
+# Fields of the OpenAI and vLLM request bodies that redknot does not implement, each with the values
+# that mean "off" (sent by many clients as defaults). Any other value is refused, naming the field:
+# ignoring it would silently change the answer.
+UNSUPPORTED_FIELDS: dict[str, tuple] = {
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None, 0),
+    "repetition_penalty": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None, []),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+}
+
+
+def _check_number(v: Any, where: str) -> None:
+    if isinstance(v, bool):
+        return
+    if isinstance(v, float) and v != 0 and abs(v) < sys.float_info.min:
+        raise ValueError(f"{where}: subnormal number {v!r} is not accepted")
+    if isinstance(v, int) and not _INT64[0] <= v <= _INT64[1]:
+        raise ValueError(f"{where}: integer out of the 64-bit range")
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sane_numbers(cls, data):
+        """Subnormal floats and integers beyond 64 bits reach no sampler (they overflow there)."""
+        if isinstance(data, dict):
+            for k, v in data.items():
+                if isinstance(v, (int, float)):
+                    _check_number(v, k)
+                elif isinstance(v, list) and any(type(x) is int and not _INT64[0] <= x <= _INT64[1] for x in v):
+                    raise ValueError(f"{k}: integer out of the 64-bit range")
+        return data
 
 
 class StreamOptions(_Request):
@@ -36,10 +96,22 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False  # extension (as in vLLM)
     documents: list[str] | None = None  # extension: reusable document chunks
     method: str | None = None  # extension: dense, headsparse, full_reuse, redknot, ...
+    stop_token_ids: list[int] | None = None  # extension (as in vLLM): token ids that end the output
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # extension (as in vLLM)
     # Accepted only at their no-op values: refusing beats silently ignoring them.
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, off in UNSUPPORTED_FIELDS.items():
+                if name in data and not any(data[name] == o and type(data[name]) is type(o) for o in off):
+                    hint = "omit it" if off[-1] is None else f"omit it or send {off[-1]!r}"
+                    raise ValueError(f"{name}: not supported by this server ({hint})")
+        return data
 
     @field_validator("n")
     @classmethod

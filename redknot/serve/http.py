@@ -1,0 +1,102 @@
+"""uvicorn's HTTP/1.1 protocol with the connection limits ``redknot serve`` needs under hostile
+clients, and the uvicorn config both the CLI and ``BackgroundServer`` run.
+
+``GuardedH11Protocol`` adds to uvicorn's h11 protocol:
+
+* a read timeout: a connection must deliver each whole request (head and body) within
+  ``read_timeout`` seconds of the connection opening or of the previous response; otherwise it
+  is closed (slowloris clients trickling headers otherwise hold a socket forever, since uvicorn's
+  keep-alive timer stops at the first byte);
+* a connection cap: past ``max_connections`` open connections a new one is closed as soon as it
+  is accepted, so idle sockets can never use up the file descriptors (accept() then fails and
+  the server stops answering anything, /health included).
+"""
+
+from __future__ import annotations
+
+import resource
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+# File descriptors kept back for the model, the log and other files when sizing the connection cap.
+RESERVED_FDS = 128
+
+
+class GuardedH11Protocol(H11Protocol):
+    read_timeout: float = 30.0
+    max_connections: int = 4096
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._read_deadline = None
+        if len(self.connections) > self.max_connections:
+            self.logger.warning("connection refused: %d connections open (--max-connections)", len(self.connections) - 1)
+            transport.abort()
+            return
+        self._arm_read_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_read_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.DONE or self.conn.their_state is h11.MUST_CLOSE:
+            self._disarm_read_deadline()  # the whole request is in: the app's time is not the client's
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_read_deadline()  # the next request on this connection has the same budget
+            if self.conn.their_state is h11.DONE:  # a pipelined request already arrived
+                self._disarm_read_deadline()
+
+    def _arm_read_deadline(self) -> None:
+        self._disarm_read_deadline()
+        self._read_deadline = self.loop.call_later(self.read_timeout, self._read_timed_out)
+
+    def _disarm_read_deadline(self) -> None:
+        if getattr(self, "_read_deadline", None) is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_timed_out(self) -> None:
+        self._read_deadline = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete and self.conn.their_state is h11.DONE:
+            return  # a response is being produced: not the client's delay
+        self.transport.close()
+
+
+def default_max_connections() -> int:
+    """Raise the soft file-descriptor limit to the hard one (as vLLM does) and leave
+    ``RESERVED_FDS`` of it for everything but connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 65536)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return max(16, soft - RESERVED_FDS)
+
+
+def protocol_class(read_timeout: float = 30.0, max_connections: int | None = None) -> type[H11Protocol]:
+    """A ``GuardedH11Protocol`` with these limits (``max_connections`` None: ``default_max_connections``)."""
+    return type("GuardedH11Protocol", (GuardedH11Protocol,),
+                {"read_timeout": float(read_timeout),
+                 "max_connections": default_max_connections() if max_connections is None else int(max_connections)})
+
+
+def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
+                   timeout_keep_alive: float = 5, limit_concurrency: int | None = None, read_timeout: float = 30.0,
+                   max_connections: int | None = None):
+    """uvicorn's Config for ``app`` with the guarded protocol; ``timeout_keep_alive`` is vLLM's default (5 s)."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
+                          limit_concurrency=limit_concurrency, http=protocol_class(read_timeout, max_connections))
