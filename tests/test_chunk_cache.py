@@ -132,3 +132,25 @@ def test_a_small_pool_evicts_chunks_and_answers_the_same(tiny_checkpoint, llm):
     assert small.chunk_cache.stats()["evictions"] > 0
     small.engine.clear_caches()
     assert small.pool.num_free_pages == small.pool.num_pages
+
+
+def test_cache_salt_keeps_tenants_apart(llm):
+    """The same documents under another cache_salt are computed again (nothing shared between
+    namespaces: no timing or cached_tokens oracle); under the same salt they are reused."""
+    llm.engine.clear_caches()
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    def cached(method, salt):
+        seq = llm.make_sequence(QUESTION, params, DOCS, method, cache_salt=salt)
+        llm.engine.add_request(seq)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return seq.cached_tokens, seq.output_token_ids
+
+    for method in ("full_reuse", "dense", "redknot_kv"):  # fresh tenants per method (one tenant's
+        first, out_a = cached(method, method + "/a")  # methods share its exact pages)
+        again, out_a2 = cached(method, method + "/a")
+        other, out_b = cached(method, method + "/b")
+        plain, _ = cached(method, None) if method == "full_reuse" else (0, None)
+        assert first == 0 and again > 0 and other == 0 and plain == 0, method
+        assert out_a == out_a2 == out_b

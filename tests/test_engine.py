@@ -224,3 +224,36 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_checkpoint, method):
         llm = LLM(model=path, device="cuda", dtype="float32", head_config=hc, method=method, cuda_graphs=graphs)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))])
     assert outs[0] == outs[1]
+
+
+def test_a_row_the_sampler_rejects_fails_only_its_own_request(tiny_checkpoint, monkeypatch):
+    import redknot.engine.engine as engine_mod
+
+    real = engine_mod.sample
+
+    def picky(logits, params, generators):
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("this row cannot be sampled")
+        return real(logits, params, generators)
+
+    llm = LLM(model=tiny_checkpoint("llama"), device=DEVICE, page_size=16)
+    ref = llm.generate("Hello there", greedy(5))[0].outputs[0].token_ids
+    monkeypatch.setattr(engine_mod, "sample", picky)
+    bad = llm.make_sequence("Bad row", SamplingParams(max_tokens=5, seed=666), None, "dense")
+    good = llm.make_sequence("Hello there", greedy(5), None, "dense")
+    for s in (bad, good):
+        llm.engine.add_request(s)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert bad.finish_reason == "error" and "cannot be sampled" in str(bad.error)
+    assert good.error is None and good.output_token_ids == ref
+
+
+def test_an_abandoned_request_is_dropped_before_prefill(tiny_checkpoint):
+    llm = LLM(model=tiny_checkpoint("llama"), device=DEVICE, page_size=16)
+    gone = llm.make_sequence(LONG, greedy(4), None, "dense")
+    llm.engine.add_request(gone)
+    gone.abandoned = True
+    out = llm.engine.step()
+    assert gone.finish_reason == "abort" and gone.num_computed == 0 and any(o.seq is gone for o in out)
+    assert not llm.engine.has_unfinished() and llm.pool.num_free_pages == llm.pool.num_pages

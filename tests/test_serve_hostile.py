@@ -252,15 +252,12 @@ def test_api_key_from_the_environment(monkeypatch):
     assert api_keys_of(p.parse_args([])) == []
 
 
-def test_cache_salt_reaches_the_sequence_only_where_the_engine_namespaces(server, tiny_checkpoint, monkeypatch):
-    # this engine does not namespace its caches: a salt would be a promise it cannot keep
+def test_cache_salt_reaches_the_sequence_and_namespaces_the_caches(server, tiny_checkpoint):
     r = server.http.post("/v1/chat/completions", json=chat(cache_salt="tenant-a"))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    assert r.status_code == 200, r.text
     llm = LLM(model=tiny_checkpoint("llama"), **{**LLM_KW, "method": "dense"})
-    with pytest.raises(ValueError, match="share"):  # several keys, their own namespaces: refused up front
-        build_app(AsyncLLMEngine(llm), MODEL, api_keys=KEYS)
-    # an engine that does: each key gets its own namespace, and a request's salt one inside it
-    monkeypatch.setattr(llm.engine, "honours_cache_salt", True, raising=False)
+    assert llm.engine.honours_cache_salt
+    # each key gets its own namespace, and a request's salt one inside it
     engine = AsyncLLMEngine(llm)
     salts, generate = [], engine.generate
 

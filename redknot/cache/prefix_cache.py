@@ -40,17 +40,18 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def _keys(self, plan: str, token_ids) -> list[bytes]:
-        return block_keys(f"{self.fingerprint}/{plan}", token_ids, self.pool.page_size)
+    def _keys(self, plan: str, token_ids, salt: str | None = None) -> list[bytes]:
+        ns = f"{self.fingerprint}/{plan}" if salt is None else f"{self.fingerprint}/{plan}/salt:{salt}"
+        return block_keys(ns, token_ids, self.pool.page_size)
 
-    def match(self, plan: str, token_ids, limit: int) -> tuple[int, np.ndarray | None]:
+    def match(self, plan: str, token_ids, limit: int, salt: str | None = None) -> tuple[int, np.ndarray | None]:
         """Longest cached prefix of at most ``limit`` tokens that a sequence under ``plan`` can
         continue from: (tokens, int32 [L, Hkv, pages]) or (0, None).
 
         A local head continuing at position n needs its sink pages and the pages within its window
         of n; a cached block where it had already dropped one of those cannot serve that length."""
         ps = self.pool.page_size
-        keys = self._keys(plan, token_ids[: (limit // ps) * ps])
+        keys = self._keys(plan, token_ids[: (limit // ps) * ps], salt)
         blocks = []
         for k in keys:
             pages = self._blocks.get(k)
@@ -71,9 +72,10 @@ class PrefixCache:
                 return n, table
         return 0, None
 
-    def insert(self, plan: str, token_ids, table: np.ndarray) -> None:
-        """Cache the full blocks of ``token_ids`` whose pages ``table`` ([L, Hkv, >= blocks]) holds."""
-        keys = self._keys(plan, token_ids)
+    def insert(self, plan: str, token_ids, table: np.ndarray, salt: str | None = None) -> None:
+        """Cache the full blocks of ``token_ids`` whose pages ``table`` ([L, Hkv, >= blocks]) holds
+        (``salt``: the requests' cache namespace; only the same salt matches them)."""
+        keys = self._keys(plan, token_ids, salt)
         for b, k in enumerate(keys):
             if k in self._blocks:
                 self._blocks.move_to_end(k)

@@ -147,6 +147,7 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, plan_tensors, cfg.max_num_seqs, cfg.cuda_graphs, cfg.kernel)
         self.prefix_cache = PrefixCache(self.pool, fingerprint) if cfg.enable_prefix_caching else None
         self.fingerprint = fingerprint
+        self.honours_cache_salt = True  # Sequence.cache_salt namespaces every cache key it touches
         self.chunk_cache = ChunkCache(self.pool, fingerprint, cfg.chunk_cache_bytes)
         self.reuse = ReuseEngine(model, config, fingerprint, head_config, sparse_ffn, self.chunk_cache,
                                  self.chunk_cache, device, cfg.reuse_options)
@@ -326,6 +327,11 @@ class Engine:
     def _admit(self, budget: int, prefill: list[Sequence], outputs: list[StepOutput]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.abandoned:  # its client has gone: nothing it would compute is read
+                self.waiting.popleft()
+                seq.finish_reason = seq.finish_reason or "abort"
+                outputs.append(StepOutput(seq))
+                continue
             chunked = uses_chunks(seq.method) and not seq.reuse_done
             steady = self._steady_pages(seq)
             if self.cfg.reserve_full_length and self._committed + steady + self._headroom() > self.pool.num_pages:
@@ -378,7 +384,7 @@ class Engine:
                 if seq.method not in PLACED_METHODS or seq.finished:
                     continue
             elif self.prefix_cache is not None and seq.num_computed == 0:
-                n, table = self.prefix_cache.match(seq.plan, seq.token_ids, len(seq.token_ids) - 1)
+                n, table = self.prefix_cache.match(seq.plan, seq.token_ids, len(seq.token_ids) - 1, seq.cache_salt)
                 if n:
                     self.pool.share(seq.seq_id, table, n)
                     seq.num_computed = n
@@ -425,9 +431,14 @@ class Engine:
         (computed after the prefix, at its canonical position)."""
         cp = seq.chunked_prompt
         prefix = tuple(cp.prefix)
-        specs = [(chunk_key(self.fingerprint, (), prefix), prefix, 0)] if prefix else []
-        specs += [(chunk_key(self.fingerprint, prefix, ids), prefix + tuple(ids), len(prefix)) for ids in cp.chunks]
+        ns = self._namespace(seq)
+        specs = [(chunk_key(ns, (), prefix), prefix, 0)] if prefix else []
+        specs += [(chunk_key(ns, prefix, ids), prefix + tuple(ids), len(prefix)) for ids in cp.chunks]
         return specs
+
+    def _namespace(self, seq: Sequence) -> str:
+        """The chunk keys' namespace: the model fingerprint, salted by the request's cache_salt."""
+        return self.fingerprint if seq.cache_salt is None else f"{self.fingerprint}\x1fsalt:{seq.cache_salt}"
 
     def _ensure_chunks(self, seq: Sequence, reserve: int) -> tuple[dict, int]:
         """Put every chunk the request names into the chunk cache, prefilling the missing ones in
@@ -446,14 +457,14 @@ class Engine:
                 entries[key] = entry
         self.pool.retain(_pages_of(entries))
         try:
-            computed = self._prefill_chunks(list(missing.items()), reserve, entries)
+            computed = self._prefill_chunks(list(missing.items()), reserve, entries, seq.cache_salt)
         except BaseException:
             self.pool.release(_pages_of(entries))
             raise
         seq.fresh_chunk_tokens = sum(len(t) - s for t, s in missing.values())
         return entries, computed
 
-    def _prefill_chunks(self, missing: list, reserve: int, entries: dict) -> int:
+    def _prefill_chunks(self, missing: list, reserve: int, entries: dict, salt: str | None) -> int:
         """Prefill chunks at their canonical positions as short-lived dense pool sequences (from
         any cached prefix), CHUNK_SLOTS and one token budget at a time; the chunk cache keeps
         their pages. Adds each pinned entry to ``entries``; returns tokens computed."""
@@ -472,7 +483,7 @@ class Engine:
                     ids.append(sid)
                     m = 0
                     if self.prefix_cache is not None:
-                        m, table = self.prefix_cache.match("dense", toks, len(toks) - 1)
+                        m, table = self.prefix_cache.match("dense", toks, len(toks) - 1, salt)
                         if m:
                             self.pool.share(sid, table, m)
                     cached.append(m)
@@ -488,7 +499,7 @@ class Engine:
                 for sid, (key, (toks, start)) in zip(ids, group):
                     table = self.pool.table(sid)
                     if self.prefix_cache is not None:
-                        self.prefix_cache.insert("dense", toks, table)
+                        self.prefix_cache.insert("dense", toks, table, salt)
                     pages = table[:, :, start // ps:-(-len(toks) // ps)]
                     self.chunk_cache.insert(key, toks[start:], start, pages, start % ps)
                     # pinned for this request (also when the cache is capped below its size)
@@ -548,7 +559,7 @@ class Engine:
             self.pool.trim(s.seq_id)
             if n > 1 and self.prefix_cache is not None and s.exact_kv:
                 m = min(s.num_computed, s.num_prompt)
-                self.prefix_cache.insert(plan, s.token_ids[:m], self.pool.table(s.seq_id))
+                self.prefix_cache.insert(plan, s.token_ids[:m], self.pool.table(s.seq_id), s.cache_salt)
             if s.num_pending == 0:
                 done.append(i)
                 if s.flops is None and s.prefill_start is not None:
@@ -599,7 +610,7 @@ class Engine:
         seq.cached_tokens = end - seq.fresh_chunk_tokens
 
     def _reuse_prefill(self, seq: Sequence, outputs: list[StepOutput]) -> None:
-        result = self.reuse.prefill(seq.chunked_prompt, seq.method)
+        result = self.reuse.prefill(seq.chunked_prompt, seq.method, self._namespace(seq))
         self.last_prefill = result
         rec = result.recovered
         n = rec.k[0].shape[0]
@@ -642,9 +653,20 @@ class Engine:
         for s, row in zip(seqs, logits):
             if s.params.return_first_logits and s.first_logits is None:
                 s.first_logits = row.float().cpu()
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        try:
+            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+        except Exception:  # find the rows that fail and fail only those requests
+            tokens = []
+            for s, row in zip(seqs, logits):
+                try:
+                    tokens.append(sample(row[None], [s.params], [s.generator]).item())
+                except Exception as e:
+                    self._fail(s, e, outputs)
+                    tokens.append(None)
         now = time.perf_counter()
         for s, t in zip(seqs, tokens):
+            if t is None:
+                continue
             if s.first_token_time is None:
                 s.first_token_time = now
             outputs.append(self._append(s, t))

@@ -222,6 +222,7 @@ class ReuseEngine:
                  options: ReuseOptions | None = None):
         self.model, self.cfg, self.device = model, cfg, device
         self.fingerprint = fingerprint  # keys carry this model's identity, whatever store they go to
+        self._namespace = fingerprint  # and, for the prefill running, its cache namespace
         self.head_config, self.sparse = head_config, sparse
         self.store, self.prefix_store = store, prefix_store
         self.options = options or ReuseOptions()
@@ -230,7 +231,7 @@ class ReuseEngine:
 
     # ---- chunk KV -----------------------------------------------------------------------------
     def _key(self, prefix, ids) -> str:
-        return chunk_key(self.fingerprint, prefix, ids)
+        return chunk_key(self._namespace, prefix, ids)
 
     def _entry(self, store: ChunkStore, key: str, prefix: tuple, ids: tuple, start: int,
                offline: list) -> ChunkKV:
@@ -280,7 +281,16 @@ class ReuseEngine:
             cv[l][at:at + n] = entry.v[l].to(self.device)
 
     # ---- prefill ------------------------------------------------------------------------------
-    def prefill(self, prompt: ChunkedPrompt, method: str) -> PrefillResult:
+    def prefill(self, prompt: ChunkedPrompt, method: str, namespace: str | None = None) -> PrefillResult:
+        """``namespace``: the cache key namespace (default: the model fingerprint; a salted one
+        keeps one tenant's chunks apart from another's)."""
+        self._namespace = namespace or self.fingerprint
+        try:
+            return self._prefill(prompt, method)
+        finally:
+            self._namespace = self.fingerprint
+
+    def _prefill(self, prompt: ChunkedPrompt, method: str) -> PrefillResult:
         if method not in ENGINE_METHODS:
             raise ValueError(f"unknown reuse method {method!r} (available: {', '.join(ENGINE_METHODS)})")
         tokens = torch.tensor(prompt.token_ids, device=self.device)
