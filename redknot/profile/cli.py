@@ -14,7 +14,7 @@ def _none_or_float(text: str) -> float | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
+    p.add_argument("--model", default=None, help="HF checkpoint directory, .gguf or shelf name (default: the bundled testbed model)")
     p.add_argument("--out", required=True, help="head config JSON to write (upstream schema)")
     p.add_argument("--plot", default=None, help="PNG heat map of classes and windows")
     p.add_argument("--target-global", type=float, default=0.15,
@@ -62,6 +62,9 @@ def run(args) -> int:
         from ..testbed import model_path
 
         args.model = model_path()
+    from ..models import resolve_model
+
+    args.model = resolve_model(args.model)  # an HF directory, a .gguf or a fetched shelf name (smollm2, ...)
     model, cfg = load_model(args.model, args.dtype, args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     plan = profile_heads(model, cfg, tokenizer, records, target_global=args.target_global, coverage=args.coverage,
