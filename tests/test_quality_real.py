@@ -71,6 +71,7 @@ def test_budget_variants_parse_and_fail_clearly():
     assert split_variant("cacheblend@0.3") == ("cacheblend", {"cacheblend_ratio": 0.3})
     assert split_variant("epic@32") == ("epic", {"epic_tokens": 32})
     assert split_variant("redknot_kv") == ("redknot_kv", {})
+    assert split_variant("redknot_kv@0.5") == ("redknot_kv", {"keep_fraction": 0.5})
     for bad, msg in (("dense@1", "take a budget"), ("cacheblend@x", "not a float"), ("cacheblend@1.5", "range")):
         with pytest.raises(ValueError, match=msg):
             split_variant(bad)
@@ -107,13 +108,20 @@ def setup(tiny_checkpoint, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quality_real")
     data = tmp / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
-    return tiny_checkpoint("llama", num_hidden_layers=2), data, tmp
+    import redknot
+
+    heads = tmp / "heads.json"
+    redknot.HeadConfig.synthetic(2, 2, 0.5, window=16, sink=4).to_json(heads)
+    # every layer sparse, no always-kept rows: the keep fraction alone decides the FFN rows
+    (tmp / "sparse.json").write_text(json.dumps({"dense_until": 0, "deep_layer_start": 0, "recent_n": 0,
+                                                 "min_keep": 1}))
+    return tiny_checkpoint("llama", num_hidden_layers=2), data, tmp, heads
 
 
 def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
-    model, data, tmp = setup
+    model, data, tmp, heads = setup
     out = tmp / "r.json"
-    common = dict(model=model, data=data, methods="dense,cacheblend@0.0,cacheblend@1.0", out=out, max_tokens=3,
+    common = dict(model=model, data=data, methods="dense,cacheblend@0.0,cacheblend@1.0,redknot_kv@0.25,redknot_kv@1.0", head_config=heads, sparse_ffn=tmp / "sparse.json", out=out, max_tokens=3,
                   device="cpu", dtype="float32")
     quality.run(_args(**common, limit=1))
     first = json.loads(out.read_text())
@@ -128,6 +136,8 @@ def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
     assert m["cacheblend@1.0"]["top1_agreement"] == 1.0 and m["cacheblend@1.0"]["kl"] < 1e-6
     assert m["cacheblend@1.0"]["answer_f1"] == 1.0
     assert m["cacheblend@0.0"]["flops_fraction"] < m["cacheblend@1.0"]["flops_fraction"]
+    # the sparse FFN's keep fraction is a budget: more rows through the FFN cost more
+    assert m["redknot_kv@0.25"]["flops_fraction"] < m["redknot_kv@1.0"]["flops_fraction"]
     assert result["n_records_done"] == 3
     with pytest.raises(ValueError, match="methods"):
         quality.run(_args(**{**common, "methods": "dense,cacheblend"}, resume=True))
@@ -136,7 +146,7 @@ def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
 
 
 def test_public_sets_default_to_the_longbench_prompt(setup, tmp_path):
-    model, _, _ = setup
+    model, _, _, _ = setup
     src = tmp_path / "hp.jsonl"  # IRCoT's processed HotpotQA layout (what hotpotqa_dev_500.jsonl holds)
     src.write_text("".join(json.dumps({
         "question_id": r["id"], "question_text": r["question"],

@@ -16,7 +16,8 @@ documents stay separate chunks in both (the template's instruction joins the pre
 part the suffix; ``redknot.reuse.prompt.DOCUMENTS_SLOT``).
 
 Budgets: a method may carry one knob after ``@``: ``cacheblend@0.3`` (recompute ratio),
-``epic@32`` (tokens recomputed per chunk); head-plan budgets are separate runs with other
+``epic@32`` (tokens recomputed per chunk), ``redknot_kv@0.5`` / ``redknot@0.5`` (the sparse FFN's
+``keep_fraction``: that share of chunk tokens through the FFN, instead of the mass tiers); head-plan budgets are separate runs with other
 ``--head-config`` files (``redknot bench quality-report`` merges them).
 
 Long runs: a tqdm bar on stderr, the results JSON rewritten after every record (``complete``:
@@ -53,8 +54,9 @@ LONGBENCH_QA = ("Answer the question based on the given passages. Only give me t
                 "given passages. Only give me the answer and do not output any other words.\n\n"
                 "Question: {question}\nAnswer:")
 PROMPTS = {"plain": None, "longbench": LONGBENCH_QA}
-# Method knobs a spec may set after "@" (budgets): method -> (ReuseOptions field, type).
-VARIANT_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int)}
+# Method knobs a spec may set after "@" (budgets): method -> (ReuseOptions / SparseFFNConfig field, type).
+VARIANT_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
+                 "redknot": ("keep_fraction", float), "redknot_kv": ("keep_fraction", float)}
 
 
 # ---- SQuAD answer scoring -----------------------------------------------------------------------
@@ -202,7 +204,7 @@ def split_variant(spec: str) -> tuple[str, dict]:
         v = kind(value)
     except ValueError:
         raise ValueError(f"method {spec!r}: {value!r} is not a {kind.__name__} ({field})") from None
-    if v < 0 or (field == "cacheblend_ratio" and v > 1):
+    if v < 0 or (field in ("cacheblend_ratio", "keep_fraction") and v > 1):
         raise ValueError(f"method {spec!r}: {field} out of range")
     return name, {field: v}
 
@@ -217,12 +219,14 @@ def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None
     name, knobs = split_variant(method)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"], return_first_logits=True)
     reuse = llm.engine.reuse
-    saved = reuse.options
-    reuse.options = dataclasses.replace(saved, **knobs)  # this request's budget only
+    saved = reuse.options, reuse.sparse
+    options = {k: v for k, v in knobs.items() if k in {f.name for f in dataclasses.fields(saved[0])}}
+    reuse.options = dataclasses.replace(saved[0], **options)  # this request's budget only
+    reuse.sparse = dataclasses.replace(saved[1], **{k: v for k, v in knobs.items() if k not in options})
     try:
         return llm.generate(question_prompt(rec, template), params, documents=rec["documents"], method=name)[0]
     finally:
-        reuse.options = saved
+        reuse.options, reuse.sparse = saved
 
 
 def answer_scores(text: str, rec: dict, reference: str | None = None) -> dict:
