@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_config_make)
 
-    from .bench import capacity as bench_capacity, decode as bench_decode, kernel, offline as bench_offline, profile_time, quality, serve as bench_serve, ttft
+    from .bench import (capacity as bench_capacity, decode as bench_decode, kernel, offline as bench_offline,
+                        profile_time, quality, quality_report, serve as bench_serve, ttft)
     from .profile import cli as profile_cli
     from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         (bsub, "kernel", "SegPagedAttention vs FA-2, FlexAttention and SDPA", kernel),
         (bsub, "ttft", "time to first token of every method on RAG layouts (GPU, random weights)", ttft),
         (bsub, "quality", "EM/F1 and first-token agreement with dense of every method", quality),
+        (bsub, "quality-report", "one table and a Pareto plot from several bench quality runs", quality_report),
         (bsub, "serve", "concurrent streaming clients against redknot serve, per method", bench_serve),
         (bsub, "decode", "offline decode tok/s against the bandwidth bound, with HF eager (GPU)", bench_decode),
         (bsub, "offline", "LLM.generate against HF transformers' eager generate on the same prompts", bench_offline),

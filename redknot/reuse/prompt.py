@@ -9,6 +9,12 @@ after it is the suffix. Each document string is tokenized with a trailing blank 
 documents read as paragraphs. Without a chat template the prefix is the BOS token (if any) and
 the suffix is the prompt. Token-id lists are taken as they are.
 
+A question string may hold ``DOCUMENTS_SLOT`` once: the text before it is an instruction that
+goes before the documents, inside the same user turn (it joins the prefix, so it is shared by every
+request with the same instruction), the text after it follows the documents (it leads the
+suffix). This is how a LongBench-style template ("...given passages.\n{documents}Question: ...")
+keeps its documents as separate chunks.
+
 The prompt may also be a conversation (a list of ``{"role", "content"}`` messages) whose last
 message is the user's question: the earlier messages (a system message, earlier turns) render
 into the prefix, so a system prompt comes before the documents and chunks are cached after it.
@@ -19,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _PLACEHOLDER = "\x00REDKNOT_DOCUMENTS_AND_QUESTION\x00"
+# Where the documents go inside a question string that wraps them in an instruction (module docstring).
+DOCUMENTS_SLOT = "\x00REDKNOT_DOCUMENTS\x00"
 DOCUMENT_SEPARATOR = "\n\n"
 
 
@@ -57,13 +65,25 @@ def is_conversation(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
+def split_slot(question: str) -> tuple[str, str]:
+    """(lead, question): the instruction before ``DOCUMENTS_SLOT`` and the text after it; ("",
+    question) without a slot."""
+    n = question.count(DOCUMENTS_SLOT)
+    if n > 1:
+        raise ValueError(f"the prompt holds DOCUMENTS_SLOT {n} times: the documents go in one place")
+    lead, slot, rest = question.partition(DOCUMENTS_SLOT)
+    return (lead, rest) if slot else ("", question)
+
+
 def _render_around(tokenizer, history: list[dict], question: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(prefix, suffix) ids: the template rendered with ``history`` then a user turn whose content is a
-    placeholder; the text before it is the prefix, the question plus the text after it the suffix."""
+    placeholder; the text before it (and the question's lead, see ``split_slot``) is the prefix, the
+    question plus the text after it the suffix."""
+    lead, question = split_slot(question)
     rendered = tokenizer.apply_chat_template(history + [{"role": "user", "content": _PLACEHOLDER}], tokenize=False,
                                              add_generation_prompt=True)
     head, tail = rendered.split(_PLACEHOLDER)
-    return (tuple(tokenizer.encode(head, add_special_tokens=False)),
+    return (tuple(tokenizer.encode(head + lead, add_special_tokens=False)),
             tuple(tokenizer.encode(question + tail, add_special_tokens=False)))
 
 
@@ -93,8 +113,10 @@ def build_prompt(tokenizer, prompt, documents, use_chat_template: bool | None = 
             prefix, suffix = _render_around(tokenizer, [], prompt)
         else:
             bos = tokenizer.bos_token_id
+            lead, question = split_slot(prompt)
             prefix = (bos,) if bos is not None and tokenizer.encode("a")[:1] == [bos] else ()
-            suffix = tuple(tokenizer.encode(prompt, add_special_tokens=False))
+            prefix += tuple(tokenizer.encode(lead, add_special_tokens=False)) if lead else ()
+            suffix = tuple(tokenizer.encode(question, add_special_tokens=False))
     else:
         prefix, suffix = (), _ids(prompt, "prompt")
     chunks = []

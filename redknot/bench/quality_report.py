@@ -1,0 +1,142 @@
+"""`redknot bench quality-report`: one table and one Pareto plot from several `bench quality` runs.
+
+Each run measures dense and some methods at one head plan (and any ``cacheblend@R`` / ``epic@N``
+budgets); budgets of the head-plan methods are separate runs with other ``--head-config`` files.
+The report keeps the records every run finished (so each row averages the same records),
+labels a head-plan method with its plan (``redknot_kv [profiled_g25]``; ``--label FILE=NAME`` names
+a run's plan), keeps one row per label, and writes:
+
+- a markdown table: EM / F1 against gold, F1 ÷ dense, answer EM / F1 against dense's answer,
+  first-token top-1 / top-10 / KL against dense, prefill FLOPs ÷ dense;
+- a PNG (``--plot``): prefill FLOPs ÷ dense against first-token top-1 agreement and against answer F1
+  vs dense, one point per method and budget (methods without a FLOPs count, headsparse, are left
+  out of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .quality import NEEDS_HEAD_CONFIG, REFERENCE, _aggregate, split_variant
+
+
+def _plan_name(result: dict, path: Path, labels: dict[str, str]) -> str:
+    if str(path) in labels:
+        return labels[str(path)]
+    hc = result.get("head_config")
+    return Path(hc).stem if hc else path.stem
+
+
+def merge(paths: list[Path], labels: dict[str, str] | None = None) -> dict:
+    """{"n_records", "rows": [{"label", "method", "plan", **summary}], "sources"} over the records all
+    runs finished (dense from the first run; a label seen twice is kept from its first run)."""
+    labels = labels or {}
+    results = []
+    for p in paths:
+        try:
+            results.append((Path(p), json.loads(Path(p).read_text())))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{p}: not a results JSON ({e})") from e
+    common = None
+    for p, r in results:
+        ids = [e["id"] for e in r["records"]]
+        common = ids if common is None else [i for i in common if i in set(ids)]
+    if not common:
+        raise ValueError("the runs share no finished record")
+    keep = set(common)
+    rows, seen = [], set()
+    for p, r in results:
+        plan = _plan_name(r, p, labels)
+        for m in r["methods"]:
+            if m == REFERENCE and seen:
+                continue
+            base, knobs = split_variant(m)
+            label = f"{m} [{plan}]" if base in NEEDS_HEAD_CONFIG else m
+            if label in seen:
+                continue
+            seen.add(label)
+            per = [{**e["predictions"][m], "type": e["type"]} for e in r["records"] if e["id"] in keep]
+            rows.append({"label": label, "method": base, "plan": plan if base in NEEDS_HEAD_CONFIG else None,
+                         "knobs": knobs, "source": str(p), **_aggregate(per)})
+    dense = next(x for x in rows if x["method"] == REFERENCE)
+    for x in rows:
+        x["f1_ratio"] = x["f1"] / dense["f1"] if dense["f1"] else None
+    return {"n_records": len(common), "rows": rows, "sources": [str(p) for p, _ in results],
+            "model": results[0][1].get("model"), "data": results[0][1].get("data")}
+
+
+def markdown(report: dict) -> str:
+    def num(x, fmt="{:.3f}"):
+        return "–" if x is None else fmt.format(x)
+
+    lines = ["| method | EM | F1 | F1 ÷ dense | answer EM vs dense | answer F1 vs dense | top-1 = dense | "
+             "top-10 overlap | KL(dense‖method) | prefill FLOPs ÷ dense |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for x in report["rows"]:
+        lines.append(f"| {x['label']} | {num(x['em'])} | {num(x['f1'])} | {num(x['f1_ratio'], '{:.2f}')} | "
+                     f"{num(x['answer_em'])} | {num(x['answer_f1'])} | {num(x['top1_agreement'])} | "
+                     f"{num(x['top10_overlap'])} | {num(x['kl'], '{:.4f}')} | {num(x['flops_fraction'], '{:.2f}')} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str | Path, title: str | None = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [x for x in report["rows"] if x["flops_fraction"] is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    markers = dict(dense="*", prefix="P", full_reuse="v", epic="^", cacheblend="s", redknot="D", redknot_kv="o")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    family = {m: colors[i % len(colors)] for i, m in enumerate(dict.fromkeys(x["method"] for x in rows))}
+    for ax, key, name in ((axes[0], "top1_agreement", "first-token top-1 = dense"),
+                          (axes[1], "answer_f1", "answer F1 vs dense's answer")):
+        for x in rows:
+            ax.scatter(x["flops_fraction"], x[key], marker=markers.get(x["method"], "o"), color=family[x["method"]],
+                       s=60, label=x["method"])
+            ax.annotate(x["label"].replace(x["method"], "").strip() or x["method"], (x["flops_fraction"], x[key]),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(0.9, color="grey", lw=0.6, ls="--")
+        ax.axvline(0.6, color="grey", lw=0.6, ls="--")
+        ax.set_xlabel("prefill FLOPs ÷ dense")
+        ax.set_ylabel(name)
+        ax.set_xlim(0, 1.05)
+        ax.grid(alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    uniq = dict(zip(names, handles))
+    axes[1].legend(uniq.values(), uniq.keys(), fontsize=7, loc="lower right")
+    fig.suptitle(title or f"{Path(str(report.get('model'))).name}, {report['n_records']} records", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return Path(path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="results JSONs of `redknot bench quality` on the same data")
+    p.add_argument("--label", action="append", default=[], metavar="FILE=NAME",
+                   help="name of a run's head plan in the labels (default: the head config's file name)")
+    p.add_argument("--plot", default=None, help="Pareto PNG to write")
+    p.add_argument("--title", default=None)
+    p.add_argument("--out", default=None, help="merged report JSON to write")
+
+
+def run(args) -> dict:
+    labels = {}
+    for spec in args.label:
+        f, eq, name = spec.partition("=")
+        if not eq:
+            raise ValueError(f"--label {spec!r}: use FILE=NAME")
+        labels[f] = name
+    report = merge([Path(p) for p in args.results], labels)
+    print(f"{report['n_records']} records common to {len(report['sources'])} run(s)")
+    print(markdown(report))
+    if args.plot:
+        plot(report, args.plot, args.title)
+        print(f"wrote {args.plot}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    return report

@@ -1,0 +1,48 @@
+"""`redknot bench quality-report`: runs merged over their common records, plan labels, table, plot."""
+
+import json
+
+import pytest
+
+from redknot.bench import quality_report
+
+
+def _row(top1, flops, f1=0.5, aF1=1.0):
+    return {"text": "x", "em": 0.0, "f1": f1, "answer_em": float(aF1 == 1.0), "answer_f1": aF1,
+            "top1_agreement": top1, "top10_overlap": 0.8, "logit_cos": 0.99, "kl": 0.1 * (1 - top1),
+            "cached_tokens": 10, "flops": flops, "dense_flops": 100}
+
+
+def _run(path, ids, methods, head_config=None):
+    recs = [{"id": i, "type": "bridge", "answers": ["a"],
+             "predictions": {m: _row(*methods[m](i)) for m in methods}} for i in ids]
+    path.write_text(json.dumps({"methods": {m: {} for m in methods}, "records": recs, "head_config": head_config,
+                                "model": "/m/smol", "data": "hotpotqa:x"}))
+    return path
+
+
+def test_runs_merge_over_common_records_with_plan_labels(tmp_path):
+    a = _run(tmp_path / "a.json", ["r1", "r2", "r3"],
+             {"dense": lambda i: (1.0, 100), "cacheblend@0.3": lambda i: (1.0 if i != "r3" else 0.0, 40),
+              "redknot_kv": lambda i: (1.0, 20)}, head_config="plans/prof_g25.json")
+    b = _run(tmp_path / "b.json", ["r1", "r2"], {"dense": lambda i: (1.0, 100), "redknot_kv": lambda i: (0.0, 30),
+                                                 "headsparse": lambda i: (1.0, None)}, head_config="plans/rand.json")
+    rep = quality_report.merge([a, b], labels={str(b): "random"})
+    assert rep["n_records"] == 2  # r3 is not in b: left out everywhere
+    by = {x["label"]: x for x in rep["rows"]}
+    assert list(by) == ["dense", "cacheblend@0.3", "redknot_kv [prof_g25]", "redknot_kv [random]",
+                        "headsparse [random]"]
+    assert by["cacheblend@0.3"]["top1_agreement"] == 1.0 and by["cacheblend@0.3"]["flops_fraction"] == 0.4
+    assert by["redknot_kv [random]"]["top1_agreement"] == 0.0 and by["dense"]["f1_ratio"] == 1.0
+    assert by["headsparse [random]"]["flops_fraction"] is None
+    table = quality_report.markdown(rep)
+    assert "| redknot_kv [prof_g25] | 0.000 | 0.500 | 1.00 |" in table and "| headsparse [random] |" in table
+    png = quality_report.plot(rep, tmp_path / "p.png")
+    assert png.stat().st_size > 1000
+
+
+def test_runs_without_common_records_fail_clearly(tmp_path):
+    a = _run(tmp_path / "a.json", ["r1"], {"dense": lambda i: (1.0, 100)})
+    b = _run(tmp_path / "b.json", ["r2"], {"dense": lambda i: (1.0, 100)})
+    with pytest.raises(ValueError, match="no finished record"):
+        quality_report.merge([a, b])
