@@ -77,3 +77,14 @@ def test_the_capacity_benchmark_runs_on_a_tiny_architecture(tmp_path, capsys):
     # the head plan keeps fewer pages per session than the all-global one
     assert rows["redknot_kv"]["pages_per_session"] < rows["dense"]["pages_per_session"]
     assert "sessions" in capsys.readouterr().out and torch.isfinite(torch.tensor(rows["dense"]["ttft_p50_s"]))
+
+
+def test_admission_reserves_at_most_reserve_decode_tokens(llm):
+    """A request that leaves max_tokens to the context's rest (the OpenAI default) does not hold
+    a whole context's pages at admission."""
+    engine = llm.engine
+    short = llm.make_sequence("a short prompt", SamplingParams(max_tokens=8), None, "dense")
+    huge = llm.make_sequence("a short prompt", SamplingParams(max_tokens=100_000), None, "dense")
+    capped = engine._steady_pages(huge)
+    assert engine._steady_pages(short) < capped
+    assert capped == engine.pool.peak_pages(len(huge.token_ids) + engine.cfg.reserve_decode_tokens, 1, "dense")

@@ -94,6 +94,10 @@ class EngineConfig:
     # chunk's pages and preempts when decode growth runs short (vLLM's optimistic admission:
     # more requests at once when most stop well before max_tokens).
     reserve_full_length: bool = True
+    # ... counting at most this many generated tokens: a request that leaves max_tokens to "what the
+    # context has left" does not hold a whole context's pages it will rarely fill (growth past it
+    # may preempt, as with optimistic admission).
+    reserve_decode_tokens: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -244,9 +248,11 @@ class Engine:
         return need
 
     def _steady_pages(self, seq: Sequence) -> int:
-        """Pages the request holds at its full length (prompt + max_tokens) once decoding under
-        its plan: what admission commits for it, so running requests never outgrow the pool."""
-        return self.pool.peak_pages(len(seq.token_ids) + seq.params.max_tokens, 1, seq.plan)
+        """Pages the request holds at its full length (prompt + max_tokens, at most
+        reserve_decode_tokens of them) once decoding under its plan: what admission commits for it,
+        so running requests do not outgrow the pool."""
+        decode = min(seq.params.max_tokens, self.cfg.reserve_decode_tokens)
+        return self.pool.peak_pages(len(seq.token_ids) + decode, 1, seq.plan)
 
     def _headroom(self) -> int:
         """Pages kept out of the commitments for what prefill holds only for a while: local heads'
