@@ -1,6 +1,6 @@
 """Head plan: the class, window and sink of every (layer, KV head), with upstream-JSON I/O.
 
-This is the one plan object the visibility rule derives from (DESIGN.md §2): storage, kernels,
+This is the one plan object the visibility rule derives from: storage, kernels,
 capacity accounting and the torch reference all call :meth:`HeadConfig.visibility`.
 """
 

@@ -2,7 +2,7 @@
 
 One attention layer, bf16, Hq=32, Hkv=8, D=128, page size 64, 2 of 8 KV heads global
 (W = GLOBAL_WINDOW), the other 6 local with sink 4 and window W (docs/segpaged.md;
-numbers to beat: DESIGN.md section 4).
+docs/results/kernel.md has the numbers).
 
 Shapes: prefill of one sequence (q_len = context) at 8K/W=512, 32K/W=4096, 128K/W=4096, and
 decode (q_len 1) of B=8 sequences at 32K and 128K, W=4096.
@@ -80,7 +80,7 @@ QUICK_SHAPES = {s.name: s for s in [
     Shape("prefill-quick", "prefill", 1, 200, 48),
     Shape("decode-quick", "decode", 2, 300, 64),
 ]}
-# DESIGN.md section 4 (ms, one H200, torch 2.11).
+# Reference timings the table is read against (ms, one H200, torch 2.11).
 DESIGN_MS = {
     "prefill-8k": {"fa_dense": 1.82, "sdpa_mask": 8.06, "fa_buckets": 0.94, "flex": 0.65},
     "prefill-32k": {"fa_dense": 25.6, "fa_buckets": 12.3, "flex": 9.3},

@@ -1,4 +1,4 @@
-"""Content-addressed store of per-chunk K/V (docs: DESIGN.md §1, "position-independent chunk reuse").
+"""Content-addressed store of per-chunk K/V (position-independent chunk reuse).
 
 A chunk (a document, a tool output) is prefilled once on its own, right after a fixed canonical
 prefix, and its per-layer K/V is kept here under a hash of (model fingerprint, prefix ids, chunk

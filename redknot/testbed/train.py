@@ -723,7 +723,7 @@ def restore_rng(rng: dict) -> None:
 
 def save_model(out: Path, model, tokenizer, meta: dict) -> Path:
     """``out/model``: an HF checkpoint (safetensors) + tokenizer that ``redknot.LLM`` loads.
-    fp32 when it fits in 40 MB (DESIGN.md §5), bf16 otherwise."""
+    fp32 when it fits in 40 MB (the bundled model stays small), bf16 otherwise."""
     path = out / MODEL_DIR
     dtype = torch.float32 if count_parameters(model) * 4 <= MAX_MODEL_BYTES else torch.bfloat16
     export = copy.deepcopy(model).to(device="cpu", dtype=dtype)
