@@ -114,6 +114,10 @@ def test_prefix_cache_hit_equals_a_cold_prefill_and_never_writes_shared_pages(ti
     again = warm.generate(b, greedy(4))[0]
     assert again.metrics["cached_tokens"] == 16 * ((len(again.prompt_token_ids) - 1) // 16)
     assert again.outputs[0].token_ids == hit.outputs[0].token_ids[:4]
+    # its page count is kept as blocks come and go
+    assert cache.num_pages() == sum(int((p >= 0).sum()) for p in cache._blocks.values())
+    cache.evict(1)
+    assert cache.num_pages() == sum(int((p >= 0).sum()) for p in cache._blocks.values())
 
 
 def test_prefix_cache_under_a_head_plan(tiny_checkpoint):

@@ -35,6 +35,7 @@ class PrefixCache:
     def __init__(self, pool: PagePool, fingerprint: str):
         self.pool, self.fingerprint = pool, fingerprint
         self._blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()  # key -> int32 [L, Hkv] pages
+        self._pages = 0  # page references the blocks hold
         self.hits = self.queries = 0  # prompt tokens served from the cache / looked up
 
     def __len__(self) -> int:
@@ -85,18 +86,22 @@ class PrefixCache:
                 continue
             self.pool.retain(pages)
             self._blocks[k] = pages
+            self._pages += int((pages >= 0).sum())
 
     def evict(self, pages_wanted: int) -> int:
         """Drop least recently used blocks until ``pages_wanted`` pages are free; returns pages freed."""
         before = self.pool.num_free_pages
         while self._blocks and self.pool.num_free_pages - before < pages_wanted:
-            _, pages = self._blocks.popitem(last=False)
-            self.pool.release(pages)
+            self._drop(self._blocks.popitem(last=False)[1])
         return self.pool.num_free_pages - before
 
     def clear(self) -> None:
         while self._blocks:
-            self.pool.release(self._blocks.popitem()[1])
+            self._drop(self._blocks.popitem()[1])
+
+    def _drop(self, pages: np.ndarray) -> None:
+        self.pool.release(pages)
+        self._pages -= int((pages >= 0).sum())
 
     def page_ids(self) -> np.ndarray:
         """Every page id the cache references (with repeats where blocks share none: unique)."""
@@ -104,4 +109,5 @@ class PrefixCache:
         return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int32)
 
     def num_pages(self) -> int:
-        return sum(int((p >= 0).sum()) for p in list(self._blocks.values()))
+        """Page references the cached blocks hold."""
+        return self._pages

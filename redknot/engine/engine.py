@@ -163,6 +163,7 @@ class Engine:
         self.num_preemptions = 0
         self._committed = 0  # pages admission has promised the running requests (their full lengths)
         self._heads = L * hkv
+        self._local_heads = max(int((self.pool.window_sink(p)[0] < GLOBAL_WINDOW).sum()) for p in self.pool.plans)
         self.timings = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0}  # host seconds per phase
         self.memory = {"kv_pages": self.pool.num_pages, "kv_bytes": self.pool.num_pages * self.pool.bytes_per_page}
         if profile:
@@ -257,9 +258,8 @@ class Engine:
     def _headroom(self) -> int:
         """Pages kept out of the commitments for what prefill holds only for a while: local heads'
         pages of one token budget, stored before trim drops them (at most an eighth of the pool)."""
-        ps, budget = self.pool.page_size, self.cfg.max_num_batched_tokens
-        n_local = max(int((self.pool.window_sink(p)[0] < GLOBAL_WINDOW).sum()) for p in self.pool.plans)
-        return min(n_local * (-(-budget // ps) + 1), self.pool.num_pages // 8)
+        per_head = -(-self.cfg.max_num_batched_tokens // self.pool.page_size) + 1
+        return min(self._local_heads * per_head, self.pool.num_pages // 8)
 
     def check_fits(self, seq: Sequence) -> None:
         n = len(seq.token_ids)
@@ -360,14 +360,14 @@ class Engine:
             pinned = None
             if chunked:
                 try:
-                    pinned, computed = self._ensure_chunks(seq, need)
+                    specs = self._chunk_specs(seq)
+                    pinned, computed = self._ensure_chunks(seq, specs, need)
                 except PoolExhausted:
                     if self._cannot_wait(seq, outputs):
                         continue
                     break  # its missing chunks do not fit beside the running requests yet
                 except Exception as e:
                     self.waiting.popleft()
-                    self.running.append(seq)
                     self._fail(seq, e, outputs)
                     continue
                 budget -= computed
@@ -379,7 +379,7 @@ class Engine:
             if chunked:
                 try:
                     if seq.method in PLACED_METHODS:
-                        self._place_chunks(seq, pinned)
+                        self._place_chunks(seq, specs, pinned)
                     else:
                         self._reuse_prefill(seq, outputs)
                         budget -= len(seq.token_ids)
@@ -446,12 +446,11 @@ class Engine:
         """The chunk keys' namespace: the model fingerprint, salted by the request's cache_salt."""
         return self.fingerprint if seq.cache_salt is None else f"{self.fingerprint}\x1fsalt:{seq.cache_salt}"
 
-    def _ensure_chunks(self, seq: Sequence, reserve: int) -> tuple[dict, int]:
+    def _ensure_chunks(self, seq: Sequence, specs: list, reserve: int) -> tuple[dict, int]:
         """Put every chunk the request names into the chunk cache, prefilling the missing ones in
         batches; the entries' pages are pinned (one reference each) until the caller releases
         them. ``reserve`` pages must stay free for the request itself. Returns (key -> entry,
         tokens computed). Raises PoolExhausted, keeping what it cached, when pages run short."""
-        specs = self._chunk_specs(seq)
         entries, missing = {}, {}
         for key, tokens, start in specs:
             if key in entries or key in missing:
@@ -576,7 +575,7 @@ class Engine:
         seqs = [items[i][0] for i in done]
         self._sample(seqs, rows, outputs)
 
-    def _place_chunks(self, seq: Sequence, entries: dict) -> None:
+    def _place_chunks(self, seq: Sequence, specs: list, entries: dict) -> None:
         """Copy the prompt prefix's and every chunk's cached KV into the request's own pages, keys
         rotated from the chunk's canonical position to where it sits (one store per piece, all
         layers at once); ``epic`` then recomputes each chunk's first tokens in place. The rest of
@@ -584,14 +583,12 @@ class Engine:
         cp = seq.chunked_prompt
         end = cp.suffix_start
         self.pool.ensure(seq.seq_id, end)
-        self.pool.sync_device_tables()
-        slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
-        tables = self.pool.device_tables.index_select(1, slot)[:, 0]  # [L, Hkv, pages]
+        tables = self._device_tables(seq)
         rope = self.model.model.rotary_emb
         L = self.config.num_hidden_layers
         positions = [0] * bool(cp.prefix) + list(cp.chunk_starts)
         with torch.inference_mode():
-            for (key, _, start), pos in zip(self._chunk_specs(seq), positions):
+            for (key, _, start), pos in zip(specs, positions):
                 entry = entries[key]
                 k, v = self.chunk_cache.gather(entry)
                 n = entry.num_tokens
@@ -615,15 +612,20 @@ class Engine:
         seq.exact_kv = False  # reused chunk KV: never offered to the prefix cache
         seq.cached_tokens = end - seq.fresh_chunk_tokens
 
+    def _device_tables(self, seq: Sequence) -> torch.Tensor:
+        """The sequence's block tables on the device, int32 [L, Hkv, pages] (synced first): where
+        K/V computed outside the model runner are stored."""
+        self.pool.sync_device_tables()
+        slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
+        return self.pool.device_tables.index_select(1, slot)[:, 0]
+
     def _reuse_prefill(self, seq: Sequence, outputs: list[StepOutput]) -> None:
         result = self.reuse.prefill(seq.chunked_prompt, seq.method, self._namespace(seq))
         self.last_prefill = result
         rec = result.recovered
         n = rec.k[0].shape[0]
         self.pool.ensure(seq.seq_id, n, skip_dead=True)  # local heads get only the pages they still see
-        self.pool.sync_device_tables()
-        slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
-        tables = self.pool.device_tables.index_select(1, slot)[:, 0]  # [L, Hkv, pages]
+        tables = self._device_tables(seq)
         cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
         for layer, (k, v) in enumerate(zip(rec.k, rec.v)):  # layer by layer: no second copy of the KV
             self.runner.attn.store(k, v, tables[layer:layer + 1], cu, cu[1:])
