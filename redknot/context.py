@@ -26,6 +26,10 @@ class Context:
     block_tables: torch.Tensor | None = None  # device int32 [L, B, Hkv, max_pages] (paged KV)
     window: torch.Tensor | None = None  # device int32 [L, Hkv]: the batch's head plan
     sink: torch.Tensor | None = None  # device int32 [L, Hkv]
+    # Rows at explicit positions: ``positions`` holds each row's position (sorted per sequence),
+    # not the last q_len positions of its sequence (a recovery computes rows anywhere in a prompt).
+    explicit_positions: bool = False
+    rows: Any = None  # a recovery batch's per-layer row policy (engine.recovery_batch.RecoveryRows)
     extras: dict[str, Any] = field(default_factory=dict)  # backend-owned per-batch metadata
 
     @property

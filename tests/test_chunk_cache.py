@@ -116,6 +116,21 @@ def test_requests_read_cached_chunk_pages_and_never_write_them(llm):
     assert llm.engine.request_kv_bytes() == 0
 
 
+def test_batched_recovery_on_the_device_equals_the_oracle(llm):
+    """The recovery row policy in one batched forward (SegPaged kernels at explicit positions on
+    a GPU) against the reference recovery forward of each request alone."""
+    llm.engine.clear_caches()
+    orders = [DOCS, DOCS[::-1]]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+    for method in ("cacheblend", "redknot_kv", "redknot_exact"):
+        out = llm.generate([QUESTION, "Question: what jumps?"], params, documents=orders, method=method)
+        for o, q, docs in zip(out, [QUESTION, "Question: what jumps?"], orders):
+            ref = llm.reuse.prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
+            cos = torch.nn.functional.cosine_similarity(o.first_token_logits.double(), ref.logits.double().cpu(), dim=0)
+            assert cos >= 0.9999, (method, float(cos))
+            assert o.metrics["flops"] == ref.flops.totals()
+
+
 def test_a_small_pool_evicts_chunks_and_answers_the_same(tiny_checkpoint, llm):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [QUESTION, "Question: what jumps?", "Question: what differs?", QUESTION]

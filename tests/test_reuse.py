@@ -77,6 +77,23 @@ def test_placed_chunks_equal_the_recovery_oracle(llm):
         assert metrics["flops"] == oracle.flops.totals()
 
 
+@pytest.mark.parametrize("method", ["cacheblend", "redknot", "redknot_kv", "redknot_exact"])
+def test_batched_recovery_equals_the_recovery_oracle(llm, method):
+    """Recovery methods run as a row policy inside one batched forward over the pool: three
+    requests (documents in different orders, one of them cold) in one step give the logits and
+    FLOPs of the reference recovery forward (ReuseEngine.prefill), one request at a time."""
+    llm.engine.clear_caches()
+    orders = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0]]]
+    questions = [QUESTION, "Question: what jumps over the dog?", QUESTION]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+    out = llm.generate(questions, params, documents=orders, method=method)
+    for o, q, docs in zip(out, questions, orders):
+        oracle = llm.reuse.prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
+        torch.testing.assert_close(o.first_token_logits, oracle.logits, rtol=1e-4, atol=1e-4)
+        assert o.metrics["flops"] == oracle.flops.totals()
+    assert llm.engine.request_kv_bytes() == 0
+
+
 def test_documents_reused_in_another_order_are_relocated(llm):
     llm.first_token_logits(QUESTION, documents=DOCS, method="full_reuse")
     hits = llm.chunk_cache.stats()["hits"]
@@ -150,8 +167,7 @@ def test_sparse_ffn_and_kv_reuse_execute_less(llm):
 
 
 def test_dense_flops_match_the_formula(llm):
-    llm.first_token_logits(QUESTION, documents=DOCS, method="redknot_exact")
-    f = llm.last_prefill.recovered.flops
+    f = llm.reuse.prefill(build_prompt(llm.tokenizer, QUESTION, DOCS), "redknot_exact").recovered.flops
     c = llm.config
     n = len(build_prompt(llm.tokenizer, QUESTION, DOCS).token_ids)
     p = len(build_prompt(llm.tokenizer, QUESTION, DOCS).prefix)
@@ -453,8 +469,8 @@ def test_keep_fraction_picks_a_fixed_share_once(tiny_checkpoint):
         llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device="cpu", page_size=16, sparse_ffn=sparse,
                   head_config=HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4))
         prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
-        got[frac] = {m: (llm.first_token_logits(QUESTION, documents=DOCS, method=m), llm.last_prefill.recovered.flops)
-                     for m in ("redknot_kv", "redknot")}
+        got[frac] = {m: (llm.first_token_logits(QUESTION, documents=DOCS, method=m),
+                         llm.reuse.prefill(prompt, m).recovered.flops) for m in ("redknot_kv", "redknot")}
     body = len(prompt.token_ids) - prompt.chunk_starts[1]  # rows recomputed: chunks 1.. and the suffix
     assert len(prompt.suffix) >= 4  # the last recent_n rows are suffix rows: every chunk row is a candidate
     cand = sum(len(c) for c in prompt.chunks[1:])

@@ -363,6 +363,35 @@ def test_store_matches_ref(page, dtype):
     assert torch.equal(kp_t, kp_r) and torch.equal(vp_t, vp_r)
 
 
+def test_store_at_explicit_positions_matches_ref():
+    """Rows stored at given positions (a recovery's scattered rows), not the sequence's last ones."""
+    gen = torch.Generator().manual_seed(11)
+    page, hkv, d, max_pages = 16, 2, 16, 5
+    q_pos = [torch.tensor([0, 3, 17, 40, 41, 79]), torch.tensor([], dtype=torch.long), torch.tensor([2, 65])]
+    B = len(q_pos)
+    bt = torch.randperm(B * hkv * max_pages + 3, generator=gen)[:B * hkv * max_pages].view(B, hkv, max_pages)
+    bt = bt.to(torch.int32).clone()
+    bt[0, 1, 1] = -1  # a page a head does not keep: position 17 of head 1 is skipped
+    cu = torch.tensor([0] + [p.numel() for p in q_pos]).cumsum(0).to(torch.int32)
+    seq_lens = torch.tensor([80, 10, 66], dtype=torch.int32)
+    pos = torch.cat(q_pos).to(torch.int32)
+    k = torch.randn(int(cu[-1]), hkv, d, generator=gen)
+    v = torch.randn(int(cu[-1]), hkv, d, generator=gen)
+    kp = torch.zeros(B * hkv * max_pages + 3, page, d)
+    vp = torch.zeros_like(kp)
+    kp_r, vp_r, kp_t, vp_t = kp.clone(), vp.clone(), _dev(kp.clone()), _dev(vp.clone())
+    segpaged_store_ref(k, v, kp_r, vp_r, bt, cu, seq_lens, q_pos=pos)
+    segpaged.segpaged_store(*map(_dev, (k, v)), kp_t, vp_t, *map(_dev, (bt, cu, seq_lens)), q_pos=_dev(pos))
+    assert torch.equal(kp_t.cpu(), kp_r) and torch.equal(vp_t.cpu(), vp_r)
+    for row, (b, p) in enumerate([(0, 0), (0, 3), (0, 17), (0, 40), (0, 41), (0, 79), (2, 2), (2, 65)]):
+        for h in range(hkv):
+            phys = int(bt[b, h, p // page])
+            if phys < 0:
+                continue
+            assert torch.equal(kp_r[phys, p % page], k[row, h]) and torch.equal(vp_r[phys, p % page], v[row, h])
+    assert int((kp_r.abs().sum(-1) > 0).sum()) == 8 * hkv - 1  # every row once, the skipped page not
+
+
 def test_store_then_attend():
     """New tokens stored by the kernel are then attended to (chunked prefill step)."""
     seqs = [(24, 80), (1, 50)]

@@ -32,11 +32,38 @@ class PagedAttention:
         ctx = get_context()
         bt = ctx.block_tables[layer]
         pool = self.pool
+        if ctx.rows is not None:
+            return self._recovery_rows(layer, q, k, v, ctx)
         if self.kernel == "torch" and ctx.max_q_len == 1:
             return self._decode_torch(layer, q, k, v, ctx)
         self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t)
         return self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
                             ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len)
+
+    def _recovery_rows(self, layer, q, k, v, ctx):
+        """A recovery batch: rows at explicit positions, stored over the cached K/V they replace;
+        the row policy observes the cached values before the store and the attention after it."""
+        pool, rows, bt = self.pool, ctx.rows, ctx.block_tables[layer]
+        q_pos = ctx.positions
+        rows.before_store(layer, v, bt, pool.v_pages)
+        self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t, q_pos=q_pos)
+        groups = rows.split(layer)
+        if groups is None:
+            o = self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
+                             ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len, q_pos=q_pos)
+        else:  # queries of one sequence under two visibilities: one call per row group
+            o = torch.empty_like(q)
+            seq = torch.repeat_interleave(torch.arange(len(ctx.q_lens), device=q.device),
+                                          torch.tensor(ctx.q_lens, device=q.device))
+            for idx, window, sink in groups:
+                if idx.numel() == 0:
+                    continue
+                counts = torch.bincount(seq[idx], minlength=len(ctx.q_lens))
+                cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+                o[idx] = self._attend(q[idx], pool.k_pages, pool.v_pages, bt, cu, ctx.seq_lens_t, window, sink,
+                                      self.scale, max_q_len=int(counts.max()), q_pos=q_pos[idx])
+        rows.after_attention(layer, q, bt, pool.k_pages)
+        return o
 
     def store(self, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor,
               seq_lens: torch.Tensor) -> None:

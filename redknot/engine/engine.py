@@ -8,9 +8,10 @@ model's head config. A step
    cached prompt prefix's pages into each (automatic prefix caching). Chunk-reuse methods first
    have every document they name in the chunk cache (missing ones are prefilled at their
    canonical positions, batched, as short-lived pool sequences whose pages the cache keeps);
-   ``full_reuse``/``epic`` then copy the chunks' KV, keys relocated, into the request's pages
-   (``epic`` recomputes each chunk's first tokens) and leave the question to the batched
-   prefill; the head-aware recovery methods run the reuse engine's recovery forward;
+   every chunk method then copies the chunks' KV, keys relocated, into the request's pages;
+   ``full_reuse``/``epic`` leave the question to the batched prefill (``epic`` recomputes each
+   chunk's first tokens), the head-aware recovery methods run their recovery as a row policy in
+   one batched forward of the model (``recovery_batch``);
 2. schedules one token for every decoding sequence and prompt chunks of prefilling ones under
    the token budget (chunked prefill mixed with decode);
 3. makes room: pages for every scheduled token, evicting cached prefixes first and preempting
@@ -43,6 +44,7 @@ from ..reuse.flops import FlopReport, visible_pairs
 from ..reuse.methods import REUSE_METHODS, ReuseEngine, ReuseOptions
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
+from .recovery_batch import RecoveryRows
 from .sampling import sample
 from .sequence import Sequence
 
@@ -59,14 +61,15 @@ GRAPH_RESERVE_BYTES = 1 << 30
 
 # Chunk KV copied (relocated) into the request's pages; the rest of the prompt prefills in the pool.
 PLACED_METHODS = ("full_reuse", "epic")
-# Prefilled by the reuse engine's recovery forward over the cached chunks.
+# Chunk KV copied into the request's pages, then recomputed in part by a recovery policy.
 RECOVERY_METHODS = ("cacheblend", "redknot", "redknot_kv", "redknot_exact")
 # Pool sequences set aside for prefilling missing chunks (beside max_num_seqs requests).
 CHUNK_SLOTS = 32
 
 
 def prefills_through_reuse(method: str) -> bool:
-    """Methods whose prefill is the reuse engine's recovery (the others prefill in the pool)."""
+    """Methods whose prefill is a recovery forward over the whole prompt at once (the others
+    prefill in token-budget chunks)."""
     return method in RECOVERY_METHODS
 
 
@@ -156,7 +159,6 @@ class Engine:
         self.reuse = ReuseEngine(model, config, fingerprint, head_config, sparse_ffn, self.chunk_cache,
                                  self.chunk_cache, device, cfg.reuse_options)
         self._chunk_seq_ids = iter(range(-1, -(1 << 62), -1))  # pool ids of chunk prefills
-        self.last_prefill = None  # what the last reuse prefill executed (PrefillResult)
         self.max_num_seqs = cfg.max_num_seqs  # a front may lower it (never above the slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -240,7 +242,8 @@ class Engine:
         prompt chunk is stored, that chunk's pages for every head; a chunk-reuse request also holds
         its chunks' cached pages (and one chunk prefill's prefix pages) while they are copied in."""
         total = len(seq.token_ids) + seq.params.max_tokens
-        need = self.pool.peak_pages(total, self.cfg.max_num_batched_tokens, seq.plan)
+        chunk = len(seq.token_ids) if seq.method in RECOVERY_METHODS else self.cfg.max_num_batched_tokens
+        need = self.pool.peak_pages(total, chunk, seq.plan)
         if uses_chunks(seq.method) and seq.chunked_prompt is not None:
             ps, cp = self.pool.page_size, seq.chunked_prompt
             p = len(cp.prefix)
@@ -309,6 +312,8 @@ class Engine:
             (decode if s.num_pending == 1 and s.num_computed > 0 else prefill).append(s)
         budget -= len(decode)
         budget = self._admit(budget, prefill, outputs)
+        recovering = [s for s in prefill if s.recovery is not None]
+        prefill = [s for s in prefill if s.recovery is None]
         chunks = []
         for s in prefill:
             if budget <= 0:
@@ -319,6 +324,16 @@ class Engine:
         batch = self._make_room([(s, 1) for s in decode] + chunks)
         self.timings["schedule"] += time.perf_counter() - t0
         self.timings["steps"] += 1
+        by_method: dict[str, list[Sequence]] = {}
+        for s in recovering:  # not preempted by _make_room
+            if s.recovery is not None:
+                by_method.setdefault(s.method, []).append(s)
+        for seqs in by_method.values():
+            try:
+                self._recover(seqs, outputs)
+            except Exception as e:
+                for s in seqs:
+                    self._fail(s, e, outputs)
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         for s, n in batch:
             groups.setdefault(s.plan, []).append((s, n))
@@ -342,8 +357,8 @@ class Engine:
             steady = self._steady_pages(seq)
             if self.cfg.reserve_full_length and self._committed + steady + self._headroom() > self.pool.num_pages:
                 break  # the running requests' full contexts leave no room for this one's yet
-            if chunked and seq.method in RECOVERY_METHODS:  # stored at once, only the pages still seen
-                need = self.pool.peak_pages(len(seq.token_ids), 1, seq.plan) + self._heads
+            if chunked and seq.method in RECOVERY_METHODS:  # the whole prompt at once, every head
+                need = self.pool.pages_needed(len(seq.token_ids), plan=seq.plan).peak + self._heads
             else:
                 first = seq.chunked_prompt.suffix_start if chunked else min(seq.num_pending, budget)
                 need = self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
@@ -378,16 +393,16 @@ class Engine:
             self._committed += steady
             if chunked:
                 try:
-                    if seq.method in PLACED_METHODS:
-                        self._place_chunks(seq, specs, pinned)
-                    else:
-                        self._reuse_prefill(seq, outputs)
-                        budget -= len(seq.token_ids)
+                    self._place_chunks(seq, specs, pinned)
                 except Exception as e:
                     self._fail(seq, e, outputs)
                 finally:
                     self.pool.release(_pages_of(pinned))
-                if seq.method not in PLACED_METHODS or seq.finished:
+                if seq.finished:
+                    continue
+                if seq.recovery is not None:
+                    budget -= int(seq.recovery[0].initial().numel())
+                    prefill.append(seq)
                     continue
             elif self.prefix_cache is not None and seq.num_computed == 0:
                 n, table = self.prefix_cache.match(seq.plan, seq.token_ids, len(seq.token_ids) - 1, seq.cache_salt)
@@ -546,6 +561,7 @@ class Engine:
         prompt and the tokens it has generated (in the pool, from any cached prefix)."""
         self._free(seq)
         seq.num_computed = 0
+        seq.recovery = None
         seq.reuse_done = True  # its re-prefill runs in the pool, not through the reuse engine
         seq.exact_kv = True
         seq.num_preemptions += 1
@@ -578,10 +594,12 @@ class Engine:
     def _place_chunks(self, seq: Sequence, specs: list, entries: dict) -> None:
         """Copy the prompt prefix's and every chunk's cached KV into the request's own pages, keys
         rotated from the chunk's canonical position to where it sits (one store per piece, all
-        layers at once); ``epic`` then recomputes each chunk's first tokens in place. The rest of
-        the prompt (the question) is left to the batched prefill."""
+        layers at once). ``full_reuse`` and ``epic`` (which then recomputes each chunk's first
+        tokens in place) leave the question to the batched prefill; a recovery method gets pages
+        for its whole prompt and its recovery policy, run by the next forward."""
         cp = seq.chunked_prompt
-        end = cp.suffix_start
+        recovering = seq.method in RECOVERY_METHODS
+        end = len(seq.token_ids) if recovering else cp.suffix_start
         self.pool.ensure(seq.seq_id, end)
         tables = self._device_tables(seq)
         rope = self.model.model.rotary_emb
@@ -599,6 +617,13 @@ class Engine:
                 lens = torch.full((L,), pos + n, dtype=torch.int32, device=self.device)
                 self.runner.attn.store(k.reshape(L * n, *k.shape[2:]), v.reshape(L * n, *v.shape[2:]),
                                        tables, cu, lens)
+        seq.reuse_done = True
+        seq.exact_kv = False  # reused chunk KV: never offered to the prefix cache
+        if recovering:
+            seq.recovery = self.reuse.policy(cp, seq.method)
+            cached = len(cp.prefix) if seq.method == "redknot_exact" else cp.suffix_start
+            seq.cached_tokens = max(0, cached - seq.fresh_chunk_tokens)
+            return
         seq.recomputed = []
         if seq.method == "epic":
             e = self.reuse.options.epic_tokens
@@ -608,8 +633,6 @@ class Engine:
                                     [seq.token_ids[s:s + n] for s, n in spans], [s for s, _ in spans])
                 seq.recomputed = [p for s, n in spans for p in range(s, s + n)]
         seq.num_computed = end
-        seq.reuse_done = True
-        seq.exact_kv = False  # reused chunk KV: never offered to the prefix cache
         seq.cached_tokens = end - seq.fresh_chunk_tokens
 
     def _device_tables(self, seq: Sequence) -> torch.Tensor:
@@ -619,23 +642,21 @@ class Engine:
         slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
         return self.pool.device_tables.index_select(1, slot)[:, 0]
 
-    def _reuse_prefill(self, seq: Sequence, outputs: list[StepOutput]) -> None:
-        result = self.reuse.prefill(seq.chunked_prompt, seq.method, self._namespace(seq))
-        self.last_prefill = result
-        rec = result.recovered
-        n = rec.k[0].shape[0]
-        self.pool.ensure(seq.seq_id, n, skip_dead=True)  # local heads get only the pages they still see
-        tables = self._device_tables(seq)
-        cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
-        for layer, (k, v) in enumerate(zip(rec.k, rec.v)):  # layer by layer: no second copy of the KV
-            self.runner.attn.store(k, v, tables[layer:layer + 1], cu, cu[1:])
-        rec.k, rec.v = [], []  # the KV lives in the pool now; last_prefill keeps logits and FLOPs only
-        self.pool.trim(seq.seq_id)
-        seq.num_computed = n
-        seq.reuse_done = True
-        seq.cached_tokens = max(0, result.cached_tokens - seq.fresh_chunk_tokens)
-        seq.flops = rec.flops.totals()
-        self._sample([seq], rec.logits[None], outputs)
+    def _recover(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
+        """One batched recovery forward for requests of one method (their chunks already in their
+        pages); each request's pages are then trimmed to its plan and its first token sampled."""
+        t0 = time.perf_counter()
+        prompts = [s.token_ids[:s.num_prompt] for s in seqs]
+        rows = RecoveryRows(self.config, [s.recovery[0] for s in seqs], [len(p) for p in prompts],
+                            [s.recovery[1] for s in seqs], self.device)
+        logits = self.runner.recover([s.seq_id for s in seqs], prompts, rows)
+        self.timings["forward"] += time.perf_counter() - t0
+        for s, report in zip(seqs, rows.flops()):
+            s.recovery = None
+            s.num_computed = s.num_prompt
+            s.flops = report.totals()
+            self.pool.trim(s.seq_id)
+        self._sample(seqs, logits, outputs)
 
     def _prefill_flops(self, seq: Sequence) -> dict:
         """What the pool prefill of a request executed: every position it computed (from its

@@ -107,11 +107,6 @@ class LLM:
         """Cached document KV (pool pages)."""
         return self.engine.chunk_cache
 
-    @property
-    def last_prefill(self):
-        """What the last recovery prefill executed (PrefillResult: cached tokens, FLOPs, KV)."""
-        return self.engine.last_prefill
-
     # ---- public API ---------------------------------------------------------------------------
     def make_sequence(self, prompt, params: SamplingParams, documents=None, method: str | None = None,
                       cache_salt: str | None = None) -> Sequence:
@@ -203,9 +198,9 @@ class LLM:
                 return False
             return True
 
-        def admissible(n: int) -> bool:  # as Engine._admit: a recovery method stores the prompt at once (only
-            if prefills_through_reuse(method):  # the pages its plan keeps), full_reuse/epic up to the question,
-                return pool.peak_pages(n, 1, plan) + heads <= pool.num_pages  # the others one token budget
+        def admissible(n: int) -> bool:  # as Engine._admit: a recovery method holds the whole prompt for
+            if prefills_through_reuse(method):  # every head at once, full_reuse/epic up to the question,
+                return pool.pages_needed(n, plan=plan).peak + heads <= pool.num_pages  # the others one budget
             first = n if uses_chunks(method) else min(n, chunk)
             return pool.pages_needed(first, plan=plan).peak + heads <= pool.num_pages
 

@@ -108,6 +108,33 @@ class ModelRunner:
             reset_context()
         return self.model.logits(hidden[cu[1:].long() - 1])
 
+    @torch.inference_mode()
+    def recover(self, seq_ids: list[int], token_ids: list[list[int]], rows) -> torch.Tensor:
+        """Prefill whole prompts under a recovery's row policy (``recovery_batch.RecoveryRows``):
+        each layer computes the rows the policy picks, at their positions, and the rest of every
+        prompt keeps the K/V already in its pages (relocated chunks). Every position's pages must
+        be ensured. Returns float32 logits [B, V] of each prompt's last position."""
+        self.pool.sync_device_tables()
+        lens = [len(t) for t in token_ids]
+        positions = rows.positions()
+        ids = torch.cat([torch.tensor(t, dtype=torch.int64, device=self.device)[r.cur]
+                         for t, r in zip(token_ids, rows.requests)])
+        slots = torch.tensor([self.pool.slot(i) for i in seq_ids], device=self.device)
+        pages = -(-max(lens) // self.pool.page_size)
+        q_lens = rows.q_lens()
+        ctx = Context(is_prefill=True, seq_ids=list(seq_ids), q_lens=q_lens, seq_lens=lens, max_q_len=max(q_lens),
+                      cu_seqlens_q=torch.tensor([0] + q_lens, device=self.device).cumsum(0).to(torch.int32),
+                      seq_lens_t=torch.tensor(lens, dtype=torch.int32, device=self.device), positions=positions,
+                      block_tables=self.pool.device_tables[:, :, :, :pages].index_select(1, slots),
+                      window=rows.window, sink=rows.sink, explicit_positions=True, rows=rows)
+        rows.ctx = ctx
+        set_context(ctx)
+        try:
+            hidden = self.model(ids, positions, rows)
+        finally:
+            reset_context()
+        return self.model.logits(hidden[rows.last_rows()])
+
     def _context(self, plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages) -> Context:
         """The batch context; block tables are the slots' rows of the pool's device table, cut to
         ``pages`` logical pages (enough for the longest sequence)."""

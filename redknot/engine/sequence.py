@@ -38,6 +38,8 @@ class Sequence:
     fresh_chunk_tokens: int = 0  # chunk and prefix tokens computed for this request (not cache hits)
     prefill_start: int | None = None  # first prompt position the pool prefill computes
     recomputed: list[int] = field(default_factory=list)  # positions recomputed before it (epic)
+    # Recovery methods between admission and their recovery forward: (Policy, cached bool [N]).
+    recovery: tuple | None = None
     num_preemptions: int = 0
     committed_pages: int = 0  # pages admission reserved for it while it runs
     pages_at_finish: int = 0  # pool pages it held when its pages were last freed

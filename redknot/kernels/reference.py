@@ -46,13 +46,16 @@ def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink:
     return seen
 
 
-def segpaged_store_ref(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens):
+def segpaged_store_ref(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, q_pos=None):
     """Write the new tokens' K/V ([total_q, Hkv, D]) into their pages, in place.
 
     block_tables: int32 [B, Hkv, max_pages] of one layer; -1 entries are skipped (the head
-    keeps nothing there)."""
+    keeps nothing there). q_pos [total_q]: each row's position (default: the last q_len
+    positions of its sequence)."""
     page_size, max_pages = k_pages.shape[1], block_tables.shape[2]
     seq, pos = _token_positions(cu_seqlens_q, seq_lens)
+    if q_pos is not None:
+        pos = q_pos.long()
     lp, slot = pos // page_size, pos % page_size
     phys = block_tables[seq, :, lp.clamp_max(max_pages - 1)].long()  # [T, Hkv]
     phys = torch.where((lp < max_pages)[:, None], phys, -1)

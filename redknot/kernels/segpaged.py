@@ -212,12 +212,12 @@ def _tile_ranges(p_lo, p_hi, W, S, BLOCK_N: tl.constexpr):
 # --------------------------------------------------------------------------------------------
 
 @triton.jit
-def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, total_q, num_seqs,
+def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, QPOS, total_q, num_seqs,
                   stride_knt, stride_knh, stride_vnt, stride_vnh,
                   stride_kp, stride_ks, stride_vp, stride_vs,
                   stride_bb, stride_bh, max_pages,
                   HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
-                  SEARCH_STEPS: tl.constexpr):
+                  SEARCH_STEPS: tl.constexpr, HAS_QPOS: tl.constexpr):
     hk = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < total_q
@@ -233,7 +233,10 @@ def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, total_q, num_seqs,
     b = lo
     q_start = tl.load(CU + b, mask=t_ok, other=0)
     q_len = tl.load(CU + b + 1, mask=t_ok, other=0) - q_start
-    pos = tl.load(SEQ + b, mask=t_ok, other=0) - q_len + (t - q_start)
+    if HAS_QPOS:  # explicit positions (rows a recovery computes anywhere in the prompt)
+        pos = tl.load(QPOS + t, mask=t_ok, other=0)
+    else:
+        pos = tl.load(SEQ + b, mask=t_ok, other=0) - q_len + (t - q_start)
     lp = pos // PAGE
     phys = tl.load(BT + b * stride_bb + hk * stride_bh + lp,
                    mask=t_ok & (lp < max_pages) & (pos >= 0), other=-1)
@@ -538,8 +541,9 @@ def _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, head_d
                          f"{tuple(seq_lens.shape)} and {tuple(cu_seqlens_q.shape)}")
 
 
-def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens):
-    """Write new K/V ([total_q, Hkv, D]) into their pages in place; -1 pages are skipped."""
+def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, q_pos=None):
+    """Write new K/V ([total_q, Hkv, D]) into their pages in place; -1 pages are skipped.
+    q_pos int [total_q]: each row's position (default: the last q_len positions of its sequence)."""
     total_q, hkv, d = k.shape
     _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, d)
     if v.shape != k.shape or block_tables.shape[1] != hkv:
@@ -556,13 +560,14 @@ def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens)
     B = bt.shape[0]
     block_t = 32
     grid = (triton.cdiv(total_q, block_t), hkv)
+    qpos = _int32(q_pos, dev).contiguous() if q_pos is not None else cu  # placeholder when unused
     _store_kernel[grid](
-        k, v, k_pages, v_pages, bt, cu, sl, total_q, B,
+        k, v, k_pages, v_pages, bt, cu, sl, qpos, total_q, B,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
         bt.stride(0), bt.stride(1), bt.shape[2],
         HEAD_DIM=d, PAGE=k_pages.shape[1], BLOCK_T=block_t,
-        SEARCH_STEPS=max(1, math.ceil(math.log2(max(B, 1)))) + 1,
+        SEARCH_STEPS=max(1, math.ceil(math.log2(max(B, 1)))) + 1, HAS_QPOS=q_pos is not None,
         num_warps=4,
     )
 

@@ -160,6 +160,21 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, rows):
+        """The layer under a recovery's row policy: the FFN runs on the rows it picks (the others
+        keep their residual), and only the rows it keeps continue. Returns (x, positions)."""
+        a = self.self_attn(self.input_layernorm(x), positions)
+        x = x + a
+        ffn = rows.ffn_rows(self.self_attn.layer_idx, a)
+        if ffn is None:
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        else:
+            x = x.index_add(0, ffn, self.mlp(self.post_attention_layernorm(x[ffn])))
+        keep = rows.keep_rows(self.self_attn.layer_idx)
+        if keep is not None:
+            x, positions = x[keep], positions[keep]
+        return x, positions
+
     def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, add_rms_norm):
         """The same layer with each residual add fused into the next norm (one kernel each):
         takes and returns (this block's output, the residual stream before adding it)."""
@@ -181,8 +196,14 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows=None) -> torch.Tensor:
+        """``rows``: a recovery's per-layer row policy (see ``DecoderLayer.forward_rows``); the
+        hidden states returned are then those of the rows computed through the last layer."""
         x = self.embed_tokens(input_ids)
+        if rows is not None:
+            for layer in self.layers:
+                x, positions = layer.forward_rows(x, positions, rows)
+            return self.norm(x)
         fused = _fused_norms() if x.is_cuda else None
         if fused is None:
             for layer in self.layers:
@@ -217,8 +238,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows=None) -> torch.Tensor:
+        return self.model(input_ids, positions, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -87,6 +87,9 @@ class CacheBlend(FixedSet):
         super().__init__(positions, window, sink)
         self.is_chunk, self.ratio = is_chunk, ratio
 
+    def needs_deviation(self, layer):
+        return layer == 0
+
     def keep_rows(self, layer, cur, info):
         if layer != 0:
             return None
@@ -312,21 +315,30 @@ class ReuseEngine:
             self._place(ck, cv, self._entry(self.store, self._key((), prompt.prefix), (), prompt.prefix, 0,
                                             offline), 0)
             cached[:p] = True
-        is_chunk = torch.zeros(n, dtype=torch.bool, device=self.device)
-        chunk_id = torch.full((n,), -1, dtype=torch.long, device=self.device)
-        for i, (ids, at) in enumerate(zip(prompt.chunks, prompt.chunk_starts)):
-            chunk_id[at:at + len(ids)] = i
+        for ids, at in zip(prompt.chunks, prompt.chunk_starts):
             entry = self._entry(self.store, self._key(prompt.prefix, ids), prompt.prefix, ids, p, offline)
             self._place(ck, cv, entry, at)
-            cached[at:at + len(ids)] = True
-            is_chunk[at:at + len(ids)] = True
-        policy = self._policy(method, prompt, is_chunk, chunk_id)
+        policy, cached = self.policy(prompt, method)
         rec = recover(self.model, tokens, policy, ck, cv, cached)
         off = FlopReport()
         for f, _ in offline:
             off = off.merge(f)
         return PrefillResult(rec, int(cached.sum()) if method != "redknot_exact" else p, off,
                              sum(s for _, s in offline))
+
+    def policy(self, prompt: ChunkedPrompt, method: str) -> tuple[Policy, torch.Tensor]:
+        """The chunk method's recovery policy over ``prompt`` and the positions whose K/V it
+        takes from the cache (bool [N]: the prompt prefix and every chunk, relocated)."""
+        n = len(prompt)
+        cached = torch.zeros(n, dtype=torch.bool, device=self.device)
+        cached[:len(prompt.prefix)] = True
+        is_chunk = torch.zeros(n, dtype=torch.bool, device=self.device)
+        chunk_id = torch.full((n,), -1, dtype=torch.long, device=self.device)
+        for i, (ids, at) in enumerate(zip(prompt.chunks, prompt.chunk_starts)):
+            chunk_id[at:at + len(ids)] = i
+            is_chunk[at:at + len(ids)] = True
+        cached |= is_chunk
+        return self._policy(method, prompt, is_chunk, chunk_id), cached
 
     def _policy(self, method: str, prompt: ChunkedPrompt, is_chunk: torch.Tensor, chunk_id: torch.Tensor) -> Policy:
         dev, n = self.device, len(prompt)

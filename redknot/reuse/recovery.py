@@ -45,6 +45,10 @@ class Policy:
         recover locally). None: one visibility for every query."""
         return None
 
+    def needs_deviation(self, layer: int) -> bool:
+        """Whether ``keep_rows``/``ffn_rows`` read ``info["v_deviation"]`` at this layer."""
+        return False
+
     def observe(self, layer: int) -> int:
         """How many of the last computed queries report the attention mass they give (0: none)."""
         return 0
@@ -205,13 +209,23 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None):
     mass = None
     if n_obs:
         with record_function("recover.attention_mass"):
-            qo = q[-n_obs:].view(n_obs, hkv, g, d)
-            p = q_pos[-n_obs:][None, :, None]
-            mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, o, N]
-            scores = torch.einsum("ohgd,khd->hgok", qo, keys).float() * scale  # fp32 softmax
-            probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
-            mass = probs.sum(dim=(0, 1, 2))
+            mass = observation_mass(q[-n_obs:], q_pos[-n_obs:], keys, window, sink, scale)
     return out, mass
+
+
+def observation_mass(q_obs, p_obs, keys, window, sink, scale) -> torch.Tensor:
+    """The attention mass each key [N] receives from the queries q_obs [o, Hq, D] at positions
+    p_obs under (window, sink) per KV head, summed over those queries and all heads (fp32)."""
+    o, hq, d = q_obs.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    g = hq // hkv
+    j = torch.arange(n, device=q_obs.device)[None, None, :]
+    w, s = window.to(q_obs.device)[:, None, None], sink.to(q_obs.device)[:, None, None]
+    p = p_obs[None, :, None]
+    mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, o, N]
+    scores = torch.einsum("ohgd,khd->hgok", q_obs.reshape(o, hkv, g, d), keys).float() * scale  # fp32 softmax
+    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
+    return probs.sum(dim=(0, 1, 2))
 
 
 def cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Tensor:

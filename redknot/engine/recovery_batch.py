@@ -1,0 +1,214 @@
+"""The reuse recovery as a per-layer row policy inside the model's own batched forward.
+
+A recovery method (cacheblend, redknot, redknot_kv, redknot_exact) computes, at each layer, only
+some positions of each prompt; the others keep the relocated chunk K/V already copied into the
+request's pages. ``RecoveryRows`` drives one packed forward over several such requests: each
+request's ``Policy`` (``redknot.reuse.methods``) decides its rows per layer exactly as in the
+reference recovery forward (``redknot.reuse.recovery.recover``), and this class turns those
+per-request decisions into the batch's packed rows, query positions and lengths. The attention
+backend calls it around each layer's store and attention (for what the policies observe: value
+deviations, the attention mass of the question's last queries, cross-chunk mass); the model's
+decoder layers call it for the FFN rows and the rows that continue.
+
+K/V a policy needs beyond the rows computed (every key of a layer, to rank rows by the mass the
+question gives them) is gathered from the request's pages: the pool is the only copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..context import Context
+from ..models.config import ModelConfig
+from ..reuse.flops import FlopReport, visible_pairs
+from ..reuse.recovery import Policy, cross_chunk_mass, observation_mass
+
+
+class _Request:
+    __slots__ = ("policy", "cur", "n", "cached", "info", "flops", "split_at")
+
+    def __init__(self, policy: Policy, n: int, cached: torch.Tensor, device):
+        self.policy, self.n, self.cached = policy, n, cached
+        self.cur = policy.initial().to(device)
+        self.info: dict = {}
+        self.flops = FlopReport()
+        self.split_at = 0
+
+
+class RecoveryRows:
+    """Row bookkeeping of one recovery batch (requests of one method, so every layer has one
+    visibility for all of them)."""
+
+    def __init__(self, cfg: ModelConfig, policies: list[Policy], lengths: list[int], cached: list[torch.Tensor],
+                 device: torch.device):
+        self.cfg, self.device = cfg, device
+        self.group = cfg.num_attention_heads // cfg.num_key_value_heads
+        self.scale = cfg.head_dim**-0.5
+        self.requests = []
+        for policy, n, c in zip(policies, lengths, cached):
+            r = _Request(policy, n, c.to(device), device)
+            covered = r.cached.clone()
+            covered[r.cur] = True
+            if not bool(covered.all()):
+                raise ValueError("recovery policy leaves positions neither cached nor computed")
+            self.requests.append(r)
+        L = cfg.num_hidden_layers
+        vis = [policies[0].visibility(layer) for layer in range(L)]
+        for p in policies[1:]:
+            for layer in range(L):
+                w, s = p.visibility(layer)
+                if not (torch.equal(w.cpu(), vis[layer][0].cpu()) and torch.equal(s.cpu(), vis[layer][1].cpu())):
+                    raise ValueError("a recovery batch mixes policies with different visibility")
+        self.window = torch.stack([w for w, _ in vis]).to(device=device, dtype=torch.int32)  # [L, Hkv]
+        self.sink = torch.stack([s for _, s in vis]).to(device=device, dtype=torch.int32)
+        self.ctx: Context | None = None
+
+    # ---------------------------------------------------------------- the batch's rows
+
+    def positions(self) -> torch.Tensor:
+        """Packed positions of the rows computed at the current layer."""
+        return torch.cat([r.cur for r in self.requests])
+
+    def q_lens(self) -> list[int]:
+        return [r.cur.numel() for r in self.requests]
+
+    def _sync_context(self) -> None:
+        """Rows changed: lengths, offsets and positions of the context follow."""
+        q_lens = self.q_lens()
+        self.ctx.q_lens = q_lens
+        self.ctx.max_q_len = max(q_lens)
+        self.ctx.cu_seqlens_q = torch.tensor([0] + q_lens, device=self.device).cumsum(0).to(torch.int32)
+        self.ctx.positions = self.positions()
+
+    def _offsets(self) -> list[int]:
+        out, o = [], 0
+        for r in self.requests:
+            out.append(o)
+            o += r.cur.numel()
+        return out
+
+    # ---------------------------------------------------------------- called by the attention backend
+
+    def before_store(self, layer: int, v: torch.Tensor, block_tables: torch.Tensor, v_pages: torch.Tensor) -> None:
+        """Value deviation of each recomputed row from its cached version (CacheBlend's score),
+        for the policies that read it at this layer; the cached version is still in the pages."""
+        for b, (r, o) in enumerate(zip(self.requests, self._offsets())):
+            r.info = {}
+            if not r.policy.needs_deviation(layer):
+                continue
+            old = _gather(v_pages, block_tables[b], r.cur)
+            rows = v[o:o + r.cur.numel()]
+            was = r.cached[r.cur]
+            r.info["v_deviation"] = torch.where(was, (rows.float() - old.float()).norm(dim=(-1, -2)),
+                                                torch.zeros((), device=self.device))
+
+    def split(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """Row groups with their own visibility where a policy splits this layer's queries (the
+        suffix on its head plan while chunk rows recover locally): [(rows, window, sink)], the
+        rows as packed indices; None when every row sees this layer's visibility."""
+        splits = [r.policy.query_split(layer) for r in self.requests]
+        if all(s is None for s in splits):
+            for r in self.requests:
+                r.split_at = 0
+            return None
+        early, late, vis2 = [], [], None
+        for r, o, s in zip(self.requests, self._offsets(), splits):
+            t = r.cur.numel()
+            at = t if s is None else int(torch.searchsorted(r.cur, torch.as_tensor(s[0], device=self.device)))
+            r.split_at = at
+            early.append(torch.arange(o, o + at, device=self.device))
+            late.append(torch.arange(o + at, o + t, device=self.device))
+            if s is not None:
+                vis2 = (s[1], s[2])
+        w2, s2 = (x.to(device=self.device, dtype=torch.int32) for x in vis2)
+        return [(torch.cat(early), self.window[layer], self.sink[layer]), (torch.cat(late), w2, s2)]
+
+    def after_attention(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, k_pages: torch.Tensor) -> None:
+        """What the policies observe of this layer's attention: the mass the last queries give
+        each key (ranking rows for the sparse FFN) and the mass rows give other chunks."""
+        for b, (r, o) in enumerate(zip(self.requests, self._offsets())):
+            n_obs = r.policy.observe(layer)
+            split = r.policy.query_split(layer)
+            chunk_id = r.policy.cross_chunks(layer, r.cur)
+            r.info["mass"] = None
+            if not n_obs and chunk_id is None:
+                continue
+            t = r.cur.numel()
+            keys = _gather(k_pages, block_tables[b], torch.arange(r.n, device=self.device))
+            qb = q[o:o + t]
+            window, sink = self.window[layer].long(), self.sink[layer].long()
+            if n_obs:
+                w, s = (window, sink) if split is None else (split[1].to(self.device), split[2].to(self.device))
+                n_obs = n_obs if split is None else min(n_obs, t - r.split_at)
+                if n_obs:
+                    r.info["mass"] = observation_mass(qb[-n_obs:], r.cur[-n_obs:], keys, w, s, self.scale)
+            if chunk_id is not None:
+                r.info["cross"] = cross_chunk_mass(qb, r.cur, keys, window, sink, self.scale, chunk_id.to(self.device))
+
+    # ---------------------------------------------------------------- called by the decoder layers
+
+    def ffn_rows(self, layer: int, attn_out: torch.Tensor) -> torch.Tensor | None:
+        """Packed rows whose FFN runs at this layer (None: all); counts the layer's FLOPs."""
+        norms = attn_out.float().norm(dim=-1)
+        picked, every = [], True
+        for r, o in zip(self.requests, self._offsets()):
+            t = r.cur.numel()
+            r.info["out_norm"] = norms[o:o + t]
+            rows = r.policy.ffn_rows(layer, r.cur, r.info)
+            split = r.policy.query_split(layer)
+            if split is None:
+                pairs = visible_pairs(r.cur, self.window[layer], self.sink[layer], self.group)
+            else:
+                at = r.split_at
+                pairs = (visible_pairs(r.cur[:at], self.window[layer], self.sink[layer], self.group)
+                         + visible_pairs(r.cur[at:], split[1], split[2], self.group))
+            r.flops.add_layer(self.cfg, t, pairs, t if rows is None else rows.numel())
+            every &= rows is None
+            picked.append(torch.arange(o, o + t, device=self.device) if rows is None else rows.to(self.device) + o)
+        return None if every else torch.cat(picked)
+
+    def keep_rows(self, layer: int) -> torch.Tensor | None:
+        """Packed rows computed from the next layer on (None: all); the context follows."""
+        kept, every = [], True
+        for r, o in zip(self.requests, self._offsets()):
+            t = r.cur.numel()
+            keep = r.policy.keep_rows(layer, r.cur, r.info)
+            if keep is None:
+                kept.append(torch.arange(o, o + t, device=self.device))
+                continue
+            every = False
+            dropped = torch.ones(t, dtype=torch.bool, device=self.device)
+            dropped[keep] = False
+            if not bool(r.cached[r.cur[dropped]].all()):
+                raise ValueError(f"layer {layer}: the policy dropped positions that have no cached K/V")
+            r.cur = r.cur[keep]
+            kept.append(keep.to(self.device) + o)
+        if every:
+            return None
+        self._sync_context()
+        return torch.cat(kept)
+
+    def last_rows(self) -> torch.Tensor:
+        """Packed index of each request's last row after the last layer (its last position)."""
+        ends, o = [], 0
+        for r in self.requests:
+            o += r.cur.numel()
+            if r.cur.numel() == 0 or int(r.cur[-1]) != r.n - 1:
+                raise ValueError("recovery policy must compute the last position through every layer")
+            ends.append(o - 1)
+        return torch.tensor(ends, device=self.device)
+
+    def flops(self) -> list[FlopReport]:
+        for r in self.requests:
+            r.flops.add_lm_head(self.cfg)
+        return [r.flops for r in self.requests]
+
+
+def _gather(pages: torch.Tensor, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """[len(pos), Hkv, D] of one layer's pages (``table`` [Hkv, max_pages]) at positions ``pos``;
+    positions a head keeps no page for read as zeros."""
+    ps = pages.shape[1]
+    phys = table[:, pos // ps].long()  # [Hkv, n]
+    x = pages[phys.clamp_min(0), (pos % ps)[None, :]]  # [Hkv, n, D]
+    x = torch.where((phys >= 0)[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.transpose(0, 1)
