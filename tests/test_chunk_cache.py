@@ -138,7 +138,7 @@ def test_a_small_pool_evicts_chunks_and_answers_the_same(tiny_checkpoint, llm):
     ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, documents=docs, method="full_reuse")]
     hc = HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4)
     small = LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device=DEVICE, head_config=hc, page_size=16,
-                max_num_seqs=1)
+                max_num_seqs=1, kv_pages=64)  # a second engine in the process: no share of the GPU's memory
     # a pool of just what the largest request needs: every new document evicts the cached ones
     need = max(small.engine.pages_for(small.make_sequence(q, params, d, "full_reuse")) for q, d in zip(prompts, docs))
     small.engine.resize_pool(need)
@@ -147,6 +147,41 @@ def test_a_small_pool_evicts_chunks_and_answers_the_same(tiny_checkpoint, llm):
     assert small.chunk_cache.stats()["evictions"] > 0
     small.engine.clear_caches()
     assert small.pool.num_free_pages == small.pool.num_pages
+
+
+def test_admission_waits_without_computing_or_evicting_when_its_documents_cannot_fit(tiny_checkpoint):
+    """A request whose missing documents would not fit beside the running ones waits: nothing is
+    computed for it and no cached document is evicted for it (no evict-and-recompute every step);
+    once pages come back it runs."""
+    hc = HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4)
+    llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device=DEVICE, head_config=hc, page_size=16,
+              kv_pages=4096)
+    engine, pool = llm.engine, llm.pool
+    llm.generate(QUESTION, SamplingParams(max_tokens=1), documents=DOCS[:1], method="full_reuse")
+    cached_key = next(iter(engine.chunk_cache._entries))
+    r1 = llm.make_sequence("a long answer", SamplingParams(max_tokens=40, ignore_eos=True), method="dense")
+    engine.add_request(r1)
+    engine.step()
+    r2 = llm.make_sequence(QUESTION, SamplingParams(max_tokens=2, ignore_eos=True), documents=DOCS[1:], method="full_reuse")
+    engine.prepare(r2)
+    keep, kept_pages, missing = engine._chunk_needs(engine._chunk_specs(r2))
+    need = pool.pages_needed(r2.chunked_prompt.suffix_start, plan=r2.plan).peak + engine._heads
+    evictable = engine._cached_pages() - kept_pages
+    assert missing > 0
+    held = pool.allocate(pool.num_free_pages - (need + missing - 1 - evictable))  # one page short
+    assert need <= pool.num_free_pages + evictable  # the request alone would fit, not with its documents
+    engine.add_request(r2)
+    misses = engine.chunk_cache.misses
+    for _ in range(3):
+        engine.step()
+    assert r2 in engine.waiting and engine.chunk_cache.misses == misses
+    assert engine.chunk_cache.peek(cached_key) is not None
+    pool.release(held)
+    while engine.has_unfinished():
+        engine.step()
+    assert r2.finish_reason == "length" and r1.finish_reason == "length"
+    engine.clear_caches()
+    assert pool.num_free_pages == pool.num_pages
 
 
 def test_cache_salt_keeps_tenants_apart(llm):

@@ -86,7 +86,7 @@ def run_case(llm, method: str, context: int, args, rng: random.Random) -> dict:
     steps = []  # (seconds, sequences decoding, tokens out, admitted or prefilled this step)
     peak = 0
     while engine.has_unfinished():
-        waiting = len(engine.waiting)
+        waiting, misses = len(engine.waiting), engine.chunk_cache.misses
         ts = time.perf_counter()
         outs = engine.step()
         if llm.device.type == "cuda":
@@ -95,7 +95,8 @@ def run_case(llm, method: str, context: int, args, rng: random.Random) -> dict:
         running = len(engine.running)
         peak = max(peak, running)
         produced = sum(len(o.new_token_ids) for o in outs)
-        prefilled = len(engine.waiting) != waiting or any(s.num_computed < s.num_prompt for s in engine.running)
+        prefilled = (len(engine.waiting) != waiting or engine.chunk_cache.misses != misses  # documents computed
+                     or any(s.num_computed < s.num_prompt for s in engine.running))
         steps.append((dt, running, produced, prefilled))
     wall = time.perf_counter() - t0
     errors = [f"{type(s.error).__name__}: {str(s.error)[:160]}" for s in seqs if s.error is not None]

@@ -116,16 +116,22 @@ class ChunkCache:
 
     def _drop_lru(self) -> None:
         _, entry = self._entries.popitem(last=False)
+        self._drop(entry)
+
+    def _drop(self, entry: ChunkPages) -> None:
         self.pool.release(entry.pages)
         self._pages -= entry.pages.size
         self.evictions += 1
 
-    def evict(self, pages_wanted: int) -> int:
-        """Drop least recently used entries until ``pages_wanted`` pages are free; returns pages
-        freed (an entry whose pages a running request still maps frees nothing yet)."""
+    def evict(self, pages_wanted: int, keep=()) -> int:
+        """Drop least recently used entries, except those keyed in ``keep`` (a request about to
+        read them), until ``pages_wanted`` pages are free; returns pages freed (an entry whose
+        pages a running request still maps frees nothing yet)."""
         before = self.pool.num_free_pages
-        while self._entries and self.pool.num_free_pages - before < pages_wanted:
-            self._drop_lru()
+        for key in [k for k in self._entries if k not in keep]:
+            if self.pool.num_free_pages - before >= pages_wanted:
+                break
+            self._drop(self._entries.pop(key))
         return self.pool.num_free_pages - before
 
     def clear(self) -> None:

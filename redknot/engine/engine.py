@@ -362,20 +362,23 @@ class Engine:
             else:
                 first = seq.chunked_prompt.suffix_start if chunked else min(seq.num_pending, budget)
                 need = self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
-            if need > self.pool.num_free_pages + self._cached_pages():
+            keep, kept_pages, missing = set(), 0, 0
+            if chunked:  # its cached chunks must stay, its missing chunks' prefills need pages too
+                specs = self._chunk_specs(seq)
+                keep, kept_pages, missing = self._chunk_needs(specs)
+            if need + missing > self.pool.num_free_pages + self._cached_pages() - kept_pages:
                 if self._cannot_wait(seq, outputs):
                     continue
                 break  # even emptying the caches would not make room: keep them and wait
-            if need > self.pool.num_free_pages:
-                self._reclaim(need - self.pool.num_free_pages)
-            if need > self.pool.num_free_pages:
+            if need + missing > self.pool.num_free_pages:
+                self._reclaim(need + missing - self.pool.num_free_pages, keep)
+            if need + missing > self.pool.num_free_pages:
                 if self._cannot_wait(seq, outputs):
                     continue
-                break  # wait for pages (FIFO: nobody overtakes)
+                break  # wait for pages (FIFO: nobody overtakes); nothing computed for it yet
             pinned = None
             if chunked:
                 try:
-                    specs = self._chunk_specs(seq)
                     pinned, computed = self._ensure_chunks(seq, specs, need)
                 except PoolExhausted:
                     if self._cannot_wait(seq, outputs):
@@ -438,12 +441,29 @@ class Engine:
         cached = np.unique(np.concatenate(ids)).size
         return not self.has_unfinished() and self.pool.num_free_pages + cached == self.pool.num_pages
 
-    def _reclaim(self, pages: int) -> int:
-        """Free up to ``pages`` pages from the caches: cached prefixes first, then chunks (LRU)."""
+    def _reclaim(self, pages: int, keep=()) -> int:
+        """Free up to ``pages`` pages from the caches: cached prefixes first, then chunks (LRU),
+        keeping the chunks keyed in ``keep``."""
         freed = self.prefix_cache.evict(pages) if self.prefix_cache is not None else 0
         if freed < pages:
-            freed += self.chunk_cache.evict(pages - freed)
+            freed += self.chunk_cache.evict(pages - freed, keep)
         return freed
+
+    def _chunk_needs(self, specs: list) -> tuple[set, int, int]:
+        """(keys of the request's chunks already cached, their pages, pages the prefills of the
+        missing ones hold at most: every head of each, prefix included)."""
+        hits, hit_pages, missing, seen = set(), 0, 0, set()
+        for key, tokens, _ in specs:
+            if key in seen:
+                continue
+            seen.add(key)
+            entry = self.chunk_cache.peek(key)
+            if entry is None:
+                missing += self._heads * -(-len(tokens) // self.pool.page_size)
+            else:
+                hits.add(key)
+                hit_pages += entry.pages.size
+        return hits, hit_pages, missing
 
     # ------------------------------------------------------------------ chunks
 
@@ -509,7 +529,7 @@ class Engine:
                     cached.append(m)
                     need = self.pool.pages_needed(len(toks), m).peak + reserve
                     if need > self.pool.num_free_pages:
-                        self._reclaim(need - self.pool.num_free_pages)
+                        self._reclaim(need - self.pool.num_free_pages, entries)
                     if need > self.pool.num_free_pages:
                         raise PoolExhausted(f"a chunk prefill needs {need} pages, {self.pool.num_free_pages} are free")
                     self.pool.ensure(sid, len(toks))
