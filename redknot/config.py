@@ -296,7 +296,7 @@ class SparseFFNConfig:
     gives to keys of *other* chunks, in the layer's full-context heads: the context its cached
     state never saw) or "chunk" ("cross" averaged over each chunk: whole chunks are kept or left
     out first, rows within the chunk on the boundary by their own "cross"); measured in
-    docs/results/quality.md.
+    docs/results/quality_testbed.md.
     """
 
     dense_until: int = 4
