@@ -1,7 +1,8 @@
 """Head plan: the class, window and sink of every (layer, KV head), with upstream-JSON I/O.
 
-This is the one plan object the visibility rule derives from: storage, kernels,
-capacity accounting and the torch reference all call :meth:`HeadConfig.visibility`.
+:meth:`HeadConfig.visibility` turns the plan into the (window, sink) arrays that storage, the
+kernels, recovery and capacity accounting use; what a (window, sink) lets a query see is
+``redknot.visibility``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .visibility import GLOBAL_WINDOW  # noqa: F401  (a window wider than any position; defined with the rule)
+
 SCHEMA_VERSION = 1
 HEAD_CLASSES = ("global", "local", "retrieval", "dense")
 # Names older upstream files use for what we call local (sink + recent window).
 LEGACY_LOCAL = ("local_full", "limited", "streaming", "sink_dominant")
-# A window wider than any position: "sees everything before it".
-GLOBAL_WINDOW = 2**30
 DEFAULT_SINK = 4
 
 _KNOWN_KEYS = {"schema_version", "kv_head_classification", "kv_head_max_distance", "kv_head_sink_size",

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from ..models.llama import LlamaForCausalLM
+from ..visibility import visible
 from .flops import FlopReport, visible_pairs
 
 # Query rows per attention block: bounds the [Hq, rows, N] mask and score memory.
@@ -207,7 +208,7 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None):
         with record_function("recover.attention_mass"):
             qo = q[-n_obs:].view(n_obs, hkv, g, d)
             p = q_pos[-n_obs:][None, :, None]
-            mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, o, N]
+            mask = visible(p, j, w, s)  # [Hkv, o, N]
             scores = torch.einsum("ohgd,khd->hgok", qo, keys).float() * scale  # fp32 softmax
             probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
             mass = probs.sum(dim=(0, 1, 2))
@@ -283,7 +284,7 @@ def _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.
             continue
         qb = q[r0:r0 + _QUERY_BLOCK].view(-1, hkv, g, d).float()  # [b, h, g, D]
         p = pos[None, :, None]
-        mask = (j <= p) & ((j < s) | (p - j < w))  # [h, b, N]
+        mask = visible(p, j, w, s)  # [h, b, N]
         scores = torch.einsum("bhgd,nhd->hgbn", qb, k) * scale
         probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
         other = (key_chunk >= 0) & (key_chunk != own[:, None])  # [b, N]
@@ -381,7 +382,7 @@ def _attend_masked(q, q_pos, keys, values, j, w, s, scale, g):
     out = torch.empty_like(q)
     for r0 in range(0, r, _QUERY_BLOCK):
         p = q_pos[r0:r0 + _QUERY_BLOCK][None, :, None]
-        mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, rows, N]
+        mask = visible(p, j, w, s)  # [Hkv, rows, N]
         qb = q[r0:r0 + _QUERY_BLOCK].transpose(0, 1)[None]
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.repeat_interleave(g, dim=0)[None],
                                             scale=scale, enable_gqa=True)
