@@ -292,8 +292,8 @@ class SparseFFNConfig:
 
     ``keep_fraction`` replaces the mass tiers by a count: each sparse layer keeps that share of the
     chunk tokens computed at the first sparse layer (so ``redknot_kv`` picks its set there once).
-    ``importance`` ranks them: "attention" (the mass the suffix's last tokens give them), "norm"
-    (|attention output|, the prototype's proxy) or "cross" (the attention mass a token's own query
+    ``importance`` ranks them: "attention" (the mass the suffix's last tokens give them), "cross"
+    (the attention mass a token's own query
     gives to keys of *other* chunks, in the layer's full-context heads: the context its cached
     state never saw) or "chunk" ("cross" averaged over each chunk: whole chunks are kept or left
     out first, rows within the chunk on the boundary by their own "cross"); measured in
@@ -306,7 +306,7 @@ class SparseFFNConfig:
     mass_thresh_deep: float = 0.05
     recent_n: int = 128
     min_keep: int = 16
-    importance: str = "attention"  # or "norm" (|attention output|), "cross" (mass to other chunks), "chunk"
+    importance: str = "attention"  # or "cross" (mass to other chunks), "chunk" (the same, per chunk)
     keep_fraction: float | None = None  # a fixed share of chunk tokens instead of the mass tiers
 
     def __post_init__(self):
@@ -318,8 +318,8 @@ class SparseFFNConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise HeadConfigError(f"sparse FFN: {name}={v!r} must be in [0, 1)")
-        if self.importance not in ("attention", "norm", "cross", "chunk"):
-            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention', 'norm', 'cross' "
+        if self.importance not in ("attention", "cross", "chunk"):
+            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention', 'cross' "
                                   f"or 'chunk'")
         if self.keep_fraction is not None and (isinstance(self.keep_fraction, bool)
                                                or not isinstance(self.keep_fraction, (int, float))
