@@ -1,7 +1,8 @@
 """Head plan: the class, window and sink of every (layer, KV head), with upstream-JSON I/O.
 
-This is the one plan object the visibility rule derives from: storage, kernels,
-capacity accounting and the torch reference all call :meth:`HeadConfig.visibility`.
+:meth:`HeadConfig.visibility` turns the plan into the (window, sink) arrays that storage, the
+kernels, recovery and capacity accounting use; what a (window, sink) lets a query see is
+``redknot.visibility``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .visibility import GLOBAL_WINDOW  # noqa: F401  (a window wider than any position; defined with the rule)
+
 SCHEMA_VERSION = 1
 HEAD_CLASSES = ("global", "local", "retrieval", "dense")
 # Names older upstream files use for what we call local (sink + recent window).
 LEGACY_LOCAL = ("local_full", "limited", "streaming", "sink_dominant")
-# A window wider than any position: "sees everything before it".
-GLOBAL_WINDOW = 2**30
 DEFAULT_SINK = 4
 
 _KNOWN_KEYS = {"schema_version", "kv_head_classification", "kv_head_max_distance", "kv_head_sink_size",
@@ -291,12 +292,12 @@ class SparseFFNConfig:
 
     ``keep_fraction`` replaces the mass tiers by a count: each sparse layer keeps that share of the
     chunk tokens computed at the first sparse layer (so ``redknot_kv`` picks its set there once).
-    ``importance`` ranks them: "attention" (the mass the suffix's last tokens give them), "norm"
-    (|attention output|, the prototype's proxy) or "cross" (the attention mass a token's own query
+    ``importance`` ranks them: "attention" (the mass the suffix's last tokens give them), "cross"
+    (the attention mass a token's own query
     gives to keys of *other* chunks, in the layer's full-context heads: the context its cached
     state never saw) or "chunk" ("cross" averaged over each chunk: whole chunks are kept or left
     out first, rows within the chunk on the boundary by their own "cross"); measured in
-    docs/results/quality.md.
+    docs/results/quality_testbed.md.
     """
 
     dense_until: int = 4
@@ -305,7 +306,7 @@ class SparseFFNConfig:
     mass_thresh_deep: float = 0.05
     recent_n: int = 128
     min_keep: int = 16
-    importance: str = "attention"  # or "norm" (|attention output|), "cross" (mass to other chunks), "chunk"
+    importance: str = "attention"  # or "cross" (mass to other chunks), "chunk" (the same, per chunk)
     keep_fraction: float | None = None  # a fixed share of chunk tokens instead of the mass tiers
 
     def __post_init__(self):
@@ -317,8 +318,8 @@ class SparseFFNConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise HeadConfigError(f"sparse FFN: {name}={v!r} must be in [0, 1)")
-        if self.importance not in ("attention", "norm", "cross", "chunk"):
-            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention', 'norm', 'cross' "
+        if self.importance not in ("attention", "cross", "chunk"):
+            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention', 'cross' "
                                   f"or 'chunk'")
         if self.keep_fraction is not None and (isinstance(self.keep_fraction, bool)
                                                or not isinstance(self.keep_fraction, (int, float))

@@ -36,9 +36,8 @@ def _requests(seed: int = 7):
 
 
 def run(args) -> int:
-    from .bench.quality import exact_match
     from .engine import LLM, SamplingParams
-    from .testbed.data import MAX_ANSWER_TOKENS
+    from .qa.answers import MAX_ANSWER_TOKENS, exact_match
 
     llm = LLM(model=args.model, device=args.device)  # default: the bundled model and its heads.json
     if llm.head_config is None:

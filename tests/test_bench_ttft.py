@@ -28,7 +28,7 @@ def test_hf_baseline_computes_the_same_attention_as_ours():
     or HF dense would compute windowed (masked) attention while ours computes full causal."""
     import torch
 
-    from redknot.bench.ttft import _hf_model
+    from redknot.bench.common import hf_model as _hf_model
     from redknot.models.config import ModelConfig
 
     arch = {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,

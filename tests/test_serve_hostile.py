@@ -440,8 +440,9 @@ def test_sampler_rows_with_extreme_values_never_fail_or_change_their_neighbours(
 
 
 def test_sampler_tiny_top_p_and_huge_top_k():
-    """A top_p that is 0 in float32 used to drop every token (a NaN draw: token 0); a top_k past
-    int64 used to raise inside the batched sampler, failing every request in the batch."""
+    """A top_p that is 0 in float32 still keeps the top token (dropping every token would make a NaN
+    draw: token 0), and a top_k past int64 does not raise inside the batched sampler (which would
+    fail every request in the batch)."""
     import torch
 
     from redknot.engine.sampling import SamplingParams, sample

@@ -27,7 +27,7 @@ import time
 import torch
 
 from ..models.config import ModelConfig
-from .ttft import ARCHS, _head_config, _names
+from .common import ARCHS, head_config, parse_names
 
 METHODS = ("dense", "headsparse", "full_reuse", "redknot_kv")
 
@@ -119,8 +119,8 @@ def run_case(llm, method: str, context: int, args, rng: random.Random) -> dict:
 def run(args) -> dict:
     from ..engine import LLM
 
-    archs = _names(args.archs, ARCHS, "arch")
-    methods = _names(args.methods, METHODS, "method")
+    archs = parse_names(args.archs, ARCHS, "arch")
+    methods = parse_names(args.methods, METHODS, "method")
     plans = [x for x in args.head_configs.split(",") if x]
     contexts = [int(x) for x in args.contexts.split(",") if x]
     if any(c < 64 for c in contexts) or args.decode_tokens < 1:
@@ -142,7 +142,7 @@ def run(args) -> dict:
         for plan_name, ms in builds:
             if not ms:
                 continue
-            head = _head_config(plan_name, cfg, args.anchor_head_config) if plan_name else None
+            head = head_config(plan_name, cfg, args.anchor_head_config) if plan_name else None
             t0 = time.perf_counter()
             llm = LLM(model=cfg, head_config=head, device=dev, dtype=torch.bfloat16 if dev.type == "cuda" else None,
                       page_size=args.page_size, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -36,7 +36,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..testbed.data import RecordError, check_record, read_jsonl
+from ..qa.records import RecordError, check_record, read_jsonl
 
 
 class DatasetError(ValueError):

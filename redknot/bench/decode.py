@@ -23,9 +23,9 @@ import time
 
 import torch
 
-from ..config import GLOBAL_WINDOW
+from ..visibility import visible_keys
 from ..models.config import ModelConfig
-from .ttft import ARCHS, _head_config, _hf_model, _names, _sync
+from .common import ARCHS, head_config, hf_model, parse_names, sync
 
 METHODS = ("dense", "headsparse", "hf")
 
@@ -73,10 +73,7 @@ def _weight_bytes(model) -> int:
 def _kv_read_bytes(cfg: ModelConfig, window, sink, context: int, batch: int, itemsize: int) -> int:
     """KV bytes one decode step reads under a plan (window/sink [L, Hkv]): each head its sink and
     window of the context, every head all of it when global."""
-    w = torch.as_tensor(window, dtype=torch.int64).clamp(max=context)
-    s = torch.as_tensor(sink, dtype=torch.int64).clamp(max=context)
-    visible = torch.where(w >= min(context, GLOBAL_WINDOW), context, torch.clamp(w + s, max=context))
-    return int(visible.sum()) * 2 * cfg.head_dim * itemsize * batch
+    return int(visible_keys(window, sink, context).sum()) * 2 * cfg.head_dim * itemsize * batch
 
 
 def _fill_random(pool) -> None:
@@ -110,13 +107,13 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
     try:
         for _ in range(2):  # warm: captures the batch's graph
             engine.step()
-        _sync(llm.device)
+        sync(llm.device)
         engine.timings = dict.fromkeys(engine.timings, 0)
         engine.runner.graph_events = [] if engine.runner.cuda_graphs else None
         t0 = time.perf_counter()
         for _ in range(tokens):
             engine.step()
-        _sync(llm.device)
+        sync(llm.device)
         dt = time.perf_counter() - t0
         events, engine.runner.graph_events = engine.runner.graph_events, None
         host = {k: v / tokens for k, v in engine.timings.items() if k != "steps"}
@@ -126,11 +123,11 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
         graph = engine.runner.last_graph
         if graph is not None:  # the device's share of a step: the captured forward alone, back to back
             graph.replay()
-            _sync(llm.device)
+            sync(llm.device)
             t0 = time.perf_counter()
             for _ in range(10):
                 graph.replay()
-            _sync(llm.device)
+            sync(llm.device)
             graph_s = (time.perf_counter() - t0) / 10
         if profile:
             from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -139,7 +136,7 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
                 with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                     for _ in range(4):
                         engine.step()
-                    _sync(llm.device)
+                    sync(llm.device)
             finally:
                 engine.runner.cuda_graphs = graphs
             os.makedirs(profile, exist_ok=True)
@@ -163,12 +160,12 @@ def _time_hf(hf, batch: int, context: int, tokens: int, dev) -> dict:
         for _ in range(2):  # warm
             out = hf(tok, past_key_values=cache, use_cache=True)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         for _ in range(tokens):
             out = hf(tok, past_key_values=cache, use_cache=True)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        _sync(dev)
+        sync(dev)
         dt = time.perf_counter() - t0
     del cache, out
     return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt}
@@ -178,7 +175,7 @@ def run(args) -> dict:
     from ..engine import LLM
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    methods = _names(args.methods, METHODS, "method")
+    methods = parse_names(args.methods, METHODS, "method")
     cases = _cases(args.cases)
     arch = dict(ARCHS[args.arch])
     max_ctx = max(n for _, n in cases) + args.tokens + 8
@@ -198,7 +195,7 @@ def run(args) -> dict:
         pass
     rows = result["rows"]
     if "hf" in methods:
-        hf = _hf_model(ARCHS[args.arch], dev, dtype)
+        hf = hf_model(ARCHS[args.arch], dev, dtype)
         for b, n in cases:
             if b > args.hf_max_batch or n > args.hf_max_context:
                 continue
@@ -211,7 +208,7 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     ours = [m for m in methods if m != "hf"]
     if ours:
-        head = _head_config(args.head_config, cfg, args.anchor_head_config)
+        head = head_config(args.head_config, cfg, args.anchor_head_config)
         # a pool for the largest case under the dense plan (+ a page per head and sequence)
         heads = cfg.num_hidden_layers * cfg.num_key_value_heads
         pages = max(b * heads * (-(-(n + args.tokens + 8) // 64) + 1) for b, n in cases)

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..visibility import GLOBAL_WINDOW, kept_page_mask, kept_pages, visible
+
 HQ, HKV, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
 GROUP = HQ // HKV
 GLOBAL_KV_HEADS = (0, 4)  # 2 of 8 KV heads global
@@ -80,13 +82,6 @@ QUICK_SHAPES = {s.name: s for s in [
     Shape("prefill-quick", "prefill", 1, 200, 48),
     Shape("decode-quick", "decode", 2, 300, 64),
 ]}
-# Reference timings the table is read against (ms, one H200, torch 2.11).
-DESIGN_MS = {
-    "prefill-8k": {"fa_dense": 1.82, "sdpa_mask": 8.06, "fa_buckets": 0.94, "flex": 0.65},
-    "prefill-32k": {"fa_dense": 25.6, "fa_buckets": 12.3, "flex": 9.3},
-    "prefill-128k": {"fa_dense": 430.0, "fa_buckets": 131.0, "flex": 103.0},
-    "decode-32k": {"fa_dense": 1.61},
-}
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -127,58 +122,21 @@ def _cuda_alive(device: torch.device) -> bool:
         return False
 
 
-def _global_window() -> int:
-    for mod in ("redknot.kernels", "redknot.kernels.reference"):
-        try:
-            return int(getattr(importlib.import_module(mod), "GLOBAL_WINDOW"))
-        except Exception:
-            pass
-    return 2**30
-
-
-def _resolve(spec_list):
-    """First callable found among (module, attribute) pairs; returns (fn, 'module:attr')."""
-    errors = []
-    for mod_name, attr in spec_list:
-        try:
-            obj = getattr(importlib.import_module(mod_name), attr, None)
-            if obj is None:  # maybe a submodule named like the function
-                obj = importlib.import_module(f"{mod_name}.{attr}")
-            if inspect.ismodule(obj):
-                obj = getattr(obj, attr)
-            if callable(obj):
-                return obj, f"{mod_name}:{attr}"
-            errors.append(f"{mod_name}:{attr} is not callable")
-        except Exception as e:
-            errors.append(f"{mod_name}:{attr}: {_err(e)}")
-    raise ImportError("; ".join(errors))
-
-
 def _resolve_kernels(device: torch.device, kernel: str):
-    """(attention fn, store fn or None, name): Triton kernels on CUDA, torch reference on CPU."""
+    """(attention fn, store fn or None, name): the Triton kernels on CUDA, the torch reference on
+    CPU, or the attention function a user names as ``MODULE:FUNCTION`` (``--kernel``; its module's
+    ``segpaged_store`` if it has one)."""
     if kernel and kernel != "auto":
-        mod, _, attr = kernel.partition(":")
-        attn, name = _resolve([(mod, attr or "segpaged_attention")])
-        try:
-            store, _ = _resolve([(mod, "segpaged_store")])
-        except ImportError:
-            store = None
-        return attn, store, name
+        mod_name, _, attr = kernel.partition(":")
+        mod = importlib.import_module(mod_name)
+        attr = attr or "segpaged_attention"
+        return getattr(mod, attr), getattr(mod, "segpaged_store", None), f"{mod_name}:{attr}"
     if device.type == "cuda":
-        attn, name = _resolve([("redknot.kernels", "segpaged_attention"),
-                               ("redknot.kernels.segpaged", "segpaged_attention")])
-        stores = [("redknot.kernels", "segpaged_store"),
-                  ("redknot.kernels.segpaged", "segpaged_store")]
-    else:
-        attn, name = _resolve([("redknot.kernels.reference", "segpaged_attention"),
-                               ("redknot.kernels.reference", "segpaged_attention_ref")])
-        stores = [("redknot.kernels.reference", "segpaged_store"),
-                  ("redknot.kernels.reference", "segpaged_store_ref")]
-    try:
-        store, _ = _resolve(stores)
-    except ImportError:
-        store = None
-    return attn, store, name
+        from ..kernels import segpaged
+        return segpaged.segpaged_attention, segpaged.segpaged_store, "redknot.kernels.segpaged:segpaged_attention"
+    from ..kernels import reference
+    return (reference.segpaged_attention_ref, reference.segpaged_store_ref,
+            "redknot.kernels.reference:segpaged_attention_ref")
 
 
 # --------------------------------------------------------------------------- inputs
@@ -210,32 +168,20 @@ def _head_plan(shape: Shape, global_window: int):
     return windows, sinks
 
 
-def _kept_pages(shape: Shape, windows, sinks, global_window: int) -> torch.Tensor:
+def _kept_pages(shape: Shape, windows, sinks) -> torch.Tensor:
     """bool [Hkv, n_logical_pages]: pages each head holds.
 
-    Prefill: every page (the queries of this step need them all). Decode (the query at
-    p = L-1): a local head holds its sink pages and the pages from the one holding L-W on."""
+    Prefill: every page (the queries of this step need them all). Decode: what the pool keeps
+    for the query at p = L-1 (a local head's sink pages and the pages its window reaches)."""
     n_lp = _cdiv(shape.ctx, PAGE_SIZE)
-    lp = torch.arange(n_lp)
-    keep = torch.ones(HKV, n_lp, dtype=torch.bool)
-    if shape.kind == "decode":
-        for h in range(HKV):
-            if windows[h] < global_window:
-                first = max(0, shape.ctx - windows[h]) // PAGE_SIZE
-                keep[h] = (lp < _cdiv(sinks[h], PAGE_SIZE)) | (lp >= first)
-    return keep
+    if shape.kind != "decode":
+        return torch.ones(HKV, n_lp, dtype=torch.bool)
+    return torch.from_numpy(kept_page_mask(shape.ctx - 1, windows, sinks, PAGE_SIZE))
 
 
-def _pages_after_trim(shape: Shape, windows, sinks, global_window: int) -> int:
-    """Pages a sequence keeps once trimmed for its next query at p = ctx (pool.trim rule)."""
-    n_lp, total = _cdiv(shape.ctx, PAGE_SIZE), 0
-    for w, s in zip(windows, sinks):
-        if w >= global_window:
-            total += n_lp
-        else:
-            dead_end = max(0, (shape.ctx - w + 1) // PAGE_SIZE)
-            total += n_lp - max(0, dead_end - _cdiv(s, PAGE_SIZE))
-    return total * shape.batch
+def _pages_after_trim(shape: Shape, windows, sinks) -> int:
+    """Pages a sequence keeps once trimmed for its next query at p = ctx (the pool's trim)."""
+    return int(kept_pages(shape.ctx, windows, sinks, PAGE_SIZE).sum()) * shape.batch
 
 
 def make_case(shape: Shape, device: torch.device, seed: int, global_window: int) -> Case:
@@ -247,7 +193,7 @@ def make_case(shape: Shape, device: torch.device, seed: int, global_window: int)
     windows, sinks = _head_plan(shape, global_window)
 
     # Page table: kept (b, h, lp) entries get a shuffled physical page each.
-    keep = _kept_pages(shape, windows, sinks, global_window)[None].expand(B, -1, -1).contiguous()
+    keep = _kept_pages(shape, windows, sinks)[None].expand(B, -1, -1).contiguous()
     n_lp = keep.shape[-1]
     num_pages = int(keep.sum())
     cpu_gen = torch.Generator().manual_seed(seed + 1)
@@ -312,7 +258,7 @@ def work_model(case: Case) -> dict:
     if sh.kind == "decode":  # one query per sequence: what it sees is what must be read
         out["visible_kv_bytes"] = int(counts.sum()) * kv_row
     else:
-        after = _pages_after_trim(sh, case.windows, case.sinks, _GW)
+        after = _pages_after_trim(sh, case.windows, case.sinks)
         out["kv_bytes"]["segpaged_after_trim"] = after * PAGE_SIZE * kv_row
     return out
 
@@ -405,7 +351,7 @@ def rule_attention(q, k, v, q_pos, windows, sinks, scale) -> torch.Tensor:
         for r0 in range(0, n, chunk):
             r1 = min(n, r0 + chunk)
             p = q_pos[r0:r1, None]
-            vis = (j[None] <= p) & ((j[None] < sinks[h]) | (p - j[None] < windows[h]))
+            vis = visible(p, j[None], windows[h], sinks[h])
             qs = q[r0:r1, h * g:(h + 1) * g].double()
             s = (qs.reshape(-1, qs.shape[-1]) @ kf.T).view(r1 - r0, g, L) * scale
             s.masked_fill_(~vis[:, None, :], float("-inf"))
@@ -613,7 +559,7 @@ def _window_mask(q_pos, L, window, device):
     """bool [Lq, L]: causal sliding window without sink (the FA bucket semantics)."""
     j = torch.arange(L, device=device)[None]
     p = q_pos.to(device)[:, None]
-    return (j <= p) & (p - j < window)
+    return visible(p, j, window, 0)
 
 
 def bench_fa_dense(case: Case, env: Env):
@@ -737,7 +683,7 @@ def bench_flex(case: Case, env: Env):
     def mask_mod(b, h, q_idx, kv_idx):
         kvh = h // GROUP
         p = q_idx + q_off
-        return (kv_idx <= p) & ((kv_idx < sink[kvh]) | (p - kv_idx < win[kvh]))
+        return visible(p, kv_idx, win[kvh], sink[kvh])
 
     t0 = time.perf_counter()
     bm = create_block_mask(mask_mod, None, HQ, ql, L, device=dev, _compile=dev.type == "cuda")
@@ -803,8 +749,6 @@ def run_shape(shape: Shape, env: Env, rows_n: int, seed: int) -> dict:
                    "sink": SINK, "methods": {}, "correctness": {}, "speedup": {}}
     env.timer.graph = shape.kind == "decode"
     entry["timing"] = "cuda-graph replay" if env.timer.graph and dev.type == "cuda" else "eager"
-    if shape.name in DESIGN_MS:
-        entry["design_ms"] = DESIGN_MS[shape.name]
     t_shape = time.perf_counter()
     if env.cuda_dead:
         entry["skipped"] = f"CUDA context lost ({env.cuda_dead[:120]})"
@@ -812,7 +756,7 @@ def run_shape(shape: Shape, env: Env, rows_n: int, seed: int) -> dict:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     try:
-        case = make_case(shape, dev, seed, _GW)
+        case = make_case(shape, dev, seed, GLOBAL_WINDOW)
         entry.update(work_model(case))
     except Exception as e:
         entry["error"] = f"setup: {_err(e)}"
@@ -888,9 +832,6 @@ def run_shape(shape: Shape, env: Env, rows_n: int, seed: int) -> dict:
                 res["tbps_dense_read"] = kvb["dense"] / s / 1e12
         if seg and m != "segpaged":
             entry["speedup"][m] = ms / seg
-    if seg:
-        for m, ms in entry.get("design_ms", {}).items():
-            entry["speedup"][f"design_{m}"] = ms / seg
     if dev.type == "cuda":
         entry["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     entry["wall_s"] = time.perf_counter() - t_shape
@@ -974,9 +915,6 @@ def print_table(result: dict) -> None:
 
 # --------------------------------------------------------------------------- entry points
 
-_GW = 2**30  # GLOBAL_WINDOW, resolved in run()
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", default="all",
                    help=f"comma list of {', '.join(SHAPES)} (or with --quick: "
@@ -1024,7 +962,6 @@ def _select(arg: str, known, what: str) -> list:
 
 
 def run(args) -> dict:
-    global _GW
     t_run = time.perf_counter()
     g = lambda name, default: getattr(args, name, default)  # noqa: E731
     dev_name = g("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1041,7 +978,6 @@ def run(args) -> dict:
     if device.type != "cuda" and (not methods_arg or methods_arg == "all"):
         methods = [m for m in methods if m != "flex"]  # no compile in the CPU smoke test
     out_path = g("out", None) or os.path.join(os.environ.get("OUT", "."), "kernel.json")
-    _GW = _global_window()
 
     result = {
         "benchmark": "redknot.bench.kernel",
@@ -1055,7 +991,7 @@ def run(args) -> dict:
         "config": {"hq": HQ, "hkv": HKV, "head_dim": HEAD_DIM, "page_size": PAGE_SIZE,
                    "dtype": str(DTYPE).replace("torch.", ""),
                    "global_kv_heads": list(GLOBAL_KV_HEADS), "sink_local": SINK,
-                   "global_window": _GW, "sm_scale": 1.0 / math.sqrt(HEAD_DIM),
+                   "global_window": GLOBAL_WINDOW, "sm_scale": 1.0 / math.sqrt(HEAD_DIM),
                    "methods": methods, "rows_checked": g("rows", 512),
                    "timer": (f"median of CUDA events, L2 flushed before each call, 3.."
                              f"{g('repeats', 50)} calls (~{g('target_ms', 1000.0)} ms) per method"

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     results = []
     for name in args.shapes.split(","):
         shape = kb.SHAPES[name]
-        case = kb.make_case(shape, dev, seed=0, global_window=kb._global_window())
+        case = kb.make_case(shape, dev, seed=0, global_window=kb.GLOBAL_WINDOW)
         work = kb.work_model(case)
         rows = kb.sample_rows(case, args.rows, seed=1)
         ref = kb.reference_rows(case, rows)

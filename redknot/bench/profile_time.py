@@ -31,8 +31,8 @@ def run(args) -> int:
     from ..models.loader import build_model
     from ..profile.profiler import profile_heads
     from ..testbed.data import generate_records
-    from ..tiny import make_tokenizer
-    from .ttft import ARCHS
+    from ..models.tokenizer import make_tokenizer
+    from .common import ARCHS
 
     if args.arch not in ARCHS:
         raise ValueError(f"--arch {args.arch!r}: use one of {', '.join(ARCHS)}")

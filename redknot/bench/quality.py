@@ -33,12 +33,12 @@ import argparse
 import collections
 import datetime
 import json
-import re
-import string
 import sys
 from pathlib import Path
 
-from ..testbed.data import ANSWER_MARK, MAX_ANSWER_TOKENS, read_jsonl, restated_fact
+from ..qa.answers import (ANSWER_MARK, MAX_ANSWER_TOKENS, bridge_match, exact_match, f1_score,  # noqa: F401
+                          final_answer, normalize_answer, restated_fact, twin_match)
+from ..qa.records import read_jsonl
 
 import torch
 
@@ -57,76 +57,6 @@ PROMPTS = {"plain": None, "longbench": LONGBENCH_QA}
 # Method knobs a spec may set after "@" (budgets): method -> (ReuseOptions / SparseFFNConfig field, type).
 VARIANT_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
                  "redknot": ("keep_fraction", float), "redknot_kv": ("keep_fraction", float)}
-
-
-# ---- SQuAD answer scoring -----------------------------------------------------------------------
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_PUNCT = str.maketrans("", "", string.punctuation)
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD normalisation: lowercase, drop punctuation, drop articles, collapse whitespace."""
-    s = s.lower().translate(_PUNCT)
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
-
-
-def _golds(answers) -> list[str]:
-    return [answers] if isinstance(answers, str) else list(answers)
-
-
-def final_answer(prediction: str) -> str:
-    """A reasoned answer's conclusion: the text after the last ``=>`` (``"Kestrel Works => Brar"`` ->
-    ``"Brar"``; a model trained with ``--reasoned-answers`` names a two-hop question's bridge entity
-    first); a plain answer as it is."""
-    return prediction.rpartition(ANSWER_MARK)[2]
-
-
-def bridge_match(prediction: str, bridge: str | None, fact: str | None = None) -> float | None:
-    """Exact match of a reasoned answer's bridge: the text before its last ``=>``, after ``fact`` when
-    the answer restates its first hop (``testbed.data.restated_fact``: "X was born in BRIDGE => …").
-    None when the prediction is not reasoned or there is no bridge to compare with."""
-    head, mark, _ = prediction.rpartition(ANSWER_MARK)
-    if not (mark and bridge):
-        return None
-    head, fact = normalize_answer(head), normalize_answer(fact or "")
-    if fact and head.startswith(fact + " "):
-        head = head[len(fact) + 1:]
-    return float(head == normalize_answer(bridge))
-
-
-def twin_match(prediction: str, record: dict) -> float | None:
-    """1.0 if a wrong answer is the answer of the record's same-variant twin (``meta``'s
-    ``distractor_answers``, testbed records made with ``--meta``): the right kind of fact about the
-    wrong entity, where a model that finds the candidates but not the link ends up half the time.
-    None for records without twins."""
-    twins = (record.get("meta") or {}).get("distractor_answers")
-    if not twins:
-        return None
-    return float(not exact_match(prediction, record["answers"]) and bool(exact_match(prediction, twins)))
-
-
-def exact_match(prediction: str, answers: str | list[str]) -> float:
-    """1.0 if the normalised prediction (its conclusion) equals any normalised gold answer."""
-    pred = normalize_answer(final_answer(prediction))
-    return float(any(pred == normalize_answer(a) for a in _golds(answers)))
-
-
-def _token_f1(prediction: str, gold: str) -> float:
-    pred, ref = normalize_answer(prediction).split(), normalize_answer(gold).split()
-    if not pred or not ref:  # SQuAD v2 rule: an empty side scores 1 only if both are empty
-        return float(pred == ref)
-    same = sum((collections.Counter(pred) & collections.Counter(ref)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(pred), same / len(ref)
-    return 2 * precision * recall / (precision + recall)
-
-
-def f1_score(prediction: str, answers: str | list[str]) -> float:
-    """SQuAD token F1 (bag of normalised tokens) of the prediction's conclusion, max over the gold answers."""
-    prediction = final_answer(prediction)
-    return max((_token_f1(prediction, a) for a in _golds(answers)), default=0.0)
 
 
 # ---- first-token comparison ---------------------------------------------------------------------
@@ -411,7 +341,7 @@ def rescore(results_path: str | Path, records: list[dict]) -> dict:
 
 def run(args) -> dict:
     from ..engine import LLM, SamplingParams
-    from ..testbed import model_path
+    from ..models.resolve import bundled_model_path
 
     if args.rescore:  # no model
         if args.limit is not None:
@@ -423,7 +353,7 @@ def run(args) -> dict:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(format_table(result))
         return result
-    args.model = Path(args.model) if args.model else model_path()
+    args.model = Path(args.model) if args.model else bundled_model_path()
     if args.head_config is None and (args.model / "heads.json").is_file():
         args.head_config = args.model / "heads.json"
     methods = parse_methods(args.methods, args.head_config)

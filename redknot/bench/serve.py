@@ -54,14 +54,14 @@ def _llm(args, dev):
     from ..config import HeadConfig
     from ..engine import LLM
     from ..models.config import ModelConfig
-    from .ttft import ARCHS, _head_config
+    from .common import ARCHS, head_config
 
     model = args.model or ModelConfig.from_dict(ARCHS[args.arch])  # random weights of the architecture
     cfg = ModelConfig.from_dir(model) if args.model else model
     head = None
     if args.head_config:
         head = (HeadConfig.from_json(args.head_config) if os.path.isfile(args.head_config)
-                else _head_config(args.head_config, cfg, None))
+                else head_config(args.head_config, cfg, None))
     return LLM(model=model, head_config=head, device=dev, kv_pages=args.kv_pages)
 
 
@@ -115,11 +115,11 @@ def run(args) -> dict:
     from ..engine.llm import METHODS
     from ..engine.sampling import SamplingParams
     from ..serve.background import BackgroundServer
-    from .ttft import ARCHS, _names
+    from .common import ARCHS, parse_names
 
-    methods = _names(args.methods, METHODS, "method")  # before a model is built: a typo fails at once
+    methods = parse_names(args.methods, METHODS, "method")  # before a model is built: a typo fails at once
     if not args.model:
-        _names(args.arch, ARCHS, "arch")
+        parse_names(args.arch, ARCHS, "arch")
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rng = random.Random(args.seed)
     pool = _documents(args.pool_docs, args.doc_words, rng)

@@ -22,24 +22,13 @@ import time
 import torch
 
 from ..cache import ChunkStore
-from ..config import HeadConfig, SparseFFNConfig
+from ..config import SparseFFNConfig
 from ..models.config import ModelConfig
 from ..models.loader import build_model
 from ..reuse.methods import ReuseEngine
 from ..reuse.prompt import ChunkedPrompt
+from .common import ARCHS, head_config, hf_model, parse_names, sync
 
-ARCHS = {
-    "mistral-7b": {"model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
-                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                   "max_position_embeddings": 262144, "rope_theta": 1e6, "rms_norm_eps": 1e-5},
-    "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
-                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                 "max_position_embeddings": 262144, "rope_theta": 1e6, "rms_norm_eps": 1e-6},
-    # CPU smoke test
-    "tiny": {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
-             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-             "max_position_embeddings": 4096},
-}
 LAYOUTS = {"8x1k": (8, 1024), "8x4k": (8, 4096), "16x4k": (16, 4096), "32x4k": (32, 4096), "4x64": (4, 64)}
 METHODS = ("hf_dense", "dense", "headsparse", "full_reuse", "epic", "cacheblend", "redknot", "redknot_kv")
 PREFIX_TOKENS, SUFFIX_TOKENS = 16, 64
@@ -63,19 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None)
 
 
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _timed(fn, dev, repeats):
     fn()  # warm: compiles, caches chunks
-    _sync(dev)
+    sync(dev)
     ts = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        sync(dev)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
@@ -94,25 +78,6 @@ def _profile_row(row: dict, call, dev, folder: str) -> None:
     print(f"{name}: {format_summary(summary)}", flush=True)
 
 
-def _names(spec: str, known, what: str) -> list[str]:
-    """A comma list of names, each one of ``known``: a typo fails before any model is built."""
-    names = [x for x in spec.split(",") if x]
-    unknown = sorted(set(names) - set(known))
-    if unknown or not names:
-        raise ValueError(f"unknown {what}(s) {unknown or [spec]}; available: {', '.join(known)}")
-    return names
-
-
-def _head_config(name: str, cfg: ModelConfig, anchor: str | None) -> HeadConfig:
-    if name == "anchor":
-        if not anchor:
-            raise ValueError("--head-configs anchor needs --anchor-head-config")
-        return HeadConfig.from_json(anchor).validate_model(cfg.num_hidden_layers, cfg.num_key_value_heads)
-    ratio, window = name.split("-")
-    return HeadConfig.synthetic(cfg.num_hidden_layers, cfg.num_key_value_heads, int(ratio[1:]) / 100,
-                                window=int(window[1:]), sink=4)
-
-
 def _prompt(n_docs: int, doc_len: int, vocab: int, seed: int) -> ChunkedPrompt:
     g = torch.Generator().manual_seed(seed)
 
@@ -122,27 +87,12 @@ def _prompt(n_docs: int, doc_len: int, vocab: int, seed: int) -> ChunkedPrompt:
     return ChunkedPrompt(ids(PREFIX_TOKENS), tuple(ids(doc_len) for _ in range(n_docs)), ids(SUFFIX_TOKENS))
 
 
-def _hf_model(arch: dict, dev, dtype):
-    import transformers
-
-    cls = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
-           "llama": transformers.LlamaConfig}[arch["model_type"]]
-    kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta")}
-    # HF's MistralConfig defaults to a 4096-token sliding window; ours reads none from the arch: the
-    # baseline must compute the same attention (full causal) as our dense
-    kw.setdefault("sliding_window", None)
-    hf_cfg = cls(**kw, rope_parameters={"rope_type": "default", "rope_theta": arch.get("rope_theta", 1e4)})
-    with torch.device(dev):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
-
-
 def run(args) -> dict:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     sparse = SparseFFNConfig.from_json(args.sparse_ffn) if args.sparse_ffn else SparseFFNConfig()
-    methods = _names(args.methods, METHODS, "method")
-    arch_names, layouts = _names(args.archs, ARCHS, "arch"), _names(args.layouts, LAYOUTS, "layout")
+    methods = parse_names(args.methods, METHODS, "method")
+    arch_names, layouts = parse_names(args.archs, ARCHS, "arch"), parse_names(args.layouts, LAYOUTS, "layout")
     head_names = [h for h in args.head_configs.split(",") if h]
     bad = [h for h in head_names if h != "anchor" and not re.fullmatch(r"g\d+-w\d+", h)]
     if bad or not head_names:
@@ -158,11 +108,11 @@ def run(args) -> dict:
         cfg = ModelConfig.from_dict(arch)
         torch.manual_seed(0)
         model = build_model(cfg, dtype, dev)
-        hf = _hf_model(arch, dev, dtype) if "hf_dense" in methods else None
+        hf = hf_model(arch, dev, dtype) if "hf_dense" in methods else None
         for hc_name in head_names:
             if hc_name == "anchor" and arch_name != "mistral-7b":
                 continue
-            head = _head_config(hc_name, cfg, args.anchor_head_config)
+            head = head_config(hc_name, cfg, args.anchor_head_config)
             store = ChunkStore(f"bench-{arch_name}", 100 << 30, 0, dev)
             engine = ReuseEngine(model, cfg, f"bench-{arch_name}", head, sparse, store,
                                  ChunkStore(f"bench-{arch_name}", 1 << 30, 0, dev), dev)
@@ -190,7 +140,7 @@ def run(args) -> dict:
                         else:
                             t0 = time.perf_counter()
                             engine.prefill(prompt, m)  # cold: computes and caches the chunks
-                            _sync(dev)
+                            sync(dev)
                             row["cold_s"] = time.perf_counter() - t0
                             res = {}
 

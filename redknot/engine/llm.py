@@ -10,6 +10,8 @@ import torch
 
 from ..config import HeadConfig, SparseFFNConfig
 from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolve_model
+from ..models.resolve import bundled_model_path
+from ..models.tokenizer import make_tokenizer
 from ..models.fingerprint import model_fingerprint
 from ..reuse.methods import ReuseOptions
 from ..reuse.prompt import build_prompt, is_conversation
@@ -56,9 +58,8 @@ class LLM:
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
         that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE)."""
-        if model is None:
-            from ..testbed import model_path
-            model = model_path()
+        if model is None:  # the checkpoint shipped in the package, as every CLI defaults to
+            model = bundled_model_path()
         if not isinstance(model, ModelConfig):
             model = resolve_model(model)  # an HF directory, a .gguf (converted once) or a shelf name
         if head_config is None and not isinstance(model, ModelConfig) and (Path(model) / "heads.json").is_file():
@@ -71,7 +72,6 @@ class LLM:
             self.config = model
             self.model = build_model(model, resolve_dtype(dtype, model, self.device), self.device)
             if tokenizer is None:
-                from ..tiny import make_tokenizer
                 tokenizer = make_tokenizer()
         else:
             self.model, self.config = load_model(model, dtype=dtype, device=self.device)

@@ -147,13 +147,11 @@ class RecoveryRows:
 
     # ---------------------------------------------------------------- called by the decoder layers
 
-    def ffn_rows(self, layer: int, attn_out: torch.Tensor) -> torch.Tensor | None:
+    def ffn_rows(self, layer: int) -> torch.Tensor | None:
         """Packed rows whose FFN runs at this layer (None: all); counts the layer's FLOPs."""
-        norms = attn_out.float().norm(dim=-1)
         picked, every = [], True
         for r, o in zip(self.requests, self._offsets()):
             t = r.cur.numel()
-            r.info["out_norm"] = norms[o:o + t]
             rows = r.policy.ffn_rows(layer, r.cur, r.info)
             split = r.policy.query_split(layer)
             if split is None:

@@ -4,8 +4,8 @@ The references import only torch. The Triton kernels are imported on first use, 
 ``import redknot.kernels`` works on machines without triton.
 """
 
+from ..visibility import GLOBAL_WINDOW
 from .reference import (
-    GLOBAL_WINDOW,
     dense_masked_attention,
     segpaged_attention_ref,
     segpaged_store_ref,

@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..config import GLOBAL_WINDOW  # noqa: F401  (global/dense heads: `p - j < W` always holds)
+from ..visibility import visibility_mask, visible  # noqa: F401  (the rule; re-exported for the tests)
 
 
 def _as_list(x, n: int) -> list[int]:
@@ -25,25 +25,6 @@ def _as_list(x, n: int) -> list[int]:
     if len(x) != n:
         raise ValueError(f"expected {n} per-KV-head values, got {len(x)}")
     return x
-
-
-def visible(p: torch.Tensor, j: torch.Tensor, window, sink) -> torch.Tensor:
-    """The visibility rule, elementwise and broadcasting: a query at p sees key j iff
-    j <= p and (j < sink or p - j < window)."""
-    return (j <= p) & ((j < sink) | (p - j < window))
-
-
-def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int,
-                    sel: torch.Tensor | None = None) -> torch.Tensor:
-    """bool [len(q_pos), len(k_pos)]: query at p sees key j iff
-    j <= p and (j < sink or p - j < window or j in sel)."""
-    p = q_pos[:, None].long()
-    j = k_pos[None, :].long()
-    seen = visible(p, j, window, sink)
-    if sel is not None:
-        sel = sel[sel >= 0].long()
-        seen = seen | ((j <= p) & torch.isin(k_pos.long(), sel)[None, :])
-    return seen
 
 
 def segpaged_store_ref(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, q_pos=None):

@@ -163,9 +163,8 @@ class DecoderLayer(nn.Module):
     def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, rows):
         """The layer under a recovery's row policy: the FFN runs on the rows it picks (the others
         keep their residual), and only the rows it keeps continue. Returns (x, positions)."""
-        a = self.self_attn(self.input_layernorm(x), positions)
-        x = x + a
-        ffn = rows.ffn_rows(self.self_attn.layer_idx, a)
+        x = x + self.self_attn(self.input_layernorm(x), positions)
+        ffn = rows.ffn_rows(self.self_attn.layer_idx)
         if ffn is None:
             x = x + self.mlp(self.post_attention_layernorm(x))
         else:

@@ -7,7 +7,8 @@
 - a shelf name (``redknot models list``): the directory ``redknot models get NAME`` converted.
   Nothing is downloaded here: a shelf model that is not fetched yet raises ``NotFetchedError``.
 
-``<cache>`` is ``$REDKNOT_CACHE``, else ``~/.cache/redknot``.
+``<cache>`` is ``$REDKNOT_CACHE``, else ``~/.cache/redknot``. ``bundled_model_path()`` is the
+checkpoint shipped inside the package (the testbed model), the default of every ``--model``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,19 @@ import os
 from pathlib import Path
 
 DEFAULT_DTYPE = "bfloat16"
+# The testbed model ships as package data beside the code that trained it.
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent.parent / "testbed" / "model"
+
+
+def bundled_model_path(path: Path | None = None) -> Path:
+    """The checkpoint bundled inside the package (HF layout: ``config.json``, safetensors, tokenizer);
+    ``path`` checks another directory the same way."""
+    path = Path(path or BUNDLED_MODEL_DIR)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"no bundled testbed model at {path} (this build of redknot ships none yet): pass a checkpoint "
+            f"directory with --model DIR on the command line or LLM(model=DIR) in Python")
+    return path
 
 
 def cache_dir() -> Path:

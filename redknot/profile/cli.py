@@ -77,9 +77,9 @@ def run(args) -> int:
     # Read the calibration before the (slow) model load, so a bad file fails fast.
     records = load_calibration(args.calib, args.samples) if args.calib else builtin_records(args.samples)
     if args.model is None:
-        from ..testbed import model_path
+        from ..models.resolve import bundled_model_path
 
-        args.model = model_path()
+        args.model = bundled_model_path()
     from ..models import resolve_model
 
     args.model = resolve_model(args.model)  # an HF directory, a .gguf or a fetched shelf name (smollm2, ...)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DEFAULT_SINK, HeadConfig
+from ..visibility import visible
 
 # Score elements per query block ([Hq, rows, keys] fp32): bounds memory at long context.
 BLOCK_ELEMS = 2**24
@@ -108,7 +109,7 @@ def attention_stats(probs: torch.Tensor, q_pos: torch.Tensor, sink: int, ref_win
     edge = mass_before(p - ref_window + 1)[..., 0]  # keys at distance >= ref_window
     widths = (torch.arange(n_buckets, device=probs.device) + 1) * page_size
     covered = (sink_mass + total)[..., None] - mass_before(p - widths[None, :] + 1)
-    far = (j[None, :] >= sink) & (p - j[None, :] >= ref_window)  # [R, N]
+    far = ~visible(p, j[None, :], ref_window, sink)  # [R, N]; keys past p carry no mass
     top = body.masked_fill(~far, 0.0).topk(min(retrieval_k, n), dim=-1).values.sum(-1)
     return {"edge": edge, "retrieval": top, "covered": covered}
 
@@ -120,7 +121,7 @@ def window_error(probs: torch.Tensor, q_pos: torch.Tensor, values: torch.Tensor,
     only says how much attention leaves the window (diffuse far attention can cost little)."""
     n = probs.shape[-1]
     j = torch.arange(n, device=probs.device)
-    keep = (j[None, :] < sink) | (q_pos.to(probs.device).long()[:, None] - j[None, :] < window)  # [R, N]
+    keep = visible(q_pos.to(probs.device).long()[:, None], j[None, :], window, sink)  # [R, N]
     local = probs.float() * keep
     local = local / local.sum(-1, keepdim=True).clamp_min(_EPS)
     o, o_local = probs.float() @ values.float(), local @ values.float()

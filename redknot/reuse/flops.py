@@ -8,17 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 from ..models.config import ModelConfig
-
-
-def visible_pairs(q_pos: torch.Tensor, window: torch.Tensor, sink: torch.Tensor, group: int) -> int:
-    """Sum over queries and query heads of the keys each sees: j <= p and (j < S or p - j < W)."""
-    n = q_pos.long()[:, None] + 1  # keys at or before p
-    w, s = window.long().to(q_pos.device)[None], sink.long().to(q_pos.device)[None]
-    per_head = torch.minimum(n, w) + torch.minimum(s, n - w).clamp_min(0)
-    return int(per_head.sum()) * group
+from ..visibility import visible_pairs  # noqa: F401  (callers import it from here too)
 
 
 @dataclass

@@ -146,7 +146,7 @@ class RedKnot(FixedSet):
             self._rows = None
             return None
         imp = self.sparse.importance
-        score = info["mass"][cur] if imp == "attention" else info["out_norm"] if imp == "norm" else info.get("cross")
+        score = info["mass"][cur] if imp == "attention" else info.get("cross")
         if imp == "chunk" and score is not None:
             score = chunk_ranked(score, self.chunk_id[cur])
         if self.sparse.keep_fraction is None:

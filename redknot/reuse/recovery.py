@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from ..models.llama import LlamaForCausalLM
+from ..visibility import visible
 from .flops import FlopReport, visible_pairs
 
 # Query rows per attention block: bounds the [Hq, rows, N] mask and score memory.
@@ -146,7 +147,6 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
                                                  chunk_id.to(dev))
         with record_function("recover.o_proj"):
             attn_out = attn.o_proj(o.reshape(t, -1))
-            info["out_norm"] = attn_out.float().norm(dim=-1)
             h = h + attn_out
         with record_function("recover.select"):
             rows = policy.ffn_rows(l, cur, info)
@@ -222,7 +222,7 @@ def observation_mass(q_obs, p_obs, keys, window, sink, scale) -> torch.Tensor:
     j = torch.arange(n, device=q_obs.device)[None, None, :]
     w, s = window.to(q_obs.device)[:, None, None], sink.to(q_obs.device)[:, None, None]
     p = p_obs[None, :, None]
-    mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, o, N]
+    mask = visible(p, j, w, s)  # [Hkv, o, N]
     scores = torch.einsum("ohgd,khd->hgok", q_obs.reshape(o, hkv, g, d), keys).float() * scale  # fp32 softmax
     probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
     return probs.sum(dim=(0, 1, 2))
@@ -297,7 +297,7 @@ def _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.
             continue
         qb = q[r0:r0 + _QUERY_BLOCK].view(-1, hkv, g, d).float()  # [b, h, g, D]
         p = pos[None, :, None]
-        mask = (j <= p) & ((j < s) | (p - j < w))  # [h, b, N]
+        mask = visible(p, j, w, s)  # [h, b, N]
         scores = torch.einsum("bhgd,nhd->hgbn", qb, k) * scale
         probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
         other = (key_chunk >= 0) & (key_chunk != own[:, None])  # [b, N]
@@ -395,7 +395,7 @@ def _attend_masked(q, q_pos, keys, values, j, w, s, scale, g):
     out = torch.empty_like(q)
     for r0 in range(0, r, _QUERY_BLOCK):
         p = q_pos[r0:r0 + _QUERY_BLOCK][None, :, None]
-        mask = (j <= p) & ((j < s) | (p - j < w))  # [Hkv, rows, N]
+        mask = visible(p, j, w, s)  # [Hkv, rows, N]
         qb = q[r0:r0 + _QUERY_BLOCK].transpose(0, 1)[None]
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.repeat_interleave(g, dim=0)[None],
                                             scale=scale, enable_gqa=True)

@@ -119,8 +119,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
     pool = ThreadPoolExecutor(max_workers=max(1, limits.tokenizer_workers), thread_name_prefix="redknot-tokenize")
     app.state.engine, app.state.limits, app.state.tokenizer_pool = engine, limits, pool
     app.add_middleware(_Guard, api_keys=api_keys, max_body_bytes=limits.max_body_bytes)
+    _add_error_handlers(app)
+    _add_routes(app, _Server(engine, model_name, limits, api_keys, per_key_cache, honours_salt, pool))
+    app.openapi = lambda: _openapi(app, bool(api_keys))
+    return app
 
-    # ---- errors -------------------------------------------------------------------------------
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error answers in the OpenAI error shape; a client that hung up gets 499."""
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
         return _error(e.status, e.message, e.type, e.param, e.code)
@@ -148,45 +154,53 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
     async def _client_gone(_, e):
         return Response(status_code=499)
 
-    # ---- helpers ------------------------------------------------------------------------------
-    def check_model(model: str) -> None:
-        if model != model_name:
-            raise APIError(404, f"The model `{model}` does not exist (serving `{model_name}`).",
+
+class _Server:
+    """What the routes share: the request checks, tokenising in the pool, submitting to the engine."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, limits: ServerLimits, api_keys: tuple,
+                 per_key_cache: bool, honours_salt: bool, pool: ThreadPoolExecutor):
+        self.engine, self.llm, self.model_name, self.limits = engine, engine.llm, model_name, limits
+        self.api_keys, self.per_key_cache, self.honours_salt, self.pool = api_keys, per_key_cache, honours_salt, pool
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist (serving `{self.model_name}`).",
                            param="model", code="model_not_found")
 
-    def check_limits(req) -> None:
+    def check_limits(self, req) -> None:
         """The per-request caps, checked before anything is tokenised."""
         docs = req.documents or []
-        if len(docs) > limits.max_documents:
-            raise APIError(400, f"documents: {len(docs)} documents, this server takes at most {limits.max_documents} "
+        if len(docs) > self.limits.max_documents:
+            raise APIError(400, f"documents: {len(docs)} documents, this server takes at most {self.limits.max_documents} "
                                 f"per request", param="documents")
         for i, d in enumerate(docs):
-            if len(d) > limits.max_document_bytes or len(d.encode("utf-8")) > limits.max_document_bytes:
+            if len(d) > self.limits.max_document_bytes or len(d.encode("utf-8")) > self.limits.max_document_bytes:
                 raise APIError(400, f"documents[{i}]: {len(d.encode('utf-8'))} bytes, this server takes at most "
-                                    f"{limits.max_document_bytes} per document", param="documents")
+                                    f"{self.limits.max_document_bytes} per document", param="documents")
         stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-        if len(stop) > limits.max_stop_strings:
-            raise APIError(400, f"stop: {len(stop)} stop strings, this server takes at most {limits.max_stop_strings}",
+        if len(stop) > self.limits.max_stop_strings:
+            raise APIError(400, f"stop: {len(stop)} stop strings, this server takes at most {self.limits.max_stop_strings}",
                            param="stop")
-        if any(len(x) > limits.max_stop_string_chars for x in stop):
-            raise APIError(400, f"stop: a stop string is longer than {limits.max_stop_string_chars} characters",
+        if any(len(x) > self.limits.max_stop_string_chars for x in stop):
+            raise APIError(400, f"stop: a stop string is longer than {self.limits.max_stop_string_chars} characters",
                            param="stop")
-        if req.stop_token_ids is not None and len(req.stop_token_ids) > limits.max_stop_strings:
+        if req.stop_token_ids is not None and len(req.stop_token_ids) > self.limits.max_stop_strings:
             raise APIError(400, f"stop_token_ids: {len(req.stop_token_ids)} ids, this server takes at most "
-                                f"{limits.max_stop_strings}", param="stop_token_ids")
+                                f"{self.limits.max_stop_strings}", param="stop_token_ids")
 
-    def cache_salt(req, request: Request) -> str | None:
+    def cache_salt(self, req, request: Request) -> str | None:
         parts = []
-        if per_key_cache:
-            parts.append(tenant_salt(api_keys[request.scope["state"]["api_key_index"]]))
+        if self.per_key_cache:
+            parts.append(tenant_salt(self.api_keys[request.scope["state"]["api_key_index"]]))
         if req.cache_salt is not None:
-            if not honours_salt:
+            if not self.honours_salt:
                 raise APIError(400, "cache_salt: not supported by this server (its caches have no namespaces yet)",
                                param="cache_salt")
             parts.append("salt:" + req.cache_salt)
         return "\x1f".join(parts) or None
 
-    def sampling_params(req, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, req, max_tokens: int) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
@@ -194,22 +208,22 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def build_sequence(req, prompt, documents, salt):
+    def build_sequence(self, req, prompt, documents, salt):
         """Tokenise and check one request (in the tokenizer pool): the engine's Sequence."""
         param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if isinstance(req, ChatCompletionRequest):
-            prompt, documents = _chat_prompt(llm, req)
+            prompt, documents = _chat_prompt(self.llm, req)
         elif documents is None and isinstance(prompt, str):  # a raw completion, whatever the method: no chat template
             try:
-                prompt = llm.prompt_ids(prompt)
+                prompt = self.llm.prompt_ids(prompt)
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param=param) from None
-        params = sampling_params(req, 1 if req.max_tokens is None else req.max_tokens)
+        params = self.sampling_params(req, 1 if req.max_tokens is None else req.max_tokens)
         try:
-            seq = llm.make_sequence(prompt, params, documents, req.method, cache_salt=salt)
+            seq = self.llm.make_sequence(prompt, params, documents, req.method, cache_salt=salt)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="method" if "method" in str(e) else param) from None
-        total, most_prompt = llm.context_limits(seq.method)
+        total, most_prompt = self.llm.context_limits(seq.method)
         if seq.num_prompt > most_prompt:  # it could never be admitted: 400, with the numbers
             raise APIError(400, f"prompt has {seq.num_prompt} tokens; a {seq.method} request's prompt can have at "
                                 f"most {most_prompt} (KV pages and context)", param=param)
@@ -221,14 +235,14 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
             seq.params = replace(params, max_tokens=total - seq.num_prompt)
         return seq
 
-    async def tokenize(request: Request, req, prompt=None, documents=None):
-        check_model(req.model)
-        check_limits(req)
-        salt = cache_salt(req, request)
+    async def tokenize(self, request: Request, req, prompt=None, documents=None):
+        self.check_model(req.model)
+        self.check_limits(req)
+        salt = self.cache_salt(req, request)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(pool, build_sequence, req, prompt, documents, salt)
+        return await loop.run_in_executor(self.pool, self.build_sequence, req, prompt, documents, salt)
 
-    def failed(e: RequestFailed) -> APIError:
+    def failed(self, e: RequestFailed) -> APIError:
         cause = e.__cause__
         if isinstance(cause, RequestTooLarge):  # found at admission: it can never run
             return APIError(400, str(cause))
@@ -238,13 +252,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
         eid = _log_failure("request failed in the engine", cause or e)
         return APIError(500, f"the request failed inside the engine (error id {eid})", type="server_error")
 
-    async def start(request: Request, seq) -> tuple[AsyncIterator[StreamDelta], StreamDelta]:
+    async def start(self, request: Request, seq) -> tuple[AsyncIterator[StreamDelta], StreamDelta]:
         """Submit to the engine and wait for the first delta: input errors surface here as 4xx/503."""
-        gen = engine.generate(sequence=seq)
+        gen = self.engine.generate(sequence=seq)
         try:
             first = await _unless_disconnected(request, gen.__anext__())
         except RequestFailed as e:
-            raise failed(e) from None
+            raise self.failed(e) from None
         except (ValueError, TypeError) as e:  # raised before queueing: RequestTooLarge and bad input
             raise APIError(400, str(e)) from None
         except EngineOverloaded as e:
@@ -256,7 +270,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
             raise APIError(500, "the engine returned no output", type="server_error") from None
         return gen, first
 
-    async def rest(request: Request, gen, first: StreamDelta) -> tuple[str, StreamDelta]:
+    async def rest(self, request: Request, gen, first: StreamDelta) -> tuple[str, StreamDelta]:
         async def drain():
             text, last = first.text, first
             while last.finish_reason is None:
@@ -266,42 +280,45 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
         try:
             return await _unless_disconnected(request, drain())
         except RequestFailed as e:
-            raise failed(e) from None
+            raise self.failed(e) from None
         finally:
             await gen.aclose()
 
-    def usage(d: StreamDelta) -> Usage:
+    def usage(self, d: StreamDelta) -> Usage:
         return Usage.of(d.prompt_tokens, d.completion_tokens, d.cached_tokens)
 
-    # ---- endpoints ----------------------------------------------------------------------------
+    def card(self) -> ModelCard:
+        """The model card; ``max_model_len`` is the most a request of the default method can hold."""
+        return ModelCard(id=self.model_name, max_model_len=self.llm.max_context())
+
+
+def _add_routes(app: FastAPI, srv: _Server) -> None:
+    """/health, /v1/models, /v1/chat/completions, /v1/completions and /metrics."""
     @app.get("/health")
     async def health():
-        thread = getattr(engine, "_thread", None)
+        thread = getattr(srv.engine, "_thread", None)
         if thread is not None and not thread.is_alive():
             return _error(503, "the engine worker has stopped", "server_error")
         return {"status": "ok"}
 
-    def card() -> ModelCard:  # the most a request of the default method can hold
-        return ModelCard(id=model_name, max_model_len=llm.max_context())
-
     @app.get("/v1/models", responses=_ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[card()])
+        return ModelList(data=[srv.card()])
 
     @app.get("/v1/models/{model:path}", responses=_ERRORS)
     async def model(model: str) -> ModelCard:
-        check_model(model)
-        return card()
+        srv.check_model(model)
+        return srv.card()
 
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        seq = await tokenize(request, req)
-        gen, first = await start(request, seq)
+        seq = await srv.tokenize(request, req)
+        gen, first = await srv.start(request, seq)
         rid, created = new_id("chatcmpl"), now()
         if req.stream:
             def chunk(delta: DeltaMessage | None, finish=None, usage_=None):
                 choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
-                return _sse(ChatCompletionChunk(id=rid, created=created, model=model_name, choices=choices,
+                return _sse(ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=choices,
                                                 usage=usage_))
 
             async def body():
@@ -312,26 +329,26 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
                             yield chunk(DeltaMessage(content=d.text), d.finish_reason)
                         last = d
                     if req.include_usage:
-                        yield chunk(None, usage_=usage(last))
+                        yield chunk(None, usage_=srv.usage(last))
                 except Exception as e:  # the stream has started: report in-band
                     yield _stream_error("chat stream failed", e)
                 finally:
                     await gen.aclose()
                 yield "data: [DONE]\n\n"
             return _SSEResponse(body(), media_type="text/event-stream")
-        text, last = await rest(request, gen, first)
-        return ChatCompletionResponse(id=rid, created=created, model=model_name, usage=usage(last), choices=[
+        text, last = await srv.rest(request, gen, first)
+        return ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(last), choices=[
             ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)])
 
     @app.post("/v1/completions", responses=_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request):
         # no documents and an empty list are the same request (a raw prompt, no chat template)
-        seq = await tokenize(request, req, req.prompt, req.documents or None)
-        gen, first = await start(request, seq)
+        seq = await srv.tokenize(request, req, req.prompt, req.documents or None)
+        gen, first = await srv.start(request, seq)
         rid, created = new_id("cmpl"), now()
         if req.stream:
             def chunk(choice: CompletionChoice | None, usage_=None):
-                return _sse(CompletionResponse(id=rid, created=created, model=model_name,
+                return _sse(CompletionResponse(id=rid, created=created, model=srv.model_name,
                                                choices=[] if choice is None else [choice], usage=usage_))
 
             async def body():
@@ -341,26 +358,23 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
                             yield chunk(CompletionChoice(text=d.text, finish_reason=d.finish_reason))
                         last = d
                     if req.include_usage:
-                        yield chunk(None, usage(last))
+                        yield chunk(None, srv.usage(last))
                 except Exception as e:
                     yield _stream_error("completion stream failed", e)
                 finally:
                     await gen.aclose()
                 yield "data: [DONE]\n\n"
             return _SSEResponse(body(), media_type="text/event-stream")
-        text, last = await rest(request, gen, first)
-        return CompletionResponse(id=rid, created=created, model=model_name, usage=usage(last),
+        text, last = await srv.rest(request, gen, first)
+        return CompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(last),
                                   choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)])
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format 0.0.4",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
-        return PlainTextResponse(render_metrics(engine.stats()),
+        return PlainTextResponse(render_metrics(srv.engine.stats()),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    app.openapi = lambda: _openapi(app, bool(api_keys))
-    return app
 
 
 # ---- guard, errors, schema ---------------------------------------------------------------------

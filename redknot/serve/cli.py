@@ -126,7 +126,7 @@ def capacity_summary(engine) -> str:
 
 
 def default_method(llm) -> str:
-    """The best-quality reuse method the model can run (docs/results/quality.md): redknot_kv
+    """The best-quality reuse method the model can run (docs/results/quality_testbed.md): redknot_kv
     needs a head config; without one, cacheblend is the strongest head-agnostic reuse."""
     return "redknot_kv" if llm.head_config is not None else "cacheblend"
 

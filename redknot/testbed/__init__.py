@@ -1,29 +1,25 @@
 """The testbed: the synthetic multi-document QA corpus and the small model trained on it.
 
 ``model_path()`` / ``head_config_path()`` locate the checkpoint bundled inside the package
-(``redknot/testbed/model/``); until one ships they raise ``FileNotFoundError``.
+(``redknot/testbed/model/``); a build without one raises ``FileNotFoundError``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..models.resolve import BUNDLED_MODEL_DIR, bundled_model_path
 from .data import TYPES, easy_records, generate_records, read_jsonl, write_jsonl
 
 __all__ = ["TYPES", "generate_records", "easy_records", "read_jsonl", "write_jsonl", "model_path",
            "head_config_path"]
 
-_MODEL_DIR = Path(__file__).resolve().parent / "model"
+_MODEL_DIR = BUNDLED_MODEL_DIR
 
 
 def model_path() -> Path:
     """The bundled testbed checkpoint directory (HF layout: ``config.json``, safetensors, tokenizer)."""
-    path = Path(_MODEL_DIR)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"no bundled testbed model at {path} (this build of redknot ships none yet): pass a checkpoint "
-            f"directory with --model DIR on the command line or LLM(model=DIR) in Python")
-    return path
+    return bundled_model_path(_MODEL_DIR)
 
 
 def head_config_path() -> Path:

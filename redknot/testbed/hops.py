@@ -36,11 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from ..bench.quality import bridge_match, exact_match, load_records
+    from ..qa.answers import bridge_match, exact_match
+    from ..qa.records import read_jsonl
     from ..engine import LLM, SamplingParams
     from .data import hop_questions, restated_fact
 
-    records = [r for r in load_records(args.data, args.limit) if r.get("type") == "multi_hop"]
+    records = [r for r in read_jsonl(args.data, args.limit) if r.get("type") == "multi_hop"]
     if not records:
         raise ValueError(f"{args.data}: no multi_hop records")
     asks = [(r, hop_questions(r)) for r in records]  # before the model: records without meta fail fast

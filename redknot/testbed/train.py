@@ -4,21 +4,20 @@ The model is a standard HF ``LlamaForCausalLM`` (GQA, RoPE, SwiGLU, RMSNorm) wit
 tokenizer trained on the corpus, so redknot serves it through exactly the path it serves any user's
 checkpoint.
 
-What the first probe taught us, and what this script does about it
-------------------------------------------------------------------
-A first probe (13M parameters, 2K context, 4–8 questions per context, ~5,000 steps, plain LM loss
-over the whole sequence) learned to *copy an entity of the right type* but not key-based lookup:
-its exact match sat at ≈ 1/candidates, i.e. it guessed among the names of the asked-for type in
-the context. Hence:
+How it trains, and why
+----------------------
+A model trained with a plain LM loss over whole sequences at 2K learns to *copy an entity of the
+right type* long before it learns key-based lookup: its exact match sits at ≈ 1/candidates, a guess
+among the names of the asked-for type in the context. The trainer is built against that:
 
 * **Curriculum.** ``easy`` stages first (key → value adjacent, one-sentence facts) so the lookup
   circuit (match the key, copy what follows it) forms where it is easy to find, then ``qa`` stages at
-  growing context lengths. The number of same-type candidates is what makes lookup hard to find: a
-  run that started at ``easy:512`` (~60 facts) learned to copy names but not to pick the asked one in
-  1,500 steps, so the curriculum starts with 4 facts and 2 questions (``easy:64/2``: one distractor
-  per question) and doubles from there; ``--advance-em`` moves on once a stage is learned.
+  growing context lengths. The number of same-type candidates is what makes lookup hard to find
+  (at ``easy:512``, ~60 facts, a model copies names but does not pick the asked one within 1,500
+  steps), so the curriculum starts with 4 facts and 2 questions (``easy:64/2``: one distractor per
+  question) and doubles from there; ``--advance-em`` moves on once a stage is learned.
   ``easy:64/2@role`` states roles with the name last ("The mayor of V is X.", asked for V): the
-  backward hop of ``mention``, learned this way in one-sentence facts (testbed.md, runs X–Z).
+  backward hop of ``mention``, which a model learns in one-sentence facts this way.
 * **Dense supervision.** Every context carries ``--questions-per-context`` (default 8) questions.
   They share the context in one packed sequence: each QA block sits after the context, sees the
   context and itself but no other block (block attention mask), and its positions continue from
@@ -35,13 +34,13 @@ the context. Hence:
   logged per question type at ``--eval-every`` steps and at every stage end: a falling loss alone
   does not show lookup.
 
-Efficiency (the real run is ~10 minutes at a time on one H200, resumed across runs): examples are
+Efficiency (a run is ~10 minutes at a time on one H200, resumed across invocations): examples are
 packed into fixed-shape rows of ``--batch-tokens`` per step (static shapes, torch.compile-friendly),
 attention through FlexAttention on CUDA (a block mask skips the blocks between a row's contexts and
 QA blocks; masked SDPA on CPU), bf16 autocast, TF32 matmuls, fused AdamW, cosine schedule with warmup
-per stage, background data workers, and ``--time-budget`` stops cleanly (state + model saved) before
-the machine is taken away; with ``--fit-steps`` the last stage is shortened instead, so its cosine
-ends inside the budget.
+per stage, background data workers. ``--time-budget`` stops cleanly (state + model saved) before a
+wall-clock limit; with ``--fit-steps`` the last stage is shortened instead, so its cosine ends
+inside the budget.
 Batches are a pure function of (seed, stage, step), so ``--resume`` from an exact state continues
 exactly. ``qa:N`` asks the corpus for N tokens of documents, calibrated to this tokenizer; with many
 questions the documents they need can pass a short budget (8 questions: ~2.6K tokens at qa:2048).
@@ -49,7 +48,7 @@ questions the documents they need can pass a short budget (8 questions: ~2.6K to
 Outputs in ``--out``: ``tokenizer.json`` (trained once, reused), ``train_state.pt``,
 ``train_log.jsonl`` and ``model/`` (HF safetensors checkpoint + tokenizer, bf16 when fp32 would
 pass 40 MB, written at every stage end and whenever a run stops; ``redknot.LLM(model=OUT/model)``).
-``train_state.pt`` stays under ``--state-mb`` (60) so it can be carried to the next machine: exact
+``train_state.pt`` stays under ``--state-mb`` (60) so it stays small enough to copy elsewhere: exact
 (fp32 weights, AdamW moments, RNG states) when that fits, else bf16 weights only, resumed with fresh
 moments and a 50-step learning-rate re-warmup; the exact state then also goes to
 ``train_state_full.pt``, which a resume on the same disk prefers.
@@ -88,13 +87,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..bench.quality import exact_match
+from ..qa.answers import exact_match
 from ..reuse.prompt import build_prompt
 from .data import BRIDGED_TYPES, TYPES, target_answer
 
 # Architectures. "small": ≈19.4M parameters, ≈39 MB in bf16; 8 query / 4 KV heads of dim 64 so the
 # head profiler has a real GQA layout to classify. The shipped model is "small" grown to 12 layers
-# (--grow-layers 12: ≈28M parameters, 56 MB in bf16, under the issue's 60 MB). "tiny" is for CPU tests.
+# (--grow-layers 12: ≈28M parameters, 56 MB in bf16, under the package's 60 MB budget). "tiny" is for CPU tests.
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, head_dim=16, vocab_size=512),
@@ -228,7 +227,7 @@ def train_tokenizer(vocab_size: int, seed: int = TOKENIZER_SEED, contexts: int =
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ..tiny import CHAT_TEMPLATE
+    from ..models.tokenizer import CHAT_TEMPLATE
 
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -509,7 +508,7 @@ def block_mask(seg: torch.Tensor, qa: torch.Tensor, block: int = 128):
 
     Not ``create_block_mask``: compiled (``_compile=True``) it never left ``ptxas`` on an H200
     (torch 2.11, triton 3.6); eager it evaluates every (query, key) pair, ~12 ms for 3 rows of
-    8,832 tokens (testbed.md, tenth session)."""
+    8,832 tokens."""
     from torch.nn.attention.flex_attention import BlockMask
 
     B, L = seg.shape

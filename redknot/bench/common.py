@@ -1,0 +1,63 @@
+"""What the GPU benchmarks share: the random-weight architectures they build, their name lists,
+the synthetic head plans, the HF baseline model, a device sync."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import HeadConfig
+from ..models.config import ModelConfig
+
+ARCHS = {
+    "mistral-7b": {"model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                   "max_position_embeddings": 262144, "rope_theta": 1e6, "rms_norm_eps": 1e-5},
+    "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+                 "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                 "max_position_embeddings": 262144, "rope_theta": 1e6, "rms_norm_eps": 1e-6},
+    # CPU smoke test
+    "tiny": {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+             "max_position_embeddings": 4096},
+}
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def parse_names(spec: str, known, what: str) -> list[str]:
+    """A comma list of names, each one of ``known``: a typo fails before any model is built."""
+    names = [x for x in spec.split(",") if x]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        raise ValueError(f"unknown {what}(s) {unknown or [spec]}; available: {', '.join(known)}")
+    return names
+
+
+def head_config(name: str, cfg: ModelConfig, anchor: str | None) -> HeadConfig:
+    """``anchor`` (the upstream JSON at ``anchor``) or ``gPERCENT-wWINDOW``: that share of each layer's
+    KV heads global at seeded positions, the rest local with the window and sink 4."""
+    if name == "anchor":
+        if not anchor:
+            raise ValueError("--head-configs anchor needs --anchor-head-config")
+        return HeadConfig.from_json(anchor).validate_model(cfg.num_hidden_layers, cfg.num_key_value_heads)
+    ratio, window = name.split("-")
+    return HeadConfig.synthetic(cfg.num_hidden_layers, cfg.num_key_value_heads, int(ratio[1:]) / 100,
+                                window=int(window[1:]), sink=4)
+
+
+def hf_model(arch: dict, dev, dtype):
+    import transformers
+
+    cls = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
+           "llama": transformers.LlamaConfig}[arch["model_type"]]
+    kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta")}
+    # HF's MistralConfig defaults to a 4096-token sliding window; ours reads none from the arch: the
+    # baseline must compute the same attention (full causal) as our dense
+    kw.setdefault("sliding_window", None)
+    hf_cfg = cls(**kw, rope_parameters={"rope_type": "default", "rope_theta": arch.get("rope_theta", 1e4)})
+    with torch.device(dev):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()

@@ -1,0 +1,46 @@
+"""Imports point down: the serving core does not import the layers built on it."""
+
+import ast
+from pathlib import Path
+
+import redknot
+
+ROOT = Path(redknot.__file__).resolve().parent
+CORE = ("engine", "reuse", "cache", "kernels", "models")
+ABOVE = ("redknot.testbed", "redknot.bench", "redknot.serve", "redknot.tiny")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute names of every module ``path`` imports (relative imports resolved)."""
+    package = ["redknot", *path.relative_to(ROOT).with_suffix("").parts]
+    if path.name != "__init__.py":
+        package = package[:-1]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(x for x in (base, node.module) if x)
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_core_imports_nothing_above_it():
+    wrong = [(str(f.relative_to(ROOT)), m) for layer in CORE for f in sorted((ROOT / layer).rglob("*.py"))
+             for m in sorted(imported_modules(f)) if m.startswith(ABOVE)]
+    assert not wrong, wrong
+
+
+def test_the_check_sees_relative_imports():
+    assert "redknot.qa.answers" in imported_modules(ROOT / "testbed" / "train.py")
+    assert "redknot.visibility" in imported_modules(ROOT / "kernels" / "reference.py")
+
+
+def test_bench_and_testbed_share_records_not_each_other():
+    testbed_up = [str(f) for f in (ROOT / "testbed").rglob("*.py")
+                  if any(m.startswith("redknot.bench") for m in imported_modules(f))]
+    assert not testbed_up
+    for f in ("quality.py", "datasets.py"):
+        assert not any(m.startswith("redknot.testbed") for m in imported_modules(ROOT / "bench" / f))
