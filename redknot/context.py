@@ -26,6 +26,8 @@ class Context:
     block_tables: torch.Tensor | None = None  # device int32 [L, B, Hkv, max_pages] (paged KV)
     window: torch.Tensor | None = None  # device int32 [L, Hkv]: the batch's head plan
     sink: torch.Tensor | None = None  # device int32 [L, Hkv]
+    sel_pos: torch.Tensor | None = None  # device int32 [L, B, Hkv, max_sel]: selected sets (sorted, -1 padded)
+    sel_lens: torch.Tensor | None = None  # device int32 [L, B, Hkv]
     extras: dict[str, Any] = field(default_factory=dict)  # backend-owned per-batch metadata
 
     @property
