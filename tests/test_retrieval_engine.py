@@ -206,3 +206,17 @@ def test_budget_and_option_errors():
         SelectionOptions(scorer="nope")
     with pytest.raises(ValueError, match="obs"):
         SelectionOptions(obs=0)
+
+
+def test_serve_flags_build_selection_options():
+    import argparse
+
+    from redknot.serve.cli import add_arguments, selection_options
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert selection_options(p.parse_args([])) is None
+    opts = selection_options(p.parse_args(["--retrieval-heads", "--decode-kv-budget", "global=0.1",
+                                           "--decode-kv-window", "64"]))
+    assert opts.retrieval_heads and opts.decode_kv_budget == {"global": 0.1} and opts.decode_kv_window == 64
+    with pytest.raises(SystemExit, match="decode_kv_budget"):
+        selection_options(p.parse_args(["--decode-kv-budget", "local=3"]))

@@ -218,7 +218,7 @@ class Engine:
         once, per head plan: the analytic bound admission works against."""
         out = {}
         for plan in self.pool.plans:
-            if plan == "default":
+            if plan == "default" or plan.endswith("+sel"):  # selected twins hold what their selection keeps
                 continue
             per = {}
             for n in lengths:
