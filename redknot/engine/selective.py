@@ -222,6 +222,14 @@ class HeadSelection:
                 continue
             self._update(s, kind, d, [q[r0:r0 + m] if q is not None else None for q in cap.q], n)
 
+    def select_from(self, s, q_rows: list, n: int) -> None:
+        """Select a running request's sets now from given queries (per layer [m, Hq, D], the rows
+        at positions n-m..n-1), as if its prompt of n tokens had just completed (benchmarks)."""
+        d = self.derived.get(s.plan)
+        if d is None:
+            raise ValueError(f"plan {s.plan!r} has no selected heads")
+        self._update(s, "select", d, q_rows, n)
+
     # ------------------------------------------------------------------ the sets
 
     @torch.inference_mode()
