@@ -30,6 +30,8 @@ class Context:
     # not the last q_len positions of its sequence (a recovery computes rows anywhere in a prompt).
     explicit_positions: bool = False
     rows: Any = None  # a recovery batch's per-layer row policy (engine.recovery_batch.RecoveryRows)
+    sel_pos: torch.Tensor | None = None  # device int32 [L, B, Hkv, max_sel]: selected sets (sorted, -1 padded)
+    sel_lens: torch.Tensor | None = None  # device int32 [L, B, Hkv]
     extras: dict[str, Any] = field(default_factory=dict)  # backend-owned per-batch metadata
 
     @property

@@ -305,3 +305,148 @@ def test_ensure_skipping_dead_pages_holds_what_ensure_then_trim_holds(n):
     assert b.num_free_pages == a.num_free_pages  # nothing left for trim to drop
     b.free_sequence(1)
     assert b.num_free_pages == b.num_pages
+
+
+# ---------------------------------------------------------------- selected sets (retrieval heads)
+
+def _selection_pool(num_pages=2000, ps=4):
+    """Head plans of a retrieval run: before selection the retrieval heads (l0h1, l1h0) are global;
+    the selected plan gives them their real window and sink."""
+    before_w = np.array([[G, G, 6], [G, 9, G]])
+    sink = np.array([[0, 0, 2], [0, 1, 0]])
+    after_w = np.array([[G, 5, 6], [7, 9, G]])
+    after_s = np.array([[0, 2, 2], [1, 1, 0]])
+    pool = PagePool(num_pages, ps, 8, window=before_w, sink=sink)
+    pool.add_plan("selected", after_w, after_s)
+    return pool, after_w, after_s
+
+
+def _sel_array(pool, sets, m=None):
+    m = m or max([len(v) for v in sets.values()] + [1])
+    sel = np.full((pool.num_layers, pool.num_kv_heads, m), -1, np.int64)
+    for (l, h), pos in sets.items():
+        sel[l, h, :len(pos)] = sorted(pos)
+    return sel
+
+
+def _check_refs(pool, shared=False):
+    """Refcounts equal the references the sequences' tables hold (plus outside holders when
+    shared), and the free list holds exactly the unreferenced pages."""
+    refs = np.zeros(pool.num_pages, np.int64)
+    for sid in pool._seqs:
+        t = pool.table(sid)
+        np.add.at(refs, t[t >= 0], 1)
+    assert (refs <= pool._ref).all() if shared else (refs == pool._ref).all()
+    free = pool._free[:pool.num_free_pages]
+    assert len(set(free.tolist())) == free.size and (pool._ref[free] == 0).all()
+    assert pool.num_free_pages + (pool._ref > 0).sum() == pool.num_pages
+
+
+def _check_selected(pool, sid, W, S, sets):
+    """Each head holds exactly its sink pages, its window pages and the pages of its selected tokens."""
+    n, ps = pool.length(sid), pool.page_size
+    tbl = pool.table(sid)
+    for l in range(pool.num_layers):
+        for h in range(pool.num_kv_heads):
+            need = brute_needed(n, W[l, h], S[l, h], ps)
+            for j in sets.get((l, h), []):
+                need[j // ps] = True
+            np.testing.assert_array_equal(tbl[l, h] >= 0, need, err_msg=f"l{l} h{h} n{n}")
+
+
+def test_select_keeps_sink_window_and_selected_pages_and_frees_the_rest():
+    pool, W, S = _selection_pool()
+    pool.add_sequence(0)
+    pool.ensure(0, 61)
+    pool.trim(0)
+    held = pool.pages_held(0)
+    free0 = pool.num_free_pages
+    with pytest.raises(ValueError, match="position 9 of layer 0 KV head 2 is no longer stored"):
+        pool.select(0, _sel_array(pool, {(0, 2): [9]}))  # a local head's dropped page cannot come back
+    sets = {(0, 1): [5, 6, 21, 40], (1, 0): [13], (0, 2): [57]}  # any head may keep a stored token
+    released = pool.select(0, _sel_array(pool, sets), plan="selected")
+    assert released > 0 and pool.num_free_pages == free0 + released
+    assert pool.pages_held(0) == held - released
+    assert pool.plan_of(0) == "selected"
+    _check_selected(pool, 0, W, S, sets)
+    _check_refs(pool)
+    np.testing.assert_array_equal(pool.selection(0), _sel_array(pool, sets).astype(np.int32))
+    # decode: windows move on, selected pages stay, everything else leaving a window is freed
+    for n in range(62, 120):
+        pool.ensure(0, n)
+        pool.trim(0)
+        _check_selected(pool, 0, W, S, sets)
+    # a smaller set releases the pages it no longer names
+    smaller = {(0, 1): [40]}
+    free1 = pool.num_free_pages
+    assert pool.select(0, _sel_array(pool, smaller)) == 4  # pages of 5/6 and 21 (l0h1), 13 (l1h0), 57 (l0h2)
+    _check_selected(pool, 0, W, S, smaller)
+    assert pool.num_free_pages == free1 + 4
+    pool.free_sequence(0)
+    assert pool.num_free_pages == pool.num_pages and (pool._ref == 0).all()
+
+
+def test_select_never_writes_or_frees_shared_pages():
+    pool, W, S = _selection_pool()
+    pool.k_pages.normal_()
+    pool.v_pages.normal_()
+    pool.add_sequence(1)  # the owner of a prefix (a cache would hold it the same way: one reference)
+    pool.ensure(1, 48)
+    prefix = pool.table(1)
+    pool.add_sequence(2)
+    pool.share(2, prefix, 48)
+    pool.ensure(2, 70)
+    snap_k, snap_v = pool.k_pages.clone(), pool.v_pages.clone()
+    ids = prefix[prefix >= 0]
+    refs = pool._ref[ids].copy()
+    assert (refs == 2).all()
+    pool.select(2, _sel_array(pool, {(0, 1): [3], (1, 0): [50]}), plan="selected")
+    # the shared prefix pages lost sequence 2's reference at most: still held by 1, never rewritten
+    assert (pool._ref[ids] >= 1).all() and (pool._ref[ids] <= 2).all()
+    assert (pool._ref[ids] < 2).any()  # some were dropped by 2
+    free_ids = set(pool._free[:pool.num_free_pages].tolist())
+    assert not free_ids & set(ids.tolist())
+    assert torch.equal(pool.k_pages[torch.from_numpy(ids.astype(np.int64))],
+                       snap_k[torch.from_numpy(ids.astype(np.int64))])
+    assert torch.equal(pool.v_pages, snap_v)  # select writes nothing at all
+    _check_refs(pool)
+    pool.free_sequence(2)
+    np.testing.assert_array_equal(pool._ref[ids], 1)
+    pool.free_sequence(1)
+    assert pool.num_free_pages == pool.num_pages
+
+
+def test_selection_device_table_follows_select_and_free():
+    pool, W, S = _selection_pool()
+    pool.attach_device_tables(max_seqs=3, max_len=256)
+    pool.attach_selection(max_sel=8)
+    for sid in (0, 1):
+        pool.add_sequence(sid)
+        pool.ensure(sid, 40)
+    pool.select(1, _sel_array(pool, {(0, 1): [2, 30], (1, 0): [7]}), plan="selected")
+    slots = torch.tensor([0, pool.slot(0), pool.slot(1)])
+    sel, lens = pool.selection_tables(slots)
+    assert sel.shape == (2, 3, 3, 8) and lens.shape == (2, 3, 3)
+    assert (lens[:, :2] == 0).all() and (sel[:, :2] == -1).all()  # padding slot and unselected sequence
+    assert sel[0, 2, 1, :2].tolist() == [2, 30] and lens[0, 2, 1] == 2 and lens[1, 2, 0] == 1
+    slot = pool.slot(1)
+    pool.free_sequence(1)
+    assert (pool.device_sel[:, slot] == -1).all() and (pool.device_sel_lens[:, slot] == 0).all()
+    with pytest.raises(ValueError, match="device table holds 8"):
+        pool.select(0, _sel_array(pool, {(0, 1): list(range(0, 36, 4))}))
+
+
+def test_select_rejects_bad_sets():
+    pool, W, S = _selection_pool()
+    pool.add_sequence(0)
+    pool.ensure(0, 30)
+    with pytest.raises(ValueError, match="sorted"):
+        pool.select(0, np.array([[[5, 3]] * 3] * 2))
+    with pytest.raises(ValueError, match="padding"):
+        pool.select(0, np.array([[[-1, 3]] * 3] * 2))
+    with pytest.raises(ValueError, match=r"\[L=2, Hkv=3, m\]"):
+        pool.select(0, np.zeros((2, 2, 1)))
+    with pytest.raises(ValueError, match="unknown head plan"):
+        pool.select(0, np.full((2, 3, 1), -1), plan="nope")
+    with pytest.raises(KeyError):
+        pool.select(9, np.full((2, 3, 1), -1))

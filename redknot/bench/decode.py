@@ -28,6 +28,10 @@ from ..models.config import ModelConfig
 from .common import ARCHS, head_config, hf_model, parse_names, sync
 
 METHODS = ("dense", "headsparse", "hf")
+# Rows with selected sets: (base method, SelectionOptions fields); --decode-kv-budget sets the budget.
+SELECTIVE = {"h2o": ("dense", {"budget": True}), "headsparse_h2o": ("headsparse", {"budget": True}),
+             "retrieval": ("headsparse", {"retrieval_heads": True})}
+ALL_METHODS = METHODS + tuple(SELECTIVE)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +39,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", default="1x1024,8x1024,32x1024,64x1024,128x1024,256x1024,"
                                       "1x4096,8x4096,32x4096,64x4096,128x4096,16x32768",
                    help="comma list of BATCHxCONTEXT")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma list of {', '.join(ALL_METHODS)}: h2o = dense with a decode KV budget on every "
+                        "head, headsparse_h2o = headsparse with the budget on its global and retrieval heads, "
+                        "retrieval = headsparse with live retrieval heads (a head config with retrieval entries)")
+    p.add_argument("--decode-kv-budget", default="0.1", help="the h2o rows' budget (tokens or a fraction)")
+    p.add_argument("--decode-kv-window", type=int, default=128, help="the h2o rows' recent window")
+    p.add_argument("--retrieval-ratio", type=float, default=0.0,
+                   help="make this share of each layer's local heads retrieval heads (their window and sink "
+                        "kept), for the retrieval rows when the head config has none")
+    p.add_argument("--kv-pages", default="cases",
+                   help="pool pages: 'cases' (the largest case under the dense plan), 'auto' (the engine's "
+                        "gpu_memory_utilization sizing) or a number")
     p.add_argument("--head-config", default="g15-w1024", help="headsparse's plan: g15-w1024, g15-w4096 or anchor")
     p.add_argument("--anchor-head-config", default=None)
     p.add_argument("--tokens", type=int, default=64, help="decode steps timed per case")
@@ -92,19 +107,26 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
     params = SamplingParams(max_tokens=tokens + 2, temperature=0, ignore_eos=True)
     seqs = []
     g = torch.Generator().manual_seed(batch * 7 + context)
-    for _ in range(batch):
-        ids = torch.randint(10, vocab, (context + 1,), generator=g).tolist()
-        seq = llm.make_sequence(ids, params, method=method)
-        engine.prepare(seq)
-        seq.detok = IncrementalDetokenizer(llm.tokenizer, lazy=True)
-        engine.pool.add_sequence(seq.seq_id, seq.plan)
-        engine.pool.ensure(seq.seq_id, context)  # the context's KV is "there": random pages
-        engine.pool.trim(seq.seq_id)
-        seq.num_computed = context
-        seq.first_token_time = time.perf_counter()
-        engine.running.append(seq)
-        seqs.append(seq)
+    cfg = llm.config
     try:
+        for _ in range(batch):
+            ids = torch.randint(10, vocab, (context + 1,), generator=g).tolist()
+            seq = llm.make_sequence(ids, params, method=method)
+            engine.prepare(seq)
+            seq.detok = IncrementalDetokenizer(llm.tokenizer, lazy=True)
+            engine.pool.add_sequence(seq.seq_id, seq.plan)
+            engine.running.append(seq)
+            seqs.append(seq)
+            engine.pool.ensure(seq.seq_id, context)  # the context's KV is "there": random pages
+            engine.pool.trim(seq.seq_id)
+            seq.num_computed = context
+            seq.first_token_time = time.perf_counter()
+            if engine.selection is not None and seq.plan in engine.selection.derived:
+                # select now from random observation queries, so only the kept pages stay allocated
+                q = [torch.randn(8, cfg.num_attention_heads, cfg.head_dim, device=llm.device, dtype=llm.dtype)
+                     for _ in range(cfg.num_hidden_layers)]
+                engine.selection.select_from(seq, q, context)
+        held = sum(engine.pool.pages_held(s.seq_id) for s in seqs)
         for _ in range(2):  # warm: captures the batch's graph
             engine.step()
         sync(llm.device)
@@ -146,7 +168,8 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
         for s in seqs:
             engine.abort(s)
     return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt, "graph_s_per_step": graph_s,
-            "phases_s_per_step": host}
+            "phases_s_per_step": host, "pages_held_at_start": held,
+            "kv_bytes_held_at_start": held * engine.pool.bytes_per_page}
 
 
 def _time_hf(hf, batch: int, context: int, tokens: int, dev) -> dict:
@@ -175,7 +198,7 @@ def run(args) -> dict:
     from ..engine import LLM
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    methods = parse_names(args.methods, METHODS, "method")
+    methods = parse_names(args.methods, ALL_METHODS, "method")
     cases = _cases(args.cases)
     arch = dict(ARCHS[args.arch])
     max_ctx = max(n for _, n in cases) + args.tokens + 8
@@ -187,7 +210,8 @@ def run(args) -> dict:
               else "cpu", "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": "redknot " + " ".join(sys.argv[1:]), "bandwidth": args.bandwidth,
-              "head_config": args.head_config, "rows": []}
+              "head_config": args.head_config, "decode_kv_budget": getattr(args, "decode_kv_budget", None),
+              "rows": []}
     try:
         import triton
         result["triton"] = triton.__version__
@@ -209,9 +233,13 @@ def run(args) -> dict:
     ours = [m for m in methods if m != "hf"]
     if ours:
         head = head_config(args.head_config, cfg, args.anchor_head_config)
+        if getattr(args, "retrieval_ratio", 0.0) > 0:
+            head = _with_retrieval(head, args.retrieval_ratio)
         # a pool for the largest case under the dense plan (+ a page per head and sequence)
         heads = cfg.num_hidden_layers * cfg.num_key_value_heads
         pages = max(b * heads * (-(-(n + args.tokens + 8) // 64) + 1) for b, n in cases)
+        kv_pages = getattr(args, "kv_pages", "cases")
+        pages = None if kv_pages == "auto" else (pages if kv_pages == "cases" else int(kv_pages))
         llm = LLM(model=cfg, head_config=head, device=dev, dtype=dtype, kv_pages=pages, max_num_seqs=max(b for b, _ in cases),
                   max_model_len=arch["max_position_embeddings"], enable_prefix_caching=False,
                   cuda_graphs=not args.no_cuda_graphs, chunk_cache_bytes=0)
@@ -221,8 +249,15 @@ def run(args) -> dict:
         vis = {"dense": llm.engine.runner.plans["dense"], "headsparse": llm.engine.runner.plans["headsparse"]}
         for b, n in cases:
             for m in ours:
-                r = _time_engine(llm, m, b, n, args.tokens, args.profile)
-                kv = _kv_read_bytes(cfg, vis[m][0].cpu(), vis[m][1].cpu(), n, b, itemsize)
+                base = _use_selection(llm, m, args)
+                try:
+                    r = _time_engine(llm, base, b, n, args.tokens, args.profile)
+                except Exception as e:  # e.g. a dense 64 x 32K pool does not fit: the row says so
+                    rows.append({"method": m, "batch": b, "context": n, "error": f"{type(e).__name__}: {e}"[:300]})
+                    print(f"{m:<11} B={b:>3} ctx={n:>6}: {rows[-1]['error']}", flush=True)
+                    continue
+                kv = (r["kv_bytes_held_at_start"] if m in SELECTIVE
+                      else _kv_read_bytes(cfg, vis[base][0].cpu(), vis[base][1].cpu(), n, b, itemsize))
                 bound = b / ((weights + kv) / args.bandwidth)
                 rows.append({"method": m, "batch": b, "context": n, **r, "kv_read_bytes": kv,
                              "bound_tok_s": bound, "of_bound": r["tok_s"] / bound})
@@ -237,7 +272,47 @@ def run(args) -> dict:
     return result
 
 
+def _with_retrieval(head, ratio: float):
+    """The head config with round(ratio x local heads) of each layer's local heads made retrieval."""
+    from ..config import HeadConfig
+    classes = [list(r) for r in head.classes]
+    for row in classes:
+        local = [h for h, c in enumerate(row) if c == "local"]
+        for h in local[:round(ratio * len(local))]:
+            row[h] = "retrieval"
+    return HeadConfig(classes, [list(r) for r in head.windows], [list(r) for r in head.sinks], head.retrieval_top_p,
+                      head.dense_prefix_layers, {**head.metadata, "derived": f"{ratio:.0%} of local heads retrieval"})
+
+
+def _use_selection(llm, method: str, args) -> str:
+    """Give the engine the selected-set options of ``method``'s row (none for the plain
+    methods); returns the base method its requests run."""
+    from ..engine.selective import HeadSelection, SelectionOptions
+    base, kind = SELECTIVE.get(method, (method, {}))
+    if not kind:
+        llm.engine.selection = None
+        return base
+    opts = SelectionOptions(retrieval_heads=bool(kind.get("retrieval_heads")),
+                            decode_kv_budget=args.decode_kv_budget if kind.get("budget") else None,
+                            decode_kv_window=args.decode_kv_window)
+    if method == "h2o":  # every head of the all-global plan
+        opts.decode_kv_budget = {"global": next(iter(opts.decode_kv_budget.values()))}
+    llm.engine.selection = HeadSelection(llm.engine, opts)
+    return base
+
+
 def print_table(result: dict) -> None:
+    rows = [r for r in result["rows"] if "tok_s" in r]
+    sel = [r for r in rows if r["method"] in SELECTIVE]
+    if sel:
+        dense = {(r["batch"], r["context"]): r for r in rows if r["method"] in ("dense", "headsparse")}
+        print(f"\nselected-set rows (decode KV budget {result.get('decode_kv_budget')}):")
+        print(f"{'method':<15}{'B x ctx':>13}{'tok/s':>10}{'KV held GiB':>13}{'x dense tok/s':>15}")
+        for r in sel:
+            d = dense.get((r["batch"], r["context"]))
+            print(f"{r['method']:<15}{r['batch']:>5} x {r['context']:<6}{r['tok_s']:>10.0f}"
+                  f"{r['kv_read_bytes'] / 2**30:>13.2f}{(r['tok_s'] / d['tok_s'] if d else float('nan')):>15.2f}")
+    result = {**result, "rows": [r for r in rows if r["method"] not in SELECTIVE]}
     rows = result["rows"]
     by = {(r["method"], r["batch"], r["context"]): r for r in rows}
     cases = sorted({(r["batch"], r["context"]) for r in rows}, key=lambda c: (c[1], c[0]))

@@ -24,6 +24,7 @@ flex, sdpa_mask) vs a float64 evaluation of the rule on --rows sampled query row
 
 Run:  python -m redknot.bench.kernel [--shapes prefill-8k,decode-32k] [--out kernel.json]
       python -m redknot.bench.kernel --quick --device cpu      (CPU smoke: tiny shapes)
+      python -m redknot.bench.kernel --h2o                     (H2O decode shapes: kernel_h2o.py)
 """
 
 from __future__ import annotations
@@ -936,6 +937,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=360.0,
                    help="start no new method after this many seconds (default 360)")
+    p.add_argument("--h2o", action="store_true",
+                   help="the H2O heavy-hitter decode shapes instead (8K/16K/32K, B=8, 10%% budget): segpaged with "
+                        "sel_pos vs FA-2 dense vs the same selection stored densely (redknot.bench.kernel_h2o)")
     p.add_argument("--kernel", default="auto",
                    help="MODULE:FUNCTION of the segpaged attention to time (default: "
                         "redknot.kernels on CUDA, the torch reference on CPU)")
@@ -962,6 +966,9 @@ def _select(arg: str, known, what: str) -> list:
 
 
 def run(args) -> dict:
+    if getattr(args, "h2o", False):
+        from .kernel_h2o import run as run_h2o
+        return run_h2o(args)
     t_run = time.perf_counter()
     g = lambda name, default: getattr(args, name, default)  # noqa: E731
     dev_name = g("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")

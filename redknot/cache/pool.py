@@ -14,8 +14,13 @@ applies only the changed columns (one small pinned copy), so a decode step never
 One pool serves every head plan: each sequence names the plan (window and sink per (layer, KV
 head)) its pages are trimmed by; dense is the all-global plan.
 
-Retrieval heads: the pool stores by window and sink only. A head whose selected set may reach any
-earlier token must be given `window = GLOBAL_WINDOW` here, or its pages would be trimmed.
+Retrieval heads: until a sequence has a selected set (`select`), a head whose selected set may
+reach any earlier token must be given `window = GLOBAL_WINDOW`, or its pages would be trimmed.
+`select` then gives every (layer, KV head) of the sequence its selected positions, moves it to a
+plan with the heads' real windows, and keeps sink pages, window pages and the pages holding
+selected tokens; every other page of the head goes back (shared pages lose this sequence's
+reference only). With `attach_selection` the sets also live in a persistent device table read by
+slot, like the block tables, so captured decode graphs stay valid.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ class _Plan(NamedTuple):
 
 
 class _Seq:
-    __slots__ = ("table", "length", "plan", "slot", "trimmed_len", "shared_tail")
+    __slots__ = ("table", "length", "plan", "slot", "trimmed_len", "shared_tail", "keep", "sel")
 
     def __init__(self, table: np.ndarray, plan: _Plan, slot: int):
         self.table = table  # int32 [L, Hkv, cap], -1 = not stored; cap >= ceil(length/page_size)
@@ -55,6 +60,8 @@ class _Seq:
         self.slot = slot  # row of the device table (0: none attached)
         self.trimmed_len = 0  # length at the last trim
         self.shared_tail = False  # the last, partial page may be shared (copy it before writing)
+        self.keep = None  # bool [L, Hkv, n]: pages holding selected tokens (trim keeps them)
+        self.sel = None  # int32 [L, Hkv, m]: selected positions, sorted, -1 padded
 
 
 def _cdiv(a, b):
@@ -87,6 +94,8 @@ class PagePool:
         self.device_tables: torch.Tensor | None = None  # int32 [L, slots, Hkv, max_pages]
         self._free_slots: list[int] = []
         self._dirty: dict[int, list[int]] = {}  # slot -> [lo, hi) logical pages changed since sync
+        self.device_sel: torch.Tensor | None = None  # int32 [L, slots, Hkv, max_sel], -1 padded
+        self.device_sel_lens: torch.Tensor | None = None  # int32 [L, slots, Hkv]
 
     def add_plan(self, name: str, window, sink) -> None:
         """Register a head plan (window and sink per (layer, KV head)) sequences can be trimmed by."""
@@ -348,6 +357,9 @@ class PagePool:
         span = s.table[:, :, lo:hi]
         dead = ((lp >= plan.sink_pages[:, :, None]) & (lp < self._dead_end(s.length, plan)[:, :, None])
                 & (span >= 0))
+        if s.keep is not None:  # pages holding selected tokens stay
+            keep = s.keep[:, :, lo:hi]
+            dead[:, :, :keep.shape[2]] &= ~keep
         pages = span[dead]
         if pages.size:
             self.release(pages)
@@ -360,6 +372,9 @@ class PagePool:
         self.release(s.table)
         del self._seqs[seq_id]
         if s.slot:
+            if s.sel is not None and self.device_sel is not None:
+                self.device_sel[:, s.slot] = -1
+                self.device_sel_lens[:, s.slot] = 0
             self._dirty.pop(s.slot, None)
             n = _cdiv(s.length, self.page_size)
             if n:  # leave the slot all -1 for its next owner
@@ -395,6 +410,92 @@ class PagePool:
         s.length = first_page * ps + length
         s.shared_tail = bool(length % ps)
         self._mark(s, first_page, first_page + n)
+
+    # ------------------------------------------------------------------ selected sets
+
+    def select(self, seq_id: int, sel_pos, plan: str | None = None) -> int:
+        """Give the sequence's heads selected sets and release what no head sees any more.
+
+        ``sel_pos``: int [L, Hkv, m] selected positions per (layer, KV head), sorted ascending,
+        unique, -1 padded (a head with none: all -1). ``plan``: the head plan the sequence is
+        trimmed by from now on (the heads' real windows and sinks; default: its current one).
+        Pages holding a selected position are kept by every later `trim`; the rest of what the
+        plan's windows no longer see is released now (a page shared with a cache or another
+        sequence only loses this sequence's reference: it is never written or freed here).
+        Calling it again replaces the sets (a smaller set releases more). Returns pages released.
+        """
+        s = self._seq(seq_id)
+        if plan is not None and plan not in self._plans:
+            raise ValueError(f"unknown head plan {plan!r} (registered: {', '.join(self._plans)})")
+        sel = np.asarray(torch.as_tensor(sel_pos).cpu(), dtype=np.int64)
+        if sel.ndim != 3 or sel.shape[:2] != (self.num_layers, self.num_kv_heads):
+            raise ValueError(f"select: sel_pos must be [L={self.num_layers}, Hkv={self.num_kv_heads}, m]; "
+                             f"got {sel.shape}")
+        valid = sel >= 0
+        if (sel < -1).any() or (valid[:, :, 1:] & ~valid[:, :, :-1]).any():
+            raise ValueError("select: sel_pos holds positions first, then -1 padding (no other negatives)")
+        if ((sel[:, :, 1:] <= sel[:, :, :-1]) & valid[:, :, 1:]).any():
+            raise ValueError("select: each head's positions must be sorted ascending and unique")
+        if (sel >= self.max_len).any():
+            raise ValueError(f"select: a position is past the {self.max_len} tokens a sequence can hold")
+        if self.device_sel is not None and sel.shape[2] > self.device_sel.shape[3]:
+            width = int(valid.sum(2).max(initial=0))
+            if width > self.device_sel.shape[3]:
+                raise ValueError(f"select: {width} selected positions in one head, the device table holds "
+                                 f"{self.device_sel.shape[3]} (attach_selection's max_sel)")
+            sel = sel[:, :, :self.device_sel.shape[3]]
+            valid = valid[:, :, :sel.shape[2]]
+        l_idx, h_idx, i_idx = np.nonzero(valid)
+        lp = sel[l_idx, h_idx, i_idx] // self.page_size
+        stored = lp < s.table.shape[2]
+        gone = (sel[l_idx, h_idx, i_idx] < s.length) & (~stored | (s.table[l_idx, h_idx, np.minimum(lp, s.table.shape[2] - 1)] < 0))
+        if gone.any():
+            i = int(np.argmax(gone))
+            raise ValueError(f"select: position {int(sel[l_idx[i], h_idx[i], i_idx[i]])} of layer {int(l_idx[i])} KV head "
+                             f"{int(h_idx[i])} is no longer stored (its page was released)")
+        n_pages = max(_cdiv(s.length, self.page_size), int(sel.max(initial=-1)) // self.page_size + 1)
+        keep = np.zeros((self.num_layers, self.num_kv_heads, n_pages), dtype=bool)
+        keep[l_idx, h_idx, lp] = True
+        s.keep = keep
+        s.sel = sel.astype(np.int32)
+        if plan is not None:
+            s.plan = self._plans[plan]
+        if s.slot and self.device_sel is not None:
+            row = torch.full(self.device_sel.shape[2:], -1, dtype=torch.int32)
+            row = row[None].repeat(self.num_layers, 1, 1)
+            row[:, :, :sel.shape[2]] = torch.from_numpy(s.sel)
+            self.device_sel[:, s.slot] = row.to(self.device_sel.device)
+            self.device_sel_lens[:, s.slot] = torch.from_numpy(valid.sum(2).astype(np.int32)).to(self.device_sel.device)
+        s.trimmed_len = 0  # the next trim looks at every page
+        return self.trim(seq_id)
+
+    def selection(self, seq_id: int) -> np.ndarray | None:
+        """Copy of the sequence's selected positions, int32 [L, Hkv, m] (-1 padded), or None."""
+        sel = self._seq(seq_id).sel
+        return None if sel is None else sel.copy()
+
+    def attach_selection(self, max_sel: int) -> None:
+        """Keep every sequence's selected sets in a persistent device table, int32 [L, slots, Hkv,
+        max_sel] (-1 padded) with their sizes [L, slots, Hkv]; needs the device block tables."""
+        if self.device_tables is None:
+            raise RuntimeError("attach_selection after attach_device_tables")
+        if max_sel < 1:
+            raise ValueError(f"max_sel must be >= 1, got {max_sel}")
+        slots = self.device_tables.shape[1]
+        self.device_sel = torch.full((self.num_layers, slots, self.num_kv_heads, max_sel), -1, dtype=torch.int32,
+                                     device=self.device)
+        self.device_sel_lens = torch.zeros((self.num_layers, slots, self.num_kv_heads), dtype=torch.int32,
+                                           device=self.device)
+        for s in self._seqs.values():
+            if s.sel is not None:
+                self.select(next(i for i, t in self._seqs.items() if t is s), s.sel)
+
+    def selection_tables(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's selected sets gathered by slot on the device: sel_pos int32 [L, B, Hkv,
+        max_sel] and sel_lens int32 [L, B, Hkv] (slot 0, the padding row, selects nothing)."""
+        if self.device_sel is None:
+            raise RuntimeError("no selection table: call attach_selection first")
+        return self.device_sel.index_select(1, slots), self.device_sel_lens.index_select(1, slots)
 
     # ------------------------------------------------------------------ device tables
 

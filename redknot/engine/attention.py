@@ -27,6 +27,7 @@ class PagedAttention:
         else:
             raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
         self.kernel = kernel
+        self.capture = None  # set by the engine to record some rows' queries during one forward
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
@@ -34,11 +35,14 @@ class PagedAttention:
         pool = self.pool
         if ctx.rows is not None:
             return self._recovery_rows(layer, q, k, v, ctx)
+        if self.capture is not None:
+            self.capture.record(layer, q)
         if self.kernel == "torch" and ctx.max_q_len == 1:
             return self._decode_torch(layer, q, k, v, ctx)
         self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t)
+        sel = {} if ctx.sel_pos is None else {"sel_pos": ctx.sel_pos[layer], "sel_lens": ctx.sel_lens[layer]}
         return self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
-                            ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len)
+                            ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len, **sel)
 
     def _recovery_rows(self, layer, q, k, v, ctx):
         """A recovery batch: rows at explicit positions, stored over the cached K/V they replace;
@@ -77,7 +81,8 @@ class PagedAttention:
         lay = ctx.extras.get("decode_layout")
         if lay is None:
             lay = ctx.extras["decode_layout"] = reference.decode_layout(
-                ctx.block_tables, ctx.seq_lens_t, ctx.window, ctx.sink, self.pool.page_size, max(ctx.seq_lens))
+                ctx.block_tables, ctx.seq_lens_t, ctx.window, ctx.sink, self.pool.page_size, max(ctx.seq_lens),
+                sel_pos=ctx.sel_pos, sel_lens=ctx.sel_lens)
         pool = self.pool
         phys, slot = lay["store_page"][layer], lay["store_slot"]  # [B, Hkv], [B]
         ok = phys >= 0

@@ -46,6 +46,7 @@ from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .recovery_batch import RecoveryRows
 from .sampling import sample
+from .selective import HeadSelection, SelectionOptions
 from .sequence import Sequence
 
 METHODS = ("dense", "headsparse") + tuple(m for m in REUSE_METHODS if m != "dense")
@@ -109,6 +110,8 @@ class EngineConfig:
     kernel: str = "auto"  # "triton" on CUDA, "torch" (the reference) on CPU
     chunk_cache_bytes: int | None = None  # cap on the pool bytes cached chunks hold (None: the pool)
     reuse_options: ReuseOptions | None = None
+    # Retrieval heads' selected sets and per-head decode budgets (H2O); None: retrieval heads global
+    selection: SelectionOptions | None = None
 
 
 @dataclass
@@ -168,6 +171,7 @@ class Engine:
         self._local_heads = max(int((self.pool.window_sink(p)[0] < GLOBAL_WINDOW).sum()) for p in self.pool.plans)
         self.timings = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0}  # host seconds per phase
         self.memory = {"kv_pages": self.pool.num_pages, "kv_bytes": self.pool.num_pages * self.pool.bytes_per_page}
+        self.selection = HeadSelection(self, cfg.selection) if cfg.selection is not None and cfg.selection.active else None
         if profile:
             self._size_pool_from_memory()
 
@@ -216,7 +220,7 @@ class Engine:
         once, per head plan: the analytic bound admission works against."""
         out = {}
         for plan in self.pool.plans:
-            if plan == "default":
+            if plan == "default" or plan.endswith("+sel"):  # selected twins hold what their selection keeps
                 continue
             per = {}
             for n in lengths:
@@ -582,6 +586,8 @@ class Engine:
         self._free(seq)
         seq.num_computed = 0
         seq.recovery = None
+        if self.selection is not None:  # it re-prefills under its plan, and selects again
+            seq.plan = self.selection.base_plan(seq.plan)
         seq.reuse_done = True  # its re-prefill runs in the pool, not through the reuse engine
         seq.exact_kv = True
         seq.num_preemptions += 1
@@ -590,6 +596,8 @@ class Engine:
 
     def _forward(self, plan: str, items: list[tuple[Sequence, int]], outputs: list[StepOutput]) -> None:
         t0 = time.perf_counter()
+        if self.selection is not None:
+            self.selection.begin(plan, items)
         logits = self.runner.forward(plan, [s.seq_id for s, _ in items],
                                      [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items],
                                      [s.num_computed for s, _ in items])
@@ -605,6 +613,8 @@ class Engine:
                 done.append(i)
                 if s.flops is None and s.prefill_start is not None:
                     s.flops = self._prefill_flops(s)
+        if self.selection is not None:
+            self.selection.end()
         if not done:
             return
         rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device)]
@@ -804,6 +814,8 @@ class Engine:
             self.prefix_cache = PrefixCache(self.pool, self.prefix_cache.fingerprint)
         self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes)
         self.reuse.store = self.reuse.prefix_store = self.chunk_cache
+        if getattr(self, "selection", None) is not None:
+            self.selection.attach()
 
     def stats(self) -> dict:
         occ = self.pool.occupancy()

@@ -17,6 +17,7 @@ from ..reuse.methods import ReuseOptions
 from ..reuse.prompt import build_prompt, is_conversation
 from .engine import METHODS, Engine, EngineConfig, prefills_through_reuse, uses_chunks
 from .sampling import SamplingParams
+from .selective import SelectionOptions
 from .sequence import Sequence
 
 __all__ = ["LLM", "METHODS", "CompletionOutput", "RequestOutput", "prefills_through_reuse"]
@@ -54,10 +55,17 @@ class LLM:
                  sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 cuda_graphs: bool = True, gpu_memory_utilization: float = 0.9, reserve_full_length: bool = True):
+                 cuda_graphs: bool = True, gpu_memory_utilization: float = 0.9, reserve_full_length: bool = True,
+                 retrieval_heads: bool = False, decode_kv_budget=None, selection=None):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
-        that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE)."""
+        that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE).
+
+        ``retrieval_heads``: the head config's retrieval heads keep sink + window + the tokens
+        covering its ``retrieval_top_p`` of the prompt's observation-window attention (otherwise
+        they are served as global heads). ``decode_kv_budget``: per-head decode KV budgets with
+        H2O accumulation (tokens or a fraction; ``"global=0.1,retrieval=256"``). ``selection``: a
+        ``SelectionOptions`` with every knob (overrides the two above)."""
         if model is None:  # the checkpoint shipped in the package, as every CLI defaults to
             model = bundled_model_path()
         if not isinstance(model, ModelConfig):
@@ -86,6 +94,8 @@ class LLM:
             sparse_ffn = SparseFFNConfig.from_json(sparse_ffn)
         self.sparse_ffn = sparse_ffn or SparseFFNConfig()
         self.fingerprint = model_fingerprint(self.model, self.config, self.tokenizer)
+        if selection is None and (retrieval_heads or decode_kv_budget is not None):
+            selection = SelectionOptions(retrieval_heads=retrieval_heads, decode_kv_budget=decode_kv_budget)
         self.engine = Engine(self.model, self.config, self.tokenizer, self.fingerprint, head_config, self.sparse_ffn,
                              self.device, EngineConfig(
                                  page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
@@ -93,7 +103,7 @@ class LLM:
                                  enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
                                  chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                                  reserve_full_length=reserve_full_length,
-                                 reuse_options=reuse_options))
+                                 reuse_options=reuse_options, selection=selection))
         self.max_model_len = self.engine.max_model_len
         self.reuse = self.engine.reuse
         self.method = self.check_method(method)

@@ -39,6 +39,7 @@ class ModelRunner:
         self._static_cu = torch.arange(n + 1, dtype=torch.int32, device=self.device)
         self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
+        self.selective_plans: set[str] = set()  # plans whose batches read the pool's selected sets
         self.last_graph: torch.cuda.CUDAGraph | None = None
         self.graph_events: list | None = None  # set to a list to collect (start, end) events of replays
         # Two pinned staging buffers used in turn; a buffer is rewritten only once its last copy
@@ -84,7 +85,8 @@ class ModelRunner:
         seq_lens = [s + n for s, n in zip(starts, q_lens)]
         slots = [self.pool.slot(i) for i in seq_ids]
         self.pool.sync_device_tables()
-        if self.cuda_graphs and max(q_lens) == 1 and len(seq_ids) <= self.graph_sizes[-1]:
+        if (self.cuda_graphs and max(q_lens) == 1 and len(seq_ids) <= self.graph_sizes[-1]
+                and self.attn.capture is None):  # a graph cannot record queries
             return self._replay(plan, [t[0] for t in token_ids], starts, seq_lens, slots)
         pages = -(-max(seq_lens) // self.pool.page_size)
         total = sum(q_lens)
@@ -140,10 +142,11 @@ class ModelRunner:
         ``pages`` logical pages (enough for the longest sequence)."""
         window, sink = self.plans[plan]
         tables = self.pool.device_tables[:, :, :, :pages].index_select(1, slots_t)
+        sel_pos, sel_lens = self.pool.selection_tables(slots_t) if plan in self.selective_plans else (None, None)
         return Context(is_prefill=max(q_lens) > 1, seq_ids=list(seq_ids), q_lens=list(q_lens),
                        seq_lens=list(seq_lens), max_q_len=max(q_lens), cu_seqlens_q=cu, seq_lens_t=seq_lens_t,
                        positions=positions, block_tables=tables,
-                       window=window, sink=sink)
+                       window=window, sink=sink, sel_pos=sel_pos, sel_lens=sel_lens)
 
     # ------------------------------------------------------------------ CUDA graphs
 

@@ -145,11 +145,13 @@ def dense_masked_attention(q, k, v, window, sink, sm_scale=None, sel=None, retur
     return (o, lse.transpose(0, 1).contiguous()) if return_lse else o
 
 
-def decode_layout(block_tables, seq_lens, window, sink, page_size: int, max_len: int) -> dict:
+def decode_layout(block_tables, seq_lens, window, sink, page_size: int, max_len: int,
+                  sel_pos=None, sel_lens=None) -> dict:
     """What a decode step (one query per sequence, at seq_len - 1) needs in every layer, at once:
     the page and slot each new token is stored in, the pages to gather and the visibility mask.
 
-    block_tables int32 [L, B, Hkv, >= ceil(max_len / page_size)]; window/sink [L, Hkv]."""
+    block_tables int32 [L, B, Hkv, >= ceil(max_len / page_size)]; window/sink [L, Hkv];
+    sel_pos int32 [L, B, Hkv, max_sel] (-1 padded) with sel_lens [L, B, Hkv]: selected sets."""
     n_pages = -(-max_len // page_size)
     tables = block_tables[:, :, :, :n_pages].long()  # [L, B, Hkv, P]
     pos = seq_lens.long() - 1  # [B]
@@ -157,7 +159,15 @@ def decode_layout(block_tables, seq_lens, window, sink, page_size: int, max_len:
     store_page = tables.gather(3, lp[None, :, None, None].expand(*tables.shape[:3], 1))[..., 0]  # [L, B, Hkv]
     present = (tables >= 0).repeat_interleave(page_size, dim=3)  # [L, B, Hkv, P * ps]
     j = torch.arange(n_pages * page_size, device=tables.device)[None, None, None, :]
-    mask = visible(pos[None, :, None, None], j, window.long()[:, None, :, None], sink.long()[:, None, :, None]) & present
+    mask = visible(pos[None, :, None, None], j, window.long()[:, None, :, None], sink.long()[:, None, :, None])
+    if sel_pos is not None:  # selected positions, scattered into the key axis (slot P*ps: padding)
+        width = n_pages * page_size
+        idx = sel_pos.long()
+        ok = (idx >= 0) & (idx < width) & (torch.arange(idx.shape[3], device=idx.device) < sel_lens.long()[..., None])
+        chosen = torch.zeros(*idx.shape[:3], width + 1, dtype=torch.bool, device=idx.device)
+        chosen.scatter_(3, torch.where(ok, idx, width), True)
+        mask = mask | (chosen[..., :width] & (j <= pos[None, :, None, None]))
+    mask = mask & present
     return {"store_page": store_page, "store_slot": pos % page_size, "pages": tables.clamp_min(0), "mask": mask}
 
 

@@ -51,7 +51,7 @@ class ReuseOptions:
     shallow_window: int | None = None  # local-recovery window of global heads; None: widest local window
     # What the suffix (question) sees in the shallow, locally recovering layers: "local" = the same
     # sink + window as the chunk tokens (every published number), "plan" = its head plan (global
-    # heads the whole context; docs/results/quality.md measures both).
+    # heads the whole context; docs/results/quality_testbed.md measures both).
     shallow_suffix: str = "local"
 
     def __post_init__(self):

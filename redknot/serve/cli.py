@@ -27,6 +27,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "run between the chunks of a long dense prefill")
     p.add_argument("--chunk-cache-bytes", type=int, default=None,
                    help="pool bytes cached document KV may hold at most (default: as much as the pool has free)")
+    p.add_argument("--retrieval-heads", action="store_true",
+                   help="serve the head config's retrieval heads as sink + window + the prompt tokens covering "
+                        "its retrieval_top_p of the observation window's attention (default: as global heads)")
+    p.add_argument("--decode-kv-budget", default=None, metavar="BUDGET",
+                   help="per-head decode KV budget with H2O heavy hitters: tokens (512) or a fraction of the "
+                        "context (0.1) for global and retrieval heads, or per class: global=0.1,retrieval=256")
+    p.add_argument("--decode-kv-window", type=int, default=128,
+                   help="recent tokens a budgeted head keeps inside its budget")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model, or redknot-testbed)")
@@ -77,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, chunk_cache_bytes=args.chunk_cache_bytes,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, selection=selection_options(args))
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
     print(capacity_summary(llm.engine), flush=True)
@@ -101,6 +109,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def selection_options(args: argparse.Namespace):
+    """SelectionOptions from --retrieval-heads / --decode-kv-budget (None when neither is given)."""
+    from ..engine.selective import SelectionOptions
+    if not args.retrieval_heads and args.decode_kv_budget is None:
+        return None
+    try:
+        return SelectionOptions(retrieval_heads=args.retrieval_heads, decode_kv_budget=args.decode_kv_budget,
+                                decode_kv_window=args.decode_kv_window)
+    except ValueError as e:
+        raise SystemExit(f"redknot serve: {e}") from None
 
 
 def api_keys_of(args: argparse.Namespace) -> list[str]:

@@ -1,0 +1,351 @@
+"""Selected sets in the engine: retrieval heads and per-head decode budgets (H2O).
+
+A head plan ("dense" or "headsparse") gets a *selected* twin ("dense+sel", "headsparse+sel")
+when some of its heads keep a selected set: retrieval heads (with ``retrieval_heads``) and heads
+of a class that has a ``decode_kv_budget``. A request prefills under its plan, where those heads
+are still global; the forward that computes its last pending token also records the queries of
+its last rows (the observation window), and right after it (``HeadSelection.end``)
+
+* every selected head's attention mass over its stored keys is computed from those queries,
+  batched over the heads of a layer (``redknot.cache.selection``);
+* a retrieval head selects the fewest distant tokens covering ``retrieval_top_p`` of the mass,
+  and keeps the prompt's window tokens selected as well (SnapKV keeps its observation window),
+  so with top-p 1 it sees the whole prompt for good; tokens generated in decode it sees while
+  they are in its window;
+  a budgeted head keeps its distant pages of largest mass within the budget (page-granular:
+  positions are implied by where a token sits, so a partly evicted page frees no bytes and
+  compacting it would move tokens to other positions);
+* the pool keeps sink, window and selected pages and frees the rest (``PagePool.select``), and
+  the request moves to the selected twin plan: its decode batches run with the heads' real
+  windows and the selected sets (``sel_pos``), read by slot from a persistent device table, so
+  captured decode graphs stay valid.
+
+Decode budgets (H2O): every ``page_size``-th decode step of a budgeted request runs eagerly with
+the step's queries recorded; their mass over what each budgeted head sees is added to the head's
+per-page accumulated mass, and the head again keeps its heaviest distant pages within budget. The
+pages that leave the window before the next check are kept until then (they are candidates), so
+between checks a head holds at most one page more than its budget; other decode steps replay the
+captured graphs. Accumulation is therefore sampled once per page of decode, not every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache import selection as sel_ops
+from ..config import DEFAULT_SINK, HEAD_CLASSES, HeadConfig
+from ..context import get_context
+
+SCORERS = ("snapkv", "h2o")
+
+
+@dataclass
+class SelectionOptions:
+    """Which heads keep selected sets, and how they are chosen.
+
+    ``retrieval_heads``: retrieval heads keep sink + window + the tokens covering the head
+    config's ``retrieval_top_p`` (otherwise they are served as global heads).
+    ``decode_kv_budget``: per head class, the KV a head keeps in decode: tokens (>= 1) or a
+    fraction of the sequence's length (< 1); a plain number applies to global and retrieval
+    heads. ``decode_kv_window``: the recent window a budgeted head keeps inside its budget.
+    ``obs``: observation window (last prompt queries) of the ``snapkv`` scorer; ``h2o`` uses every
+    query of the forward that completes the prompt. ``max_selected``: most positions in one
+    head's set (the device table's width)."""
+
+    retrieval_heads: bool = False
+    decode_kv_budget: dict | None = None
+    decode_kv_window: int = 128
+    obs: int = 32
+    scorer: str = "snapkv"
+    max_selected: int = 4096
+
+    def __post_init__(self):
+        self.decode_kv_budget = parse_budget(self.decode_kv_budget)
+        if self.scorer not in SCORERS:
+            raise ValueError(f"scorer={self.scorer!r}: use one of {', '.join(SCORERS)}")
+        for name in ("decode_kv_window", "obs", "max_selected"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+
+    @property
+    def active(self) -> bool:
+        return self.retrieval_heads or bool(self.decode_kv_budget)
+
+
+def parse_budget(spec) -> dict | None:
+    """``0.1`` / ``"512"`` / ``"global=0.1,retrieval=256"`` / a dict -> {class: tokens or fraction}.
+    A plain number applies to global and retrieval heads (local heads are bounded by their window)."""
+    if spec is None or spec == "" or spec == {}:
+        return None
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        spec = {"global": spec, "retrieval": spec}
+    elif isinstance(spec, str):
+        if "=" not in spec:
+            return parse_budget(_number(spec, "decode_kv_budget"))
+        out = {}
+        for item in spec.split(","):
+            cls, _, val = item.partition("=")
+            out[cls.strip()] = _number(val, f"decode_kv_budget {cls.strip()}")
+        spec = out
+    if not isinstance(spec, dict):
+        raise ValueError(f"decode_kv_budget={spec!r}: a number, 'class=value,...' or a dict")
+    for cls, v in spec.items():
+        if cls not in HEAD_CLASSES or cls == "local":
+            raise ValueError(f"decode_kv_budget: class {cls!r} must be one of global, retrieval, dense "
+                             f"(local heads are bounded by their window)")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (v >= 1 and v != int(v)):
+            raise ValueError(f"decode_kv_budget {cls}={v!r}: tokens (an integer >= 1) or a fraction in (0, 1)")
+    return dict(spec)
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"{what}={text!r} is not a number") from None
+    return int(v) if v >= 1 and v == int(v) else v
+
+
+class _Derived:
+    """One selected twin plan: per (layer, KV head) mode, window, sink, budget."""
+
+    def __init__(self, name: str, base: str, mode: np.ndarray, window: np.ndarray, sink: np.ndarray,
+                 top_p: float, budget: np.ndarray):
+        self.name, self.base = name, base
+        self.mode = mode  # int [L, Hkv]: 0 none, 1 retrieval (top-p), 2 budget (H2O)
+        self.window, self.sink = window, sink
+        self.top_p = top_p
+        self.budget = budget  # float [L, Hkv]: tokens (>= 1) or fraction (< 1); 0 where none
+        self.layers = [l for l in range(mode.shape[0]) if (mode[l] > 0).any()]
+
+
+class HeadSelection:
+    """The engine's selected-set policy (one per engine; see the module docstring)."""
+
+    def __init__(self, engine, options: SelectionOptions):
+        self.engine, self.options = engine, options
+        self.derived: dict[str, _Derived] = {}  # base plan -> its twin
+        cfg = engine.config
+        L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
+        bases = {"dense": HeadConfig.all_global(L, H)}
+        if engine.head_config is not None:
+            bases["headsparse"] = engine.head_config
+        pool = engine.pool
+        for base, hc in bases.items():
+            if base not in pool.plans:
+                continue
+            w0, s0 = pool.window_sink(base)
+            classes = np.array(hc.effective_classes())
+            mode = np.zeros((L, H), np.int64)
+            budget = np.zeros((L, H))
+            for cls, b in (options.decode_kv_budget or {}).items():
+                budget[classes == cls] = b
+            mode[budget > 0] = 2
+            if options.retrieval_heads:
+                mode[(classes == "retrieval") & (mode == 0)] = 1
+            if not mode.any():
+                continue
+            wr, sr = hc.visibility(model_windows=cfg.sliding_windows, selection=True)
+            window = np.where(mode == 1, wr, w0)
+            sink = np.where(mode == 1, sr, s0)
+            own_sink = np.array(hc.sinks)
+            window = np.where(mode == 2, np.minimum(options.decode_kv_window, w0), window)
+            sink = np.where(mode == 2, np.where(own_sink > 0, own_sink, DEFAULT_SINK), sink)
+            name = f"{base}+sel"
+            self.derived[base] = _Derived(name, base, mode, window.astype(np.int64), sink.astype(np.int64),
+                                          float(hc.retrieval_top_p), budget)
+            pool.add_plan(name, window, sink)
+            engine.runner.plans[name] = (torch.as_tensor(window, dtype=torch.int32).to(engine.device),
+                                         torch.as_tensor(sink, dtype=torch.int32).to(engine.device))
+        self._by_name = {d.name: d for d in self.derived.values()}
+        self._pending: list = []
+        self.attach()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.derived)
+
+    def attach(self) -> None:
+        """(Re)attach to the engine's current pool and runner (after a pool resize)."""
+        eng = self.engine
+        if not self.derived:
+            return
+        eng.pool.attach_selection(self.options.max_selected)
+        eng.runner.selective_plans = set(self._by_name)
+
+    def base_plan(self, plan: str) -> str:
+        """The plan a request prefills under again (after a preemption)."""
+        d = self._by_name.get(plan)
+        return d.base if d is not None else plan
+
+    # ------------------------------------------------------------------ around a forward
+
+    def begin(self, plan: str, items: list) -> None:
+        """Before a forward: note which requests complete their prompt (or hit a budget check) in
+        it and have the attention layers record those rows' queries."""
+        attn = self.engine.runner.attn
+        attn.capture = None
+        self._pending = []
+        if plan in self.derived:
+            d, kind = self.derived[plan], "select"
+        elif plan in self._by_name and (self._by_name[plan].mode == 2).any():
+            d, kind = self._by_name[plan], "check"
+        else:
+            return
+        ps = self.engine.pool.page_size
+        rows, off = [], 0
+        for s, n in items:
+            m = 0
+            if kind == "select" and s.num_computed + n == len(s.token_ids):
+                m = n if self.options.scorer == "h2o" else min(self.options.obs, n)
+            elif kind == "check" and n == 1 and (s.num_computed + 1) % ps == 0:
+                m = 1
+            if m:
+                self._pending.append((s, kind, d, len(rows), m, s.num_computed + n))
+                rows.extend(range(off + n - m, off + n))
+            off += n
+        if rows:
+            attn.capture = _Capture(torch.tensor(rows, device=self.engine.device), self.engine.config.num_hidden_layers,
+                                    [s.seq_id for s, _ in items])
+
+    def end(self) -> None:
+        """After the forward (pages trimmed, prefixes cached): compute the sets and free pages."""
+        attn = self.engine.runner.attn
+        cap, attn.capture = attn.capture, None
+        pending, self._pending = self._pending, []
+        for s, kind, d, r0, m, n in pending:
+            if s.finished or s.seq_id not in self.engine.pool or cap is None or any(q is None for q in cap.q):
+                continue
+            self._update(s, kind, d, [q[r0:r0 + m] if q is not None else None for q in cap.q], n)
+
+    def select_from(self, s, q_rows: list, n: int) -> None:
+        """Select a running request's sets now from given queries (per layer [m, Hq, D], the rows
+        at positions n-m..n-1), as if its prompt of n tokens had just completed (benchmarks)."""
+        d = self.derived.get(s.plan)
+        if d is None:
+            raise ValueError(f"plan {s.plan!r} has no selected heads")
+        self._update(s, "select", d, q_rows, n)
+
+    # ------------------------------------------------------------------ the sets
+
+    @torch.inference_mode()
+    def _update(self, s, kind: str, d: _Derived, q_rows: list, n: int) -> None:
+        eng = self.engine
+        pool = eng.pool
+        ps = pool.page_size
+        cfg = eng.config
+        L, H = d.mode.shape
+        g = cfg.num_attention_heads // H
+        scale = cfg.head_dim ** -0.5
+        table = pool.table(s.seq_id)  # [L, H, P]
+        P = table.shape[2]
+        prev = pool.selection(s.seq_id) if kind == "check" else None
+        sets: dict[tuple[int, int], np.ndarray] = {}
+        acc = getattr(s, "page_mass", None)
+        if kind == "select" or acc is None:
+            acc = torch.zeros(L, H, P, dtype=torch.float32, device=eng.device)
+        elif acc.shape[2] < P:
+            acc = torch.cat([acc, acc.new_zeros(L, H, P - acc.shape[2])], 2)
+        for l in d.layers:
+            heads = np.nonzero(d.mode[l])[0]
+            q = q_rows[l]
+            m = q.shape[0]
+            tbl = torch.from_numpy(table[l, heads].astype(np.int64)).to(eng.device)  # [R, P]
+            keys = pool.k_pages[tbl.clamp_min(0)].flatten(1, 2)[:, :n]  # [R, N, D]
+            stored = (tbl >= 0).repeat_interleave(ps, 1)[:, :n]
+            qq = q.view(m, H, g, -1)[:, torch.from_numpy(heads).to(eng.device)].permute(1, 2, 0, 3).reshape(len(heads), g * m, -1)
+            q_pos = torch.arange(n - m, n, device=eng.device).repeat(g)
+            vis = stored[:, None, :].expand(-1, g * m, -1)
+            if kind == "check":  # what the head sees in decode: its sink, window and selection
+                vis = vis & self._visible(prev[l, heads], d.window[l, heads], d.sink[l, heads], q_pos, n)
+            mass = sel_ops.attention_mass(qq, keys, q_pos, scale, vis)  # [R, N]
+            hs = torch.from_numpy(heads).to(eng.device)
+            acc[l, hs] += sel_ops.page_mass(mass, ps)[:, :P]
+            retr = d.mode[l, heads] == 1
+            if retr.any() and kind == "select":
+                idx = np.nonzero(retr)[0]
+                pos, lens = sel_ops.select_top_p(mass[idx], n, d.window[l, heads[idx]], d.sink[l, heads[idx]],
+                                                 d.top_p, self.options.max_selected)
+                pos, lens = pos.cpu().numpy(), lens.cpu().numpy()
+                for i, r in enumerate(idx):
+                    h = int(heads[r])
+                    # the prompt's window tokens stay too (SnapKV keeps its observation window): what
+                    # the head sees when the prompt ends does not vanish as the window slides on
+                    recent = np.arange(max(int(d.sink[l, h]), n - int(d.window[l, h]) + 1), n)
+                    sets[(l, h)] = np.union1d(pos[i, :lens[i]], recent)[-self.options.max_selected:]
+            bud = d.mode[l, heads] == 2
+            if bud.any():
+                idx = np.nonzero(bud)[0]
+                keep = self._budget_pages(acc[l, hs[idx]], tbl[idx], d, l, heads[idx], n)
+                pos, lens = sel_ops.pages_to_positions(keep, ps)
+                pos, lens = pos.cpu().numpy(), lens.cpu().numpy()
+                for i, r in enumerate(idx):
+                    sets[(l, int(heads[r]))] = pos[i, :lens[i]]
+            if kind == "check":  # retrieval heads keep the set chosen at prefill
+                for r in np.nonzero(retr)[0]:
+                    row = prev[l, heads[r]]
+                    sets[(l, int(heads[r]))] = row[row >= 0]
+        width = max([len(v) for v in sets.values()] + [1])
+        if width > self.options.max_selected:
+            raise ValueError(f"a decode budget of {width} selected tokens exceeds max_selected="
+                             f"{self.options.max_selected}")
+        arr = np.full((L, H, width), -1, np.int64)
+        for (l, h), v in sets.items():
+            arr[l, h, :len(v)] = v
+        pool.select(s.seq_id, arr, plan=d.name)
+        s.plan = d.name
+        s.selection = arr.astype(np.int32)
+        s.page_mass = acc if (d.mode == 2).any() else None
+
+    def _budget_pages(self, acc: torch.Tensor, tbl: torch.Tensor, d: _Derived, l: int, heads: np.ndarray,
+                      n: int) -> torch.Tensor:
+        """bool [R, P] distant pages a budgeted head keeps: its heaviest within the budget, plus the
+        pages that leave its window before the next check (still candidates then)."""
+        ps = self.engine.pool.page_size
+        dev = acc.device
+        R, P = acc.shape
+        window = torch.as_tensor(d.window[l, heads], device=dev)
+        sink = torch.as_tensor(d.sink[l, heads], device=dev)
+        budget = torch.as_tensor(d.budget[l, heads], device=dev, dtype=torch.float64)
+        tokens = torch.where(budget < 1, budget * n, budget).floor().long()
+        lp = torch.arange(P, device=dev)[None, :]
+        sink_pages = (sink + ps - 1) // ps
+        dead_end = ((n - window + 1) // ps).clamp_min(0)  # pages below this are out of the window at p = n
+        nxt = (n // ps + 1) * ps  # the next check's length
+        dead_next = ((nxt - window + 1) // ps).clamp_min(0)
+        far = (lp >= sink_pages[:, None]) & (lp < dead_end[:, None]) & (tbl >= 0)
+        leaving = (lp >= sink_pages[:, None]) & (lp >= dead_end[:, None]) & (lp < dead_next[:, None])
+        window_pages = (-(-n // ps)) - torch.maximum(dead_end, sink_pages)
+        heavy = tokens // ps - sink_pages - window_pages.clamp_min(0)
+        return sel_ops.select_pages(acc, far, heavy.clamp_min(0)) | (leaving & (tbl >= 0))
+
+    @staticmethod
+    def _visible(sel: np.ndarray, window, sink, q_pos: torch.Tensor, n: int) -> torch.Tensor:
+        """bool [R, M, n]: the decode visibility of R heads (sink, window, selected set)."""
+        dev = q_pos.device
+        j = torch.arange(n, device=dev)
+        w = torch.as_tensor(window, device=dev)[:, None, None]
+        sk = torch.as_tensor(sink, device=dev)[:, None, None]
+        p = q_pos[None, :, None]
+        vis = (j < sk) | (p - j < w)
+        chosen = torch.zeros(sel.shape[0], n + 1, dtype=torch.bool, device=dev)
+        idx = torch.from_numpy(np.where((sel >= 0) & (sel < n), sel, n).astype(np.int64)).to(dev)
+        chosen.scatter_(1, idx, True)
+        return vis | chosen[:, None, :n]
+
+
+class _Capture:
+    """Queries of chosen rows, per layer, recorded by the attention layers during one forward."""
+
+    def __init__(self, rows: torch.Tensor, num_layers: int, seq_ids: list[int]):
+        self.rows, self.seq_ids = rows, seq_ids
+        self.q: list[torch.Tensor | None] = [None] * num_layers
+
+    def record(self, layer: int, q: torch.Tensor) -> None:
+        if get_context().seq_ids != self.seq_ids:  # another forward (a chunk prefill) after a failed one
+            return
+        self.q[layer] = q.index_select(0, self.rows)
