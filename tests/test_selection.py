@@ -175,7 +175,11 @@ def test_retrieval_head_with_top_p_one_equals_a_global_head(kernel, seqs):
         attend = segpaged_attention_ref
     else:
         pytest.importorskip("triton")
-        from redknot.kernels.segpaged import segpaged_attention as attend
+        from redknot.kernels.segpaged import segpaged_attention
+
+        def attend(*args, **kw):  # on the test device (compiled on a GPU), compared on the CPU
+            move = lambda x: x.to(DEVICE) if isinstance(x, torch.Tensor) else x  # noqa: E731
+            return segpaged_attention(*map(move, args), **{k: move(v) for k, v in kw.items()}).cpu()
     dense = attend(q, k_pages, v_pages, bt, cu, lens, glob_w, glob_s, max_q_len=max_q)
     retr = attend(q, k_pages, v_pages, bt, cu, lens, window, sink, max_q_len=max_q,
                   sel_pos=sel.contiguous(), sel_lens=nsel.contiguous())

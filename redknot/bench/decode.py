@@ -305,13 +305,14 @@ def print_table(result: dict) -> None:
     rows = [r for r in result["rows"] if "tok_s" in r]
     sel = [r for r in rows if r["method"] in SELECTIVE]
     if sel:
-        dense = {(r["batch"], r["context"]): r for r in rows if r["method"] in ("dense", "headsparse")}
+        base = {(r["method"], r["batch"], r["context"]): r for r in rows if r["method"] in ("dense", "headsparse")}
         print(f"\nselected-set rows (decode KV budget {result.get('decode_kv_budget')}):")
-        print(f"{'method':<15}{'B x ctx':>13}{'tok/s':>10}{'KV held GiB':>13}{'x dense tok/s':>15}")
+        print(f"{'method':<15}{'B x ctx':>13}{'tok/s':>10}{'KV read GiB':>13}{'x dense':>9}{'x headsparse':>13}")
         for r in sel:
-            d = dense.get((r["batch"], r["context"]))
+            ratio = [r["tok_s"] / b["tok_s"] if b else float("nan")
+                     for b in (base.get((m, r["batch"], r["context"])) for m in ("dense", "headsparse"))]
             print(f"{r['method']:<15}{r['batch']:>5} x {r['context']:<6}{r['tok_s']:>10.0f}"
-                  f"{r['kv_read_bytes'] / 2**30:>13.2f}{(r['tok_s'] / d['tok_s'] if d else float('nan')):>15.2f}")
+                  f"{r['kv_read_bytes'] / 2**30:>13.2f}{ratio[0]:>9.2f}{ratio[1]:>13.2f}")
     result = {**result, "rows": [r for r in rows if r["method"] not in SELECTIVE]}
     rows = result["rows"]
     by = {(r["method"], r["batch"], r["context"]): r for r in rows}
