@@ -251,19 +251,20 @@ def test_sparse_ffn_config(tmp_path, anchor_head_config):
         SparseFFNConfig.from_json(bad)
 
 
-def test_recovery_through_the_triton_kernel(llm, monkeypatch):
-    """The GPU path of the recovery (SegPaged kernel with explicit query positions), interpreted."""
+def test_recovery_through_the_triton_kernel(tiny_checkpoint, llm):
+    """The GPU path, interpreted: the engine on the Triton kernels (rows stored and attended at
+    explicit positions) and the recovery oracle's SegPaged path give the torch reference's logits."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors through Triton need the interpreter (TRITON_INTERPRET=1)")
-    from redknot.reuse import recovery
-
-    torch_logits = {m: llm.first_token_logits(QUESTION, documents=DOCS, method=m)
-                    for m in ("dense", "epic", "redknot")}
-    monkeypatch.setattr(recovery, "KERNEL", "triton")
-    torch_logits["redknot_exact"] = torch_logits.pop("dense")  # exact through the kernel == dense
-    for m, ref in torch_logits.items():
-        assert cos(llm.first_token_logits(QUESTION, documents=DOCS, method=m), ref) >= 0.99999
+    ref = {m: llm.first_token_logits(QUESTION, documents=DOCS, method=m) for m in ("dense", "epic", "redknot_kv")}
+    fast = make_llm(tiny_checkpoint("llama", num_hidden_layers=3), kernel="triton")
+    prompt = build_prompt(fast.tokenizer, QUESTION, DOCS)
+    for m, r in ref.items():
+        assert cos(fast.first_token_logits(QUESTION, documents=DOCS, method=m), r) >= 0.99999, m
+        assert cos(fast.reuse.prefill(prompt, m).recovered.logits, r) >= 0.99999, m
+    exact = fast.first_token_logits(QUESTION, documents=DOCS, method="redknot_exact")
+    assert cos(exact, ref["dense"]) >= 0.99999  # exact through the kernel == dense
 
 
 def test_conversation_prompt_puts_history_before_the_documents(llm):
@@ -290,7 +291,7 @@ def test_conversation_prompt_puts_history_before_the_documents(llm):
 @pytest.mark.parametrize("kernel", ["torch", "triton"])
 @pytest.mark.parametrize("n,skip,full", [(70, 0, [1, 1]), (70, 0, [1, 0]), (130, 9, [0, 1]), (130, 9, [1, 1]),
                                          (96, 40, [1, 0])])
-def test_causal_sdpa_path_equals_the_masked_reference(kernel, n, skip, full, monkeypatch):
+def test_causal_sdpa_path_equals_the_masked_reference(kernel, n, skip, full):
     """Full-context heads go through one causal SDPA when (nearly) every position is a query,
     also when a few leading positions are not queries (cached prefix) and beside windowed heads."""
     if kernel == "triton":
@@ -299,7 +300,6 @@ def test_causal_sdpa_path_equals_the_masked_reference(kernel, n, skip, full, mon
             pytest.skip("CPU tensors through Triton need the interpreter (TRITON_INTERPRET=1)")
     from redknot.reuse import recovery
 
-    monkeypatch.setattr(recovery, "KERNEL", kernel)
     g, d = 2, 16
     hkv = len(full)
     torch.manual_seed(n + skip)
@@ -312,7 +312,7 @@ def test_causal_sdpa_path_equals_the_masked_reference(kernel, n, skip, full, mon
     sink = torch.where(is_full, 0, 4)
     j = torch.arange(n)[None, None, :]
     ref = recovery._attend_masked(q, pos, keys, values, j, window[:, None, None], sink[:, None, None], d**-0.5, g)
-    out, _ = recovery._attend(q, pos, keys, values, window, sink, d**-0.5, 0, full=is_full)
+    out, _ = recovery._attend(q, pos, keys, values, window, sink, d**-0.5, 0, full=is_full, paged=kernel == "triton")
     assert (out - ref).abs().max() < 1e-5
 
 

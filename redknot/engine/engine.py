@@ -161,6 +161,7 @@ class Engine:
         self.chunk_cache = ChunkCache(self.pool, fingerprint, cfg.chunk_cache_bytes)
         self.reuse = ReuseEngine(model, config, fingerprint, head_config, sparse_ffn, self.chunk_cache,
                                  self.chunk_cache, device, cfg.reuse_options)
+        self.reuse.kernel = cfg.kernel  # the recovery oracle attends like the engine
         self._chunk_seq_ids = iter(range(-1, -(1 << 62), -1))  # pool ids of chunk prefills
         self.max_num_seqs = cfg.max_num_seqs  # a front may lower it (never above the slots)
         self.waiting: deque[Sequence] = deque()

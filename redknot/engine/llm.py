@@ -56,7 +56,7 @@ class LLM:
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True, gpu_memory_utilization: float = 0.9, reserve_full_length: bool = True,
-                 retrieval_heads: bool = False, decode_kv_budget=None, selection=None):
+                 retrieval_heads: bool = False, decode_kv_budget=None, selection=None, kernel: str = "auto"):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
         that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE).
@@ -65,7 +65,8 @@ class LLM:
         covering its ``retrieval_top_p`` of the prompt's observation-window attention (otherwise
         they are served as global heads). ``decode_kv_budget``: per-head decode KV budgets with
         H2O accumulation (tokens or a fraction; ``"global=0.1,retrieval=256"``). ``selection``: a
-        ``SelectionOptions`` with every knob (overrides the two above)."""
+        ``SelectionOptions`` with every knob (overrides the two above). ``kernel``: the attention
+        kernels, "auto" (Triton on CUDA, the torch reference elsewhere), "triton" or "torch"."""
         if model is None:  # the checkpoint shipped in the package, as every CLI defaults to
             model = bundled_model_path()
         if not isinstance(model, ModelConfig):
@@ -102,7 +103,7 @@ class LLM:
                                  max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                  enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
                                  chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                                 reserve_full_length=reserve_full_length,
+                                 reserve_full_length=reserve_full_length, kernel=kernel,
                                  reuse_options=reuse_options, selection=selection))
         self.max_model_len = self.engine.max_model_len
         self.reuse = self.engine.reuse

@@ -15,9 +15,6 @@ from torch import nn
 from .config import ModelConfig
 from .rope import RotaryEmbedding
 
-# q/k norm + RoPE: "auto" fuses them into one Triton kernel on CUDA (redknot.kernels.rope), "torch"
-# keeps the unfused reference everywhere.
-NORM_ROPE = "auto"
 
 
 @functools.cache
@@ -90,7 +87,7 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
             k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
             v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
-        norm_rope = _norm_rope() if NORM_ROPE == "auto" and x.is_cuda else None
+        norm_rope = _norm_rope() if x.is_cuda else None  # q/k norm + RoPE fused into one kernel on CUDA
         if norm_rope is not None:
             cos, sin = self.rope.cos_sin(positions)
             qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)

@@ -229,6 +229,7 @@ class ReuseEngine:
         self.head_config, self.sparse = head_config, sparse
         self.store, self.prefix_store = store, prefix_store
         self.options = options or ReuseOptions()
+        self.kernel = "auto"  # the recovery forward's attention path (recovery.recover)
         glob = HeadConfig.all_global(cfg.num_hidden_layers, cfg.num_key_value_heads)
         self.global_vis = _tensors(glob.visibility(cfg.sliding_windows))
 
@@ -251,9 +252,9 @@ class ReuseEngine:
             for l in range(self.cfg.num_hidden_layers):
                 ck[l][:start], cv[l][:start] = base.k[l], base.v[l]
             cached[:start] = True
-            rec = recover(self.model, tokens, FixedSet(positions, *self.global_vis), ck, cv, cached)
+            rec = recover(self.model, tokens, FixedSet(positions, *self.global_vis), ck, cv, cached, self.kernel)
         else:
-            rec = recover(self.model, tokens, FixedSet(positions, *self.global_vis))
+            rec = recover(self.model, tokens, FixedSet(positions, *self.global_vis), kernel=self.kernel)
         entry = ChunkKV(tuple(ids), start, torch.stack([k[start:] for k in rec.k]),
                         torch.stack([v[start:] for v in rec.v]), compute_s=time.perf_counter() - t0)
         offline.append((rec.flops, entry.compute_s))
@@ -300,14 +301,14 @@ class ReuseEngine:
         n = tokens.numel()
         all_pos = torch.arange(n, device=self.device)
         if method == "dense":
-            return PrefillResult(recover(self.model, tokens, FixedSet(all_pos, *self.global_vis)), 0)
+            return PrefillResult(recover(self.model, tokens, FixedSet(all_pos, *self.global_vis), kernel=self.kernel), 0)
         if method == "prefix":
             return self._prefix(prompt, tokens)
         if method == "headsparse":
             if self.head_config is None:
                 raise ValueError("method='headsparse' needs a head_config")
             vis = _tensors(self.head_config.visibility(self.cfg.sliding_windows))
-            return PrefillResult(recover(self.model, tokens, FixedSet(all_pos, *vis)), 0)
+            return PrefillResult(recover(self.model, tokens, FixedSet(all_pos, *vis), kernel=self.kernel), 0)
         offline: list = []
         ck, cv, cached = self._empty_cache(n)
         p = len(prompt.prefix)
@@ -319,7 +320,7 @@ class ReuseEngine:
             entry = self._entry(self.store, self._key(prompt.prefix, ids), prompt.prefix, ids, p, offline)
             self._place(ck, cv, entry, at)
         policy, cached = self.policy(prompt, method)
-        rec = recover(self.model, tokens, policy, ck, cv, cached)
+        rec = recover(self.model, tokens, policy, ck, cv, cached, self.kernel)
         off = FlopReport()
         for f, _ in offline:
             off = off.merge(f)
@@ -396,7 +397,7 @@ class ReuseEngine:
                 ck[l][:hit], cv[l][:hit] = entry.k[l].to(self.device), entry.v[l].to(self.device)
             cached[:hit] = True
         rec = recover(self.model, tokens, FixedSet(torch.arange(hit, n, device=self.device), *self.global_vis),
-                      ck, cv, cached)
+                      ck, cv, cached, self.kernel)
         for b in bounds:
             if b > hit:
                 key = self._key((), tuple(ids[:b]))

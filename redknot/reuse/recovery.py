@@ -25,8 +25,6 @@ from .flops import FlopReport, visible_pairs
 
 # Query rows per attention block: bounds the [Hq, rows, N] mask and score memory.
 _QUERY_BLOCK = 1024
-# Attention path: "auto" (Triton SegPaged kernel on CUDA, masked SDPA elsewhere), "triton", "torch".
-KERNEL = "auto"
 
 
 class Policy:
@@ -79,15 +77,20 @@ class Recovered:
 @torch.inference_mode()
 def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
             cache_k: list[torch.Tensor] | None = None, cache_v: list[torch.Tensor] | None = None,
-            cached: torch.Tensor | None = None) -> Recovered:
+            cached: torch.Tensor | None = None, kernel: str = "auto") -> Recovered:
     """Run the policy's prefill over ``token_ids`` [N].
 
+    kernel: the attention path of windowed heads, "triton" (the SegPaged kernel reading the
+    buffers as pages), "torch" (masked SDPA) or "auto" (triton on CUDA, torch elsewhere).
     cache_k/v: per layer [N, Hkv, D] K/V of cached positions (keys rotated at their absolute
     positions), ideally from ``kv_buffer``; ``cached`` bool [N] marks them. Positions never
     computed must be cached. The buffers are written in place and returned as the result."""
+    if kernel not in ("auto", "triton", "torch"):
+        raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
     cfg = model.config
     dev = token_ids.device
     n = token_ids.numel()
+    paged = kernel == "triton" or (kernel == "auto" and dev.type == "cuda")
     cached = torch.zeros(n, dtype=torch.bool, device=dev) if cached is None else cached
     cur = policy.initial().to(dev)
     covered = cached.clone()
@@ -126,7 +129,7 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
         with record_function("recover.attention"):
             if split is None:
                 o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
-                                  policy.observe(l), full=window.cpu() >= n)
+                                  policy.observe(l), full=window.cpu() >= n, paged=paged)
                 pairs = visible_pairs(cur, window, sink, group)
             else:  # rows before `at` under (window, sink), rows from `at` on under their own
                 at, window2, sink2 = split
@@ -136,7 +139,7 @@ def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
                                             (slice(r, t), window2, sink2, min(policy.observe(l), t - r))):
                     if rows.stop > rows.start:
                         o[rows], m_ = _attend(q[rows], cur[rows], keys, values, w_.to(dev), s_.to(dev),
-                                              attn.head_dim**-0.5, n_obs, full=w_.cpu() >= n)
+                                              attn.head_dim**-0.5, n_obs, full=w_.cpu() >= n, paged=paged)
                         mass = m_ if n_obs else mass
                         pairs += visible_pairs(cur[rows], w_, s_, group)
         info["mass"] = mass
@@ -186,7 +189,7 @@ def _run(pos: torch.Tensor) -> tuple[int, int] | None:
     return (lo, hi + 1) if hi + 1 - lo == pos.numel() else None
 
 
-def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None):
+def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None, paged=False):
     """q [R, Hq, D] at positions q_pos over keys/values [N, Hkv, D] under (window, sink) per KV head.
 
     Returns o [R, Hq, D] and, for the last n_obs queries, the attention mass each key receives
@@ -199,7 +202,6 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None):
     g = hq // hkv
     j = torch.arange(n, device=q.device)[None, None, :]
     w, s = window[:, None, None], sink[:, None, None]
-    paged = KERNEL == "triton" or (KERNEL == "auto" and q.is_cuda)
     if full is not None and bool(full.any()) and r * _CAUSAL_MIN_SHARE[1] >= n * _CAUSAL_MIN_SHARE[0]:
         out = _attend_split(q, q_pos, keys, values, window, sink, scale, full, paged)
     elif paged:
