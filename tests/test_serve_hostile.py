@@ -278,6 +278,25 @@ def test_cache_salt_reaches_the_sequence_and_namespaces_the_caches(server, tiny_
     assert KEYS[0] not in salts[0] and salts[2].startswith(salts[0])
 
 
+def test_requests_past_the_concurrency_limit_get_a_json_503_and_health_stays_up(server):
+    """--limit-concurrency: past the limit an OpenAI-style JSON 503 with Retry-After (a client
+    can parse and retry it); /health is never refused; the request in flight finishes."""
+    srv = BackgroundServer(AsyncLLMEngine(server.llm), MODEL, server_kw=dict(limit_concurrency=1))
+    try:
+        with httpx.Client(base_url=srv.base, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions",
+                          json={**chat(max_tokens=64, ignore_eos=True), "stream": True}) as first:
+                assert first.status_code == 200
+                busy = c.post("/v1/chat/completions", json=chat())
+                assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+                assert busy.json()["error"]["type"] == "server_busy" and "limit-concurrency" in busy.json()["error"]["message"]
+                assert c.get("/health").status_code == 200
+                assert sum(line == "data: [DONE]" for line in first.iter_lines()) == 1
+            assert c.post("/v1/chat/completions", json=chat()).status_code == 200  # the slot came back
+    finally:
+        srv.stop()
+
+
 # ---- 4. fields, lengths and the schema -----------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [

@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--read-timeout", type=float, default=30,
                    help="seconds a connection has to send each whole request (slow senders are closed)")
     g.add_argument("--limit-concurrency", type=int, default=None,
-                   help="uvicorn: answer 503 once this many connections or requests are open (default: no limit)")
+                   help="answer 503 (JSON, Retry-After) once this many requests are in flight; /health and "
+                        "/metrics are always answered (default: no limit)")
     g.add_argument("--max-connections", type=int, default=None,
                    help="close new connections past this many open ones (default: the file-descriptor limit, "
                         "raised to its hard maximum, less a reserve)")

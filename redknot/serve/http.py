@@ -10,10 +10,15 @@ clients, and the uvicorn config both the CLI and ``BackgroundServer`` run.
 * a connection cap: past ``max_connections`` open connections a new one is closed as soon as it
   is accepted, so idle sockets can never use up the file descriptors (accept() then fails and
   the server stops answering anything, /health included).
+
+``ConcurrencyLimit`` answers requests past ``--limit-concurrency`` in flight with an OpenAI-style
+JSON 503 and a Retry-After header (uvicorn's own limit answers plain text, which OpenAI clients
+cannot parse); ``/health`` and ``/metrics`` are never refused, so probes see a busy server as up.
 """
 
 from __future__ import annotations
 
+import json
 import resource
 
 import h11
@@ -70,6 +75,35 @@ class GuardedH11Protocol(H11Protocol):
         self.transport.close()
 
 
+class ConcurrencyLimit:
+    """ASGI middleware: at most ``limit`` HTTP requests in flight; the next ones get a JSON 503."""
+
+    EXEMPT = ("/health", "/metrics")
+
+    def __init__(self, app, limit: int):
+        if limit < 1:
+            raise ValueError(f"limit_concurrency must be >= 1, got {limit}")
+        self.app, self.limit, self.in_flight = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in self.EXEMPT:
+            return await self.app(scope, receive, send)
+        if self.in_flight >= self.limit:
+            body = json.dumps({"error": {"message": f"the server is at its limit of {self.limit} requests in flight "
+                                                    f"(--limit-concurrency); retry later",
+                                         "type": "server_busy", "param": None, "code": 503}}).encode()
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                    (b"retry-after", b"1")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
 def default_max_connections() -> int:
     """Raise the soft file-descriptor limit to the hard one (as vLLM does) and leave
     ``RESERVED_FDS`` of it for everything but connections."""
@@ -95,8 +129,11 @@ def protocol_class(read_timeout: float = 30.0, max_connections: int | None = Non
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
                    timeout_keep_alive: float = 5, limit_concurrency: int | None = None, read_timeout: float = 30.0,
                    max_connections: int | None = None):
-    """uvicorn's Config for ``app`` with the guarded protocol; ``timeout_keep_alive`` is vLLM's default (5 s)."""
+    """uvicorn's Config for ``app`` with the guarded protocol and, with ``limit_concurrency``, the
+    JSON 503 limit on requests in flight; ``timeout_keep_alive`` is vLLM's default (5 s)."""
     import uvicorn
 
+    if limit_concurrency is not None:
+        app = ConcurrencyLimit(app, limit_concurrency)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
-                          limit_concurrency=limit_concurrency, http=protocol_class(read_timeout, max_connections))
+                          http=protocol_class(read_timeout, max_connections))
