@@ -12,7 +12,7 @@ from redknot.bench.datasets import (DatasetError, load_cacheblend, load_dataset,
                                     load_musique, relayout)
 from redknot.testbed.data import check_record
 
-REALQA = Path(os.environ.get("REDKNOT_REALQA", Path(__file__).resolve().parents[2] / "shared" / "data" / "realqa"))
+REALQA = Path(os.environ.get("REDKNOT_REALQA", Path(__file__).resolve().parents[3] / "shared" / "data" / "realqa"))
 
 CACHEBLEND = [
     {"ctxs": [{"title": "", "text": "hannibal and scipio is a caroline era stage play written by thomas nabbes."},

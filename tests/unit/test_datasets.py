@@ -12,7 +12,7 @@ from redknot.bench.datasets import (DatasetError, load_2wikimultihopqa, load_dat
 from redknot.testbed.data import check_record, generate_records, write_jsonl
 from redknot.tiny import make_tokenizer
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.fixture(scope="module")
