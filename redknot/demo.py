@@ -25,7 +25,7 @@ def _requests(seed: int = 7):
     """Three questions about one generated set of documents, each in another order. Only types whose
     answer does not depend on the order of the documents (a cross_doc continuation needs its bio
     right before it)."""
-    from .testbed.data import generate_records
+    from .testbed.records import generate_records
 
     records = generate_records(seed, 1, context_tokens=CONTEXT_TOKENS, questions_per_context=3,
                                types=("single_hop", "multi_hop"))

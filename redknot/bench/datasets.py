@@ -1,7 +1,7 @@
 """Public multi-document QA sets in redknot's record format, and chunk layouts for reuse benchmarks.
 
 A record is ``{"id", "documents": [str, ...], "question", "answers": [str, ...], "type"}`` (see
-``redknot.testbed.data``), plus ``"supporting"`` (indices of the documents holding the evidence)
+``redknot.qa.records``), plus ``"supporting"`` (indices of the documents holding the evidence)
 when the source marks it. Loaders:
 
 - ``load_hotpotqa``: HotpotQA distractor JSON, a list of ``{"_id", "question", "answer", "type",

@@ -30,7 +30,7 @@ def run(args) -> int:
     from ..models.config import ModelConfig
     from ..models.loader import build_model
     from ..profile.profiler import profile_heads
-    from ..testbed.data import generate_records
+    from ..testbed.records import generate_records
     from ..models.tokenizer import make_tokenizer
     from .common import ARCHS
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..models.resolve import BUNDLED_MODEL_DIR, bundled_model_path
-from .data import TYPES, easy_records, generate_records, read_jsonl, write_jsonl
+from ..qa.records import read_jsonl, write_jsonl
+from .easy import easy_records
+from .records import TYPES, generate_records
 
 __all__ = ["TYPES", "generate_records", "easy_records", "read_jsonl", "write_jsonl", "model_path",
            "head_config_path"]

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-from .data import ALL_TYPES, EASY_TYPES, TRAINING_TYPES, TYPES, easy_records, generate_records, write_jsonl
+from ..qa.records import write_jsonl
+from .easy import EASY_TYPES, easy_records
+from .records import ALL_TYPES, TRAINING_TYPES, TYPES, generate_records
 
 
 def add_arguments(parser: argparse.ArgumentParser):

@@ -16,9 +16,34 @@ import json
 import sys
 from pathlib import Path
 
-from .data import MAX_ANSWER_TOKENS
+from ..qa.answers import MAX_ANSWER_TOKENS
+from .templates import SINGLE_HOP
 
 OUTCOMES = ("hop1", "hop2", "composed")
+
+# The second hop as a one-document question about the bridge entity, by (person link, bridge attribute).
+_HOP2 = {link_attr: SINGLE_HOP[relation][2][0] for link_attr, relation in {
+    ("employer", "hq"): "hq", ("employer", "founded_year"): "company_founded", ("employer", "founder"): "founder",
+    ("birth_city", "river"): "river", ("birth_city", "mayor"): "mayor", ("birth_city", "founded_year"): "town_founded",
+    ("residence", "river"): "river"}.items()}
+_HOP2[("school", "founded_year")] = "In which year was {X} founded?"
+_HOP2[("school", "city")] = "In which city is {X}?"
+
+
+def hop_questions(record: dict) -> list[tuple[str, str, list[str]]]:
+    """A ``multi_hop`` record (made with ``meta``) as ``[(name, question, answers)]``: the question
+    itself ("composed"), its first hop alone ("hop1": X's bridge entity) and its second hop alone
+    ("hop2": the bridge entity's attribute, the record's answer), each answerable from the same
+    documents. Lets a model's multi_hop errors be split into lookup and composition failures."""
+    if record.get("type") != "multi_hop" or not record.get("meta"):
+        raise ValueError(f"record {record.get('id')!r}: hop questions need a multi_hop record with meta "
+                         f"(make-data --meta)")
+    m = record["meta"]
+    link, attr = m["relation"].split("->")
+    hop1 = SINGLE_HOP[link][2][0].format(X=m["entity"])
+    hop2 = _HOP2[(link, attr)]
+    return [("composed", record["question"], record["answers"]), ("hop1", hop1, [m["bridge"]]),
+            ("hop2", hop2.format(X=m["bridge"]), record["answers"])]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,10 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from tqdm import tqdm
 
-    from ..qa.answers import bridge_match, exact_match
+    from ..qa.answers import bridge_match, exact_match, restated_fact
     from ..qa.records import read_jsonl
     from ..engine import LLM, SamplingParams
-    from .data import hop_questions, restated_fact
 
     records = [r for r in read_jsonl(args.data, args.limit) if r.get("type") == "multi_hop"]
     if not records:

@@ -1,6 +1,7 @@
 """The corpus's vocabulary: name syllables, entity kinds, sentence templates per document kind and
-relation, the questions each cluster type asks, and filler. ``data`` builds documents and records
-from these; ``_TEMPLATE_WORDS`` is every word a template contains, which generated names avoid.
+relation, the questions each cluster type asks, and filler. ``world``, ``documents``, ``clusters``
+and ``easy`` build names, documents and questions from these; ``_TEMPLATE_WORDS`` is every word a
+template contains, which generated names avoid.
 """
 
 import re
@@ -35,7 +36,7 @@ ORDINALS = ["second", "third", "fourth", "fifth", "last"]
 PRONOUNS = {"she": dict(pron="she", Pron="She", obj="her", poss="her", Poss="Her", person="woman"),
             "he": dict(pron="he", Pron="He", obj="him", poss="his", Poss="His", person="man")}
 
-# ---- templates (data) ---------------------------------------------------------------------------
+# ---- templates ----------------------------------------------------------------------------------
 # Placeholders: {name} full name; {N}/{n} subject at a sentence start / inside (name or pronoun);
 # {C}/{c} the same for companies, towns and academies; {year} a filler year (never an answer);
 # {num}, {num2}, {ordinal} small numbers; {desc}/{Desc}/{dposs} the described person of a description cluster.

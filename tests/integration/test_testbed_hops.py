@@ -6,7 +6,8 @@ import json
 import pytest
 
 from redknot.testbed import cli as testbed_cli
-from redknot.testbed.data import generate_records, write_jsonl
+from redknot.qa.records import write_jsonl
+from redknot.testbed.records import generate_records
 
 
 def _parser():

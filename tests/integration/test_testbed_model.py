@@ -8,7 +8,8 @@ import torch
 from redknot import LLM, SamplingParams
 from redknot.bench.quality import exact_match
 from redknot.testbed import head_config_path, model_path
-from redknot.testbed.data import easy_records, generate_records
+from redknot.testbed.easy import easy_records
+from redknot.testbed.records import generate_records
 
 
 @pytest.fixture(scope="module")

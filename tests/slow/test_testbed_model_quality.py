@@ -6,7 +6,8 @@ import pytest
 
 from redknot import LLM, SamplingParams
 from redknot.bench.quality import bridge_match, exact_match
-from redknot.testbed.data import MAX_ANSWER_TOKENS, generate_records, restated_fact
+from redknot.qa.answers import MAX_ANSWER_TOKENS, restated_fact
+from redknot.testbed.records import generate_records
 
 
 @pytest.fixture(scope="module")

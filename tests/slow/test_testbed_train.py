@@ -12,13 +12,22 @@ import torch
 
 from redknot.reuse.prompt import build_prompt
 from redknot.testbed import train as T
+from redknot.testbed import trainer
+from redknot.testbed.architecture import build_model, grow_depth, make_config
+from redknot.testbed.checkpoint import FULL_STATE_FILE, MODEL_DIR, STATE_FILE, load_state
+from redknot.testbed.packing import StagePlan, build_batch, tokenize_group
+from redknot.testbed.schedule import lr_factor
+from redknot.testbed.stages import _MIX_SEED_STRIDE, Stage, group_records, parse_stages, stage_records
+from redknot.testbed.step import forward_loss, make_optimizer, to_device, train_step
+from redknot.testbed.tokenizer import TOKENIZER_FILE, load_or_train_tokenizer, train_tokenizer
+from redknot.testbed.trainer import LOG_FILE
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return T.train_tokenizer(512, contexts=8)
+    return train_tokenizer(512, contexts=8)
 
 
 def _args_list(out, *extra):
@@ -35,17 +44,17 @@ def _args(out, *extra):
 
 
 def _log(out):
-    return [json.loads(line) for line in (out / T.LOG_FILE).read_text().splitlines()]
+    return [json.loads(line) for line in (out / LOG_FILE).read_text().splitlines()]
 
 
 def test_model_fits_a_repeated_batch(tokenizer):
-    stage = T.Stage("easy", 128)
-    batch = T.build_batch(tokenizer, stage, 0, step=0, seed=0, rows=1, row_len=512, questions_per_context=4,
+    stage = Stage("easy", 128)
+    batch = build_batch(tokenizer, stage, 0, step=0, seed=0, rows=1, row_len=512, questions_per_context=4,
                           tokens_per_word=2.8, est_group_tokens=200)
-    batch = T.to_device({k: v for k, v in batch.items() if k != "stats"}, CPU)
-    model = T.build_model(T.make_config("tiny", tokenizer), seed=0)
-    opt = T.make_optimizer(model, 3e-3, 0.0, CPU)
-    losses = [T.train_step(model, opt, batch, 0.1, "sdpa", CPU)[1].item() for _ in range(20)]  # answer CE
+    batch = to_device({k: v for k, v in batch.items() if k != "stats"}, CPU)
+    model = build_model(make_config("tiny", tokenizer), seed=0)
+    opt = make_optimizer(model, 3e-3, 0.0, CPU)
+    losses = [train_step(model, opt, batch, 0.1, "sdpa", CPU)[1].item() for _ in range(20)]  # answer CE
     assert losses[-1] < 0.6 * losses[0], losses
 
 
@@ -70,25 +79,25 @@ def test_curriculum_logs_resumes_exactly_and_loads_in_redknot(tmp_path):
     resumed = tmp_path / "resumed"
     assert T.run(_args(resumed, "--time-budget", "0")) == 0
     assert [r["reason"] for r in _log(resumed) if r["event"] == "stop"] == ["time budget"]
-    assert (resumed / T.MODEL_DIR / "config.json").is_file()
+    assert (resumed / MODEL_DIR / "config.json").is_file()
     with pytest.raises(SystemExit, match="--resume"):
         T.run(_args(resumed))
     assert T.run(_args(resumed, "--resume", "--stop-after-steps", "1")) == 0
-    state = torch.load(resumed / T.STATE_FILE, weights_only=False)
+    state = torch.load(resumed / STATE_FILE, weights_only=False)
     assert (state["stage"], state["step"]) == (0, 2)
     assert T.run(_args(resumed, "--resume")) == 0
     log = _log(resumed)
     resumes = [i for i, r in enumerate(log) if r["event"] == "resume"]
     assert [log[i]["step"] for i in resumes] == [1, 2]
     assert [r["step"] for r in log[resumes[0]:] if r["event"] == "train"][:3] == [2, 3, 1]
-    final_a = torch.load(straight / T.STATE_FILE, weights_only=False)
-    final_b = torch.load(resumed / T.STATE_FILE, weights_only=False)
+    final_a = torch.load(straight / STATE_FILE, weights_only=False)
+    final_b = torch.load(resumed / STATE_FILE, weights_only=False)
     assert (final_b["stage"], final_b["step"]) == (2, 0)
     for k, v in final_a["model"].items():
         torch.testing.assert_close(final_b["model"][k], v, rtol=0, atol=0, msg=k)
 
     # the exported model is a checkpoint redknot serves
-    model_dir = resumed / T.MODEL_DIR
+    model_dir = resumed / MODEL_DIR
     assert (model_dir / "model.safetensors").stat().st_size < 60 << 20
     llm = LLM(model=model_dir, device="cpu")
     docs = ["Osis Greby was born in Pyvik.", "The mayor of Pyvik is Ama Tel."]
@@ -101,17 +110,17 @@ def test_curriculum_logs_resumes_exactly_and_loads_in_redknot(tmp_path):
 def test_state_over_its_size_limit_is_bf16_weights_plus_an_exact_full_state(tmp_path):
     out = tmp_path / "run"
     assert T.run(_args(out, "--state-mb", "1", "--stop-after-steps", "1")) == 0  # tiny's exact state is ~1.6 MB
-    compact = torch.load(out / T.STATE_FILE, weights_only=False)
+    compact = torch.load(out / STATE_FILE, weights_only=False)
     assert compact["precision"] == "bf16" and "optimizer" not in compact
     assert all(v.dtype == torch.bfloat16 for v in compact["model"].values() if v.is_floating_point())
-    assert (out / T.STATE_FILE).stat().st_size < 1e6 and (out / T.FULL_STATE_FILE).is_file()
+    assert (out / STATE_FILE).stat().st_size < 1e6 and (out / FULL_STATE_FILE).is_file()
     # on the same disk the exact state is used; carried alone, the bf16 one resumes with a re-warmup
-    assert T.load_state(out)["precision"] == "exact"
-    (out / T.FULL_STATE_FILE).unlink()
+    assert load_state(out)["precision"] == "exact"
+    (out / FULL_STATE_FILE).unlink()
     assert T.run(_args(out, "--resume", "--state-mb", "1", "--stop-after-steps", "1")) == 0
     resume = [r for r in _log(out) if r["event"] == "resume"]
     assert [(r["precision"], r["step"]) for r in resume] == [("bf16", 1)]
-    assert torch.load(out / T.STATE_FILE, weights_only=False)["step"] == 2
+    assert torch.load(out / STATE_FILE, weights_only=False)["step"] == 2
 
 
 def test_advance_em_ends_a_stage_early_and_export_writes_the_model(tmp_path):
@@ -126,13 +135,13 @@ def test_advance_em_ends_a_stage_early_and_export_writes_the_model(tmp_path):
     # a carried-back state alone (no model/): --export writes the checkpoint without training
     import shutil
 
-    shutil.rmtree(out / T.MODEL_DIR)
+    shutil.rmtree(out / MODEL_DIR)
     assert T.run(_args(out, "--export", "--stages", "qa:999")) == 0  # the saved curriculum wins
-    meta = json.loads((out / T.MODEL_DIR / "training.json").read_text())
+    meta = json.loads((out / MODEL_DIR / "training.json").read_text())
     assert meta["stage"] == 2 and meta["heldout"]["stage_name"] == "qa:256"
     assert meta["run"]["stages"] == [{"kind": "easy", "context_tokens": 128, "questions": None},
                                      {"kind": "qa", "context_tokens": 256, "questions": None}]
-    assert (out / T.MODEL_DIR / "model.safetensors").is_file()
+    assert (out / MODEL_DIR / "model.safetensors").is_file()
     with pytest.raises(SystemExit, match="no .*train_state.pt"):
         T.run(_args(tmp_path / "empty", "--export"))
 
@@ -140,10 +149,10 @@ def test_advance_em_ends_a_stage_early_and_export_writes_the_model(tmp_path):
 def test_fit_steps_shortens_the_last_stage_once_and_a_resume_keeps_it(tmp_path, monkeypatch):
     """--fit-steps: after the timed steps the last stage is cut to what fits (here a fixed count),
     its cosine runs over the fitted count, and a resume keeps that count."""
-    monkeypatch.setattr(T, "FIT_AFTER_STEPS", 1)
+    monkeypatch.setattr(trainer, "FIT_AFTER_STEPS", 1)
     asked = []
     budget = []
-    monkeypatch.setattr(T, "fit_steps", lambda step, steps, left, *rest: asked.append((step, steps))
+    monkeypatch.setattr(trainer, "fit_steps", lambda step, steps, left, *rest: asked.append((step, steps))
                         or budget.append((left, rest[-2:])) or 4)
     out = tmp_path / "fit"
     stages = ["--stages", "easy:128,qa:256", "--steps-per-stage", "3", "8", "--eval-every", "0", "--warmup", "1"]
@@ -158,9 +167,9 @@ def test_fit_steps_shortens_the_last_stage_once_and_a_resume_keeps_it(tmp_path, 
     train = [r for r in log if r["event"] == "train" and r["stage"] == 1]
     assert [r["step"] for r in train] == [1, 2, 3, 4] and asked == [(2, 8)]  # fitted once
     # the cosine runs over the fitted count, not the asked one
-    assert [r["lr"] for r in train[2:]] == pytest.approx([3e-3 * T.lr_factor(k, 4, 1) for k in (2, 3)])
+    assert [r["lr"] for r in train[2:]] == pytest.approx([3e-3 * lr_factor(k, 4, 1) for k in (2, 3)])
     assert log[-1]["event"] == "done"
-    assert torch.load(out / T.STATE_FILE, weights_only=False)["args"]["fitted"] == {"1": 4}
+    assert torch.load(out / STATE_FILE, weights_only=False)["args"]["fitted"] == {"1": 4}
 
 
 def test_stage_questions_and_init_weights(tmp_path):
@@ -169,14 +178,14 @@ def test_stage_questions_and_init_weights(tmp_path):
     # a new run from those weights, with a stage of its own questions per context
     second = tmp_path / "second"
     assert T.run(_args(second, "--stages", "easy:64/1", "--steps-per-stage", "1",
-                       "--init-weights", str(first / T.STATE_FILE))) == 0
+                       "--init-weights", str(first / STATE_FILE))) == 0
     log = _log(second)
     assert [r["event"] for r in log][:2] == ["init", "start"]
     stage = [r for r in log if r["event"] == "stage"][0]
     assert stage["stage_name"] == "easy:64/1"
     assert [r["n"] for r in log if r["event"] == "eval"] == [4]
-    init = torch.load(first / T.STATE_FILE, weights_only=False)["model"]
-    model = T.build_model(T.make_config("tiny", T.load_or_train_tokenizer(second, 512, 8)), seed=1)
+    init = torch.load(first / STATE_FILE, weights_only=False)["model"]
+    model = build_model(make_config("tiny", load_or_train_tokenizer(second, 512, 8)), seed=1)
     model.load_state_dict(init)  # same architecture: the second run really started from these weights
 
 
@@ -188,11 +197,11 @@ def test_init_weights_from_a_checkpoint_directory(tmp_path):
     assert T.run(_args(first, "--export")) == 0
     second = tmp_path / "second"
     assert T.run(_args(second, "--stages", "easy:64/1", "--steps-per-stage", "1", "--stop-after-steps", "1",
-                       "--init-weights", str(first / T.MODEL_DIR))) == 0
-    assert (second / T.TOKENIZER_FILE).read_bytes() == (first / T.MODEL_DIR / T.TOKENIZER_FILE).read_bytes()
+                       "--init-weights", str(first / MODEL_DIR))) == 0
+    assert (second / TOKENIZER_FILE).read_bytes() == (first / MODEL_DIR / TOKENIZER_FILE).read_bytes()
     assert _log(second)[0]["event"] == "init"
     broken = tmp_path / "broken"
-    shutil.copytree(first / T.MODEL_DIR, broken)
+    shutil.copytree(first / MODEL_DIR, broken)
     from safetensors.torch import load_file, save_file
 
     weights = load_file(broken / "model.safetensors")
@@ -205,12 +214,12 @@ def test_init_weights_from_a_checkpoint_directory(tmp_path):
 def test_mixed_length_stage_trains_and_resumes(tmp_path):
     """A stage of several context lengths draws each into the same batches (equal token shares),
     and a resumed run recognises it."""
-    stage = T.parse_stages("qa:512+128")[0]
-    recs = T.stage_records(stage, seed=5, contexts=10)
-    from redknot.testbed.data import generate_records
+    stage = parse_stages("qa:512+128")[0]
+    recs = stage_records(stage, seed=5, contexts=10)
+    from redknot.testbed.records import generate_records
 
     # 10 contexts, equal token shares of 512 and 128: 2 long (the stage's seed), 8 short (their own)
-    assert recs == generate_records(5, 2, context_tokens=512) + generate_records(5 + T._MIX_SEED_STRIDE, 8,
+    assert recs == generate_records(5, 2, context_tokens=512) + generate_records(5 + _MIX_SEED_STRIDE, 8,
                                                                                  context_tokens=128)
     out = tmp_path / "mix"
     assert T.run(_args(out, "--stages", "qa:512+128", "--stop-after-steps", "1")) == 0
@@ -223,11 +232,11 @@ def test_reasoned_answers_name_the_bridge_and_train(tmp_path, tokenizer):
     """--reasoned-answers: two-hop questions are trained on 'BRIDGE => ANSWER' (the bridge the record's
     meta names), the others on the plain answer; the flag is part of the stage, so a resume without it
     is refused instead of silently changing the targets."""
-    from redknot.testbed.data import target_answer
+    from redknot.testbed.answers import target_answer
 
-    stage = T.Stage("qa", 1024, types=("multi_hop", "description", "single_hop"), reasoned=("multi_hop", "description"))
-    recs = T.stage_records(stage, seed=3, contexts=2, questions_per_context=6)
-    assert T.Stage(**stage.as_dict()) == stage and "reasoned" not in T.Stage("qa", 1024).as_dict()
+    stage = Stage("qa", 1024, types=("multi_hop", "description", "single_hop"), reasoned=("multi_hop", "description"))
+    recs = stage_records(stage, seed=3, contexts=2, questions_per_context=6)
+    assert Stage(**stage.as_dict()) == stage and "reasoned" not in Stage("qa", 1024).as_dict()
     two_hop = [r for r in recs if r["type"] != "single_hop"]
     assert two_hop and all(target_answer(r, stage.reasoned) == f"{r['meta']['bridge']} => {r['answers'][0]}"
                            for r in two_hop)
@@ -237,8 +246,8 @@ def test_reasoned_answers_name_the_bridge_and_train(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="bridge"):
         target_answer({k: v for k, v in two_hop[0].items() if k != "meta"}, stage.reasoned)
     # the packed labels of a two-hop block are the reasoned answer + </s>
-    g = T.tokenize_group(tokenizer, T.group_records(recs)[0], stage.reasoned)
-    first = T.group_records(recs)[0]
+    g = tokenize_group(tokenizer, group_records(recs)[0], stage.reasoned)
+    first = group_records(recs)[0]
     for r, (_, answer) in zip(first, g.blocks):
         assert answer == tokenizer.encode(target_answer(r, stage.reasoned), add_special_tokens=False) + [
             tokenizer.eos_token_id]
@@ -262,12 +271,13 @@ def test_restated_bridge_answers_state_the_first_hop(tmp_path, tokenizer):
     of BRIDGE' (the role document A gives X); a run refuses it without reasoned answers, and a resume
     must keep it."""
     from redknot.bench.quality import bridge_match, exact_match
-    from redknot.testbed.data import restated_fact, target_answer
+    from redknot.qa.answers import restated_fact
+    from redknot.testbed.answers import target_answer
 
-    stage = T.Stage("qa", 1024, types=("multi_hop", "description"), reasoned=("multi_hop", "description"),
+    stage = Stage("qa", 1024, types=("multi_hop", "description"), reasoned=("multi_hop", "description"),
                     restate=True)
-    assert T.Stage(**stage.as_dict()) == stage and "restate" not in T.Stage("qa", 1024).as_dict()
-    recs = T.stage_records(stage, seed=5, contexts=12, questions_per_context=4)
+    assert Stage(**stage.as_dict()) == stage and "restate" not in Stage("qa", 1024).as_dict()
+    recs = stage_records(stage, seed=5, contexts=12, questions_per_context=4)
     facts = {"birth_city": "was born in", "employer": "works for", "school": "studied at", "residence": "lives in",
              "founder": "is the founder of", "mayor": "is the mayor of", "engineer": "is the chief engineer of"}
     seen = set()
@@ -286,8 +296,8 @@ def test_restated_bridge_answers_state_the_first_hop(tmp_path, tokenizer):
         assert target_answer(r, stage.reasoned) == f"{m['bridge']} => {answer}"  # unrestated
     assert {r["type"] for r in recs} == {"multi_hop", "description"} and {"founder", "mayor", "engineer"} <= seen
     assert restated_fact({**recs[0], "type": "single_hop"}) is None
-    g = T.tokenize_group(tokenizer, T.group_records(recs)[0], stage.reasoned, stage.restate)
-    r0 = T.group_records(recs)[0][0]
+    g = tokenize_group(tokenizer, group_records(recs)[0], stage.reasoned, stage.restate)
+    r0 = group_records(recs)[0][0]
     assert g.blocks[0][1][:-1] == tokenizer.encode(target_answer(r0, stage.reasoned, True), add_special_tokens=False)
     out = tmp_path / "restated"
     st = ["--stages", "qa:512@multi_hop+single_hop", "--reasoned-answers", "multi_hop"]
@@ -309,15 +319,15 @@ def test_grow_layers_keeps_the_function_and_trains(tmp_path):
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
-    src = first / T.MODEL_DIR
+    src = first / MODEL_DIR
     weights = load_file(src / "model.safetensors")
     config = LlamaConfig.from_pretrained(src)
-    small = T.build_model(config, seed=0)
+    small = build_model(config, seed=0)
     small.load_state_dict(weights, strict=False)
-    grown_weights = T.grow_depth(weights, config.num_hidden_layers, 5)
+    grown_weights = grow_depth(weights, config.num_hidden_layers, 5)
     config5 = LlamaConfig.from_pretrained(src)
     config5.num_hidden_layers = 5
-    grown = T.build_model(config5, seed=0)
+    grown = build_model(config5, seed=0)
     missing, unexpected = grown.load_state_dict(grown_weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     ids = torch.randint(0, config.vocab_size, (2, 40))
@@ -332,12 +342,12 @@ def test_grow_layers_keeps_the_function_and_trains(tmp_path):
             w = grown_weights[f"model.layers.{new}.{name}"]
             assert (w.abs().sum() == 0) == copy
     with pytest.raises(ValueError, match="already has"):
-        T.grow_depth(weights, config.num_hidden_layers, 1)
+        grow_depth(weights, config.num_hidden_layers, 1)
 
     second = tmp_path / "second"
     assert T.run(_args(second, "--stages", "easy:64/1", "--steps-per-stage", "2", "--init-weights", str(src),
                        "--grow-layers", "5")) == 0
-    assert LlamaConfig.from_pretrained(second / T.MODEL_DIR).num_hidden_layers == 5
+    assert LlamaConfig.from_pretrained(second / MODEL_DIR).num_hidden_layers == 5
     init = _log(second)[0]
     assert (init["event"], init["layers"], init["grown_from"]) == ("init", 5, 2)
     with pytest.raises(SystemExit, match="--init-weights"):
@@ -358,7 +368,7 @@ def test_data_parallel_step_is_the_mean_gradient_of_every_ranks_batch(tmp_path):
     assert T.run(_args(first, "--stop-after-steps", "1")) == 0  # an fp32 checkpoint to start both from
     ddp = tmp_path / "ddp"
     cli = _args_list(ddp) + ["--stages", "qa:256", "--steps-per-stage", "3",
-                             "--stop-after-steps", "1", "--eval-every", "0", "--init-weights", str(first / T.MODEL_DIR)]
+                             "--stop-after-steps", "1", "--eval-every", "0", "--init-weights", str(first / MODEL_DIR)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           "-m", "redknot.testbed.train", *cli], capture_output=True, text=True, env=env,
@@ -367,24 +377,24 @@ def test_data_parallel_step_is_the_mean_gradient_of_every_ranks_batch(tmp_path):
     log = _log(ddp)
     starts = [r for r in log if r["event"] == "start"]
     assert len(starts) == 1 and starts[0]["ranks"] == 2  # rank 1 is silent
-    state = torch.load(ddp / T.STATE_FILE, weights_only=False)
+    state = torch.load(ddp / STATE_FILE, weights_only=False)
     assert (state["stage"], state["step"]) == (0, 1)
 
     # the same step in one process: both shards' batches, mean loss
     config = LlamaConfig.from_dict(state["config"])
-    model = T.build_model(config, 0)
-    model.load_state_dict(load_file(first / T.MODEL_DIR / "model.safetensors"), strict=False)
-    plan = T.StagePlan(**state["plans"]["0"])
-    tok = T.load_or_train_tokenizer(ddp, 0, 0)
-    stage = T.parse_stages("qa:256")[0]
-    batches = [T.build_batch(tok, stage, 0, 0, 0, plan.rows, plan.row_len, 2, plan.tokens_per_word,
+    model = build_model(config, 0)
+    model.load_state_dict(load_file(first / MODEL_DIR / "model.safetensors"), strict=False)
+    plan = StagePlan(**state["plans"]["0"])
+    tok = load_or_train_tokenizer(ddp, 0, 0)
+    stage = parse_stages("qa:256")[0]
+    batches = [build_batch(tok, stage, 0, 0, 0, plan.rows, plan.row_len, 2, plan.tokens_per_word,
                              plan.est_group_tokens, shard=r) for r in (0, 1)]
     assert not torch.equal(torch.as_tensor(batches[0]["input_ids"]), torch.as_tensor(batches[1]["input_ids"]))
     assert state["tokens_seen"] == sum(int(b["stats"][0]) for b in batches)
-    opt = T.make_optimizer(model, 3e-3, 0.1, CPU)
+    opt = make_optimizer(model, 3e-3, 0.1, CPU)
     for g in opt.param_groups:
-        g["lr"] = 3e-3 * T.lr_factor(0, 3, 100)
-    losses = [T.forward_loss(model, T.to_device({k: v for k, v in b.items() if k != "stats"}, CPU), 0.1, "sdpa",
+        g["lr"] = 3e-3 * lr_factor(0, 3, 100)
+    losses = [forward_loss(model, to_device({k: v for k, v in b.items() if k != "stats"}, CPU), 0.1, "sdpa",
                              1.0)[0] for b in batches]
     (sum(losses) / 2).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -398,4 +408,4 @@ def test_bad_settings_fail_before_any_training(tmp_path):
         T.run(_args(tmp_path / "a", "--init-weights", str(tmp_path / "missing")))
     with pytest.raises(ValueError, match="--attn flex trains on CUDA only"):
         T.run(_args(tmp_path / "b", "--attn", "flex"))
-    assert not (tmp_path / "a" / T.STATE_FILE).exists() and not (tmp_path / "b" / T.STATE_FILE).exists()
+    assert not (tmp_path / "a" / STATE_FILE).exists() and not (tmp_path / "b" / STATE_FILE).exists()

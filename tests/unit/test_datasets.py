@@ -9,7 +9,8 @@ import pytest
 
 from redknot.bench.datasets import (DatasetError, load_2wikimultihopqa, load_dataset, load_hotpotqa, load_longbench,
                                     load_musique, relayout, split_passages)
-from redknot.testbed.data import check_record, generate_records, write_jsonl
+from redknot.qa.records import check_record, write_jsonl
+from redknot.testbed.records import generate_records
 from redknot.tiny import make_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

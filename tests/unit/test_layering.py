@@ -34,7 +34,7 @@ def test_core_imports_nothing_above_it():
 
 
 def test_the_check_sees_relative_imports():
-    assert "redknot.qa.answers" in imported_modules(ROOT / "testbed" / "train.py")
+    assert "redknot.qa.answers" in imported_modules(ROOT / "testbed" / "evaluate.py")
     assert "redknot.visibility" in imported_modules(ROOT / "kernels" / "reference.py")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from redknot.bench.datasets import (DatasetError, load_cacheblend, load_dataset, load_hotpotqa, load_ircot,
                                     load_musique, relayout)
-from redknot.testbed.data import check_record
+from redknot.qa.records import check_record
 
 REALQA = Path(os.environ.get("REDKNOT_REALQA", Path(__file__).resolve().parents[3] / "shared" / "data" / "realqa"))
 

@@ -12,10 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import redknot.testbed as testbed
-from redknot.testbed import data
+from redknot.qa.records import RecordError, read_jsonl, write_jsonl
 from redknot.testbed import cli as testbed_cli
-from redknot.testbed.data import (MAX_DOC_WORDS, MIN_DOC_WORDS, TYPES, RecordError, World, easy_records,
-                                  generate_records, read_jsonl, write_jsonl)
+from redknot.testbed import hops, records, templates
+from redknot.testbed.documents import MAX_DOC_WORDS, MIN_DOC_WORDS
+from redknot.testbed.easy import easy_records
+from redknot.testbed.records import TYPES, generate_records
+from redknot.testbed.world import World
 
 
 def has(text: str, phrase: str) -> bool:
@@ -40,7 +43,7 @@ def check_invariants(rec):
         assert has(first, meta["entity"]) and not has(first, answer)
         # the answer document never names the question's entity: both documents are needed
         assert not any(has(answer_doc, w) for w in name_words)
-    if rec["type"] in data.BRIDGED_TYPES:
+    if rec["type"] in records.BRIDGED_TYPES:
         assert has(docs[support[0]], meta["bridge"])
     if rec["type"] == "multi_hop":
         assert has(answer_doc, meta["bridge"])
@@ -86,7 +89,7 @@ def test_record_format_and_round_robin_types():
 def test_invariants_of_every_type(seed):
     for rec in generate_records(seed, 3, context_tokens=2048, meta=True):
         check_invariants(rec)
-    for rec in generate_records(seed, 2, context_tokens=2048, types=data.ALL_TYPES, meta=True):
+    for rec in generate_records(seed, 2, context_tokens=2048, types=records.ALL_TYPES, meta=True):
         check_invariants(rec)
 
 
@@ -99,13 +102,13 @@ def test_role_asks_the_holder_of_the_described_role():
     for r in recs:
         docs, meta, (holder,) = r["documents"], r["meta"], r["answers"]
         (a,) = r["supporting"]
-        assert meta["relation"] in data.DESCRIPTIONS and holder in meta["description"]
+        assert meta["relation"] in templates.DESCRIPTIONS and holder in meta["description"]
         assert has(docs[a], meta["entity"]) and docs[a].startswith(holder)  # the holder's own document
         # the later document describing X by the role is in the context too, never naming X
         later = [k for k, d in enumerate(docs) if meta["description"].lower() in d.lower() and k != a]
         assert later and all(k > a and not has(docs[k], meta["entity"].split()[0]) for k in later)
         assert meta["distractor_answers"] and holder not in meta["distractor_answers"]
-    assert "role" not in data.TYPES and "role" not in {r["type"] for r in generate_records(20000, 16)}
+    assert "role" not in records.TYPES and "role" not in {r["type"] for r in generate_records(20000, 16)}
     with pytest.raises(ValueError, match="role"):
         generate_records(0, 1, types=("rol",))
 
@@ -156,7 +159,7 @@ def test_cross_doc_continuation_names_no_one_and_its_twin_reads_the_same():
         title, body = cont.split("\n", 1)
         assert not NAME.search(title)
         # no person's name in the continuation but the answer itself (a spouse); an academy may be named
-        names = {m for m in NAME.findall(body) if m.split()[-1] not in data.ACADEMY_KINDS}
+        names = {m for m in NAME.findall(body) if m.split()[-1] not in templates.ACADEMY_KINDS}
         assert names <= {r["answers"][0]}
         pron = "She" if has(body, "She") else "He"
         twins = [d for k, d in enumerate(docs) if k not in r["supporting"]
@@ -170,7 +173,7 @@ def test_cross_doc_answer_needs_the_preceding_document():
     for r in generate_records(14, 8, context_tokens=4096, questions_per_context=4, meta=True):
         docs = r["documents"]
         for k, d in enumerate(docs):
-            if d.split("\n")[0] in data.CONTINUATION_TITLES:
+            if d.split("\n")[0] in templates.CONTINUATION_TITLES:
                 assert k > 0 and NAME.fullmatch(docs[k - 1].split("\n")[0]), "a continuation follows a bio"
 
 
@@ -188,9 +191,9 @@ def test_hop_questions_split_a_multi_hop_record_into_one_document_lookups():
     answer from the bridge entity's name (stated in the second): each is a single-hop lookup."""
     recs = generate_records(12, 18, types=("multi_hop",), meta=True)
     assert len({r["meta"]["relation"] for r in recs}) >= 5
-    assert set(data._HOP2) == set(data.MULTI_HOP)  # every multi_hop relation has a second-hop question
+    assert set(hops._HOP2) == set(templates.MULTI_HOP)  # every multi_hop relation has a second-hop question
     for r in recs:
-        (n0, q0, a0), (n1, q1, a1), (n2, q2, a2) = data.hop_questions(r)
+        (n0, q0, a0), (n1, q1, a1), (n2, q2, a2) = hops.hop_questions(r)
         assert (n0, q0, a0) == ("composed", r["question"], r["answers"])
         bridge_doc, answer_doc = (r["documents"][k] for k in r["supporting"])
         assert n1 == "hop1" and a1 == [r["meta"]["bridge"]] and has(q1, r["meta"]["entity"])
@@ -198,9 +201,9 @@ def test_hop_questions_split_a_multi_hop_record_into_one_document_lookups():
         assert n2 == "hop2" and a2 == r["answers"] and has(q2, r["meta"]["bridge"])
         assert not has(q2, r["meta"]["entity"]) and has(answer_doc, r["meta"]["bridge"]) and has(answer_doc, a2[0])
     with pytest.raises(ValueError, match="make-data --meta"):
-        data.hop_questions({k: v for k, v in recs[0].items() if k != "meta"})
+        hops.hop_questions({k: v for k, v in recs[0].items() if k != "meta"})
     with pytest.raises(ValueError, match="multi_hop"):
-        data.hop_questions(generate_records(12, 1, types=("single_hop",), meta=True)[0])
+        hops.hop_questions(generate_records(12, 1, types=("single_hop",), meta=True)[0])
 
 
 def test_distractors_share_entity_types():
@@ -293,11 +296,11 @@ def test_short_contexts_get_short_documents():
     short = generate_records(9, 12, context_tokens=256, questions_per_context=2, types=("role",), meta=True)
     for r in short:
         assert len(r["documents"]) == 4 and words(r["documents"]) < 2 * 256
-        assert all(len(d.split()) < data.MIN_DOC_WORDS for d in r["documents"])
+        assert all(len(d.split()) < MIN_DOC_WORDS for d in r["documents"])
         doc = r["documents"][r["supporting"][0]]  # the holder's own document names X
         assert doc.split("\n")[0] == r["answers"][0] and has(doc, r["meta"]["entity"])
-    long = generate_records(9, 12, context_tokens=1024, questions_per_context=2, types=data.ALL_TYPES)
-    assert min(len(d.split()) for r in long for d in r["documents"]) >= data.MIN_DOC_WORDS
+    long = generate_records(9, 12, context_tokens=1024, questions_per_context=2, types=records.ALL_TYPES)
+    assert min(len(d.split()) for r in long for d in r["documents"]) >= MIN_DOC_WORDS
 
 
 def test_jsonl_round_trip(tmp_path):
