@@ -1,13 +1,12 @@
-"""What a run leaves in ``--out``: the training state to resume from, and the model.
+"""What a run leaves in ``--out``: the exact training state to resume from, and the model.
 
-``train_state.pt`` holds the run's position and settings with fp32 weights, AdamW moments and RNG
-states when that fits in ``--state-mb``, else bf16 weights only (the exact state then also goes
-to ``train_state_full.pt``, which a resume on the same disk prefers); batches are a pure function
-of (seed, stage, step), so ``--resume`` from an exact state continues exactly. ``model/`` is an HF
-safetensors checkpoint + tokenizer (``redknot.LLM(model=OUT/model)``), fp32 when it fits in 40 MB,
-else bf16, written at every stage end and whenever a run stops. A state is written to a temporary
-name and renamed, so a stop mid-write leaves the previous one.
+``train_state.pt`` holds fp32 weights, AdamW moments, RNG states and the run's position and
+settings; batches are a pure function of (seed, stage, step), so ``--resume`` continues exactly.
+``model/`` is an HF safetensors checkpoint + tokenizer (``redknot.LLM(model=OUT/model)``), fp32 when
+it fits in 40 MB, else bf16, written at every stage end and whenever a run stops. The state is
+written to a temporary name and renamed, so a stop mid-write leaves the previous one.
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,7 +23,6 @@ from .architecture import count_parameters
 
 MAX_MODEL_BYTES = 40 << 20    # fp32 if the checkpoint fits in this, else bf16
 STATE_FILE, MODEL_DIR = "train_state.pt", "model"
-FULL_STATE_FILE = "train_state_full.pt"  # the exact state, beside a lossy train_state.pt
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -34,14 +32,9 @@ def _atomic_save(obj, path: Path) -> None:
 
 
 def save_state(out: Path, model, optimizer, stage: int, step: int, plans: dict, run_args: dict,
-               tokens_seen: int, max_bytes: int) -> str:
-    """Write ``train_state.pt``, small enough to carry between machines (``max_bytes``), and say how.
-
-    "exact": fp32 weights + AdamW moments + RNG states when that fits (resume continues exactly).
-    Otherwise "bf16": bf16 weights only (the moments would triple the size); the exact state then
-    also goes to ``train_state_full.pt``, which a resume on the same disk prefers.
-    """
-    n = count_parameters(model)
+               tokens_seen: int) -> None:
+    """Write ``train_state.pt``: fp32 weights, AdamW moments and RNG states with the run's position
+    and settings, everything a resume needs to continue exactly."""
     meta = {"version": 1, "stage": stage, "step": step, "config": model.config.to_dict(),
             # the schedule is lr_factor(step, steps, warmup) of the stage: its position is (stage, step)
             "scheduler": {"stage": stage, "step": step, "kind": "per-stage warmup + cosine"},
@@ -49,28 +42,18 @@ def save_state(out: Path, model, optimizer, stage: int, step: int, plans: dict, 
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    exact = {**meta, "precision": "exact", "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "rng": rng}
-    if 12 * n + (1 << 20) <= max_bytes:
-        _atomic_save(exact, out / STATE_FILE)
-        (out / FULL_STATE_FILE).unlink(missing_ok=True)
-        return "exact"
-    _atomic_save(exact, out / FULL_STATE_FILE)
-    weights = {k: v.detach().to("cpu", torch.bfloat16) if v.is_floating_point() else v.cpu()
-               for k, v in model.state_dict().items()}
-    _atomic_save({**meta, "precision": "bf16", "model": weights}, out / STATE_FILE)
-    return "bf16"
+    _atomic_save({**meta, "precision": "exact", "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                  "rng": rng}, out / STATE_FILE)
 
 
 def load_state(out: Path) -> dict:
-    """``train_state.pt``, or the exact ``train_state_full.pt`` written with it when there is one."""
-    state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
-    full = out / FULL_STATE_FILE
-    if state["precision"] != "exact" and full.is_file():
-        exact = torch.load(full, map_location="cpu", weights_only=False)
-        position = lambda st: (st["stage"], st["step"], st["tokens_seen"])  # noqa: E731
-        if position(exact) == position(state):
-            return exact
+    """``train_state.pt``. A state of weights alone (no optimizer moments) cannot continue its run:
+    it can start a new one (``--init-weights``)."""
+    path = out / STATE_FILE
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if state.get("precision", "exact") != "exact":
+        raise SystemExit(f"{path} holds {state['precision']} weights without optimizer moments, so it cannot "
+                         f"resume: start a new run from it with --init-weights {path}")
     return state
 
 

@@ -93,9 +93,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stage so its schedule ends inside the budget (its count stays the most it runs); a resume "
                         "keeps the fitted count" % FIT_AFTER_STEPS)
     p.add_argument("--stop-after-steps", type=int, default=None, help="stop after N steps in this invocation")
-    p.add_argument("--state-mb", type=float, default=60.0,
-                   help="size limit of OUT/train_state.pt, so it can be carried between machines: exact (fp32 "
-                        "weights + optimizer) when that fits, else bf16 weights (+ an exact train_state_full.pt)")
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,6 @@ from .tokenizer import TOKENIZER_FILE, load_or_train_tokenizer
 
 LOG_FILE = "train_log.jsonl"
 FIT_AFTER_STEPS = 20  # --fit-steps: steps timed (after the invocation's first) before the stage is fitted
-REWARMUP_STEPS = 50  # after a resume without optimizer moments: Adam re-estimates them (β2 = 0.95 ≈ 20 steps)
 
 
 class Log:
@@ -161,7 +160,7 @@ class Trainer:
         self.model = build_model(config, args.seed).to(self.device)
         self.optimizer = make_optimizer(self.model, args.lr, args.weight_decay, self.device)
         self.stage_i, self.step, self.tokens_seen, self.plans = 0, 0, 0, {}
-        self.invocation_steps, self.rewarm_until, self._unsynced_tokens = 0, 0, 0
+        self.invocation_steps, self._unsynced_tokens = 0, 0
         if state is not None:
             self._restore(state)
         elif init_dir is not None:
@@ -240,23 +239,19 @@ class Trainer:
 
     def _restore(self, state: dict) -> None:
         self.model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()})
-        if state["precision"] == "exact":
-            self.optimizer.load_state_dict(state["optimizer"])
-            restore_rng(state["rng"])
-        else:  # fresh AdamW moments: ramp the learning rate up again while Adam re-estimates them
-            self.rewarm_until = self.invocation_steps + REWARMUP_STEPS
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng(state["rng"])
         self.stage_i, self.step, self.tokens_seen = state["stage"], state["step"], state["tokens_seen"]
         self.plans = {k: StagePlan(**v) for k, v in state["plans"].items()}
-        self.log(f"resumed {self.out}: stage {self.stage_i + 1}/{len(self.stages)}, step {self.step} "
-                 f"({state['precision']} state{'' if state['precision'] == 'exact' else ', lr re-warmup'})",
-                 event="resume", stage=self.stage_i, step=self.step, precision=state["precision"])
+        self.log(f"resumed {self.out}: stage {self.stage_i + 1}/{len(self.stages)}, step {self.step}",
+                 event="resume", stage=self.stage_i, step=self.step)
 
     def checkpoint(self, write_model: bool = False) -> None:
         if self.rank != 0:
             return
         t0 = time.time()
         save_state(self.out, self.model, self.optimizer, self.stage_i, self.step, self.plans, self.run_args,
-                   self.tokens_seen, int(self.args.state_mb * 1e6))
+                   self.tokens_seen)
         if write_model:
             save_model(self.out, self.model, self.tokenizer,
                        {"run": self.run_args, "stage": self.stage_i, "step": self.step,
@@ -357,8 +352,7 @@ class Trainer:
     def _train_step(self, batch: dict, plan: StagePlan, sync: bool) -> None:
         t0, args, steps = time.time(), self.args, self.steps[self.stage_i]
         for g in self.optimizer.param_groups:
-            g["lr"] = args.lr * lr_factor(self.step, steps, args.warmup) * min(
-                1.0, (self.invocation_steps + 1) / max(1, self.rewarm_until))
+            g["lr"] = args.lr * lr_factor(self.step, steps, args.warmup)
         stats = batch.pop("stats").tolist()  # real tokens, questions, contexts
         losses = train_step(self.fwd, self.optimizer, to_device(batch, self.device), args.lm_weight, args.attn,
                             self.device, first_weight=args.first_weight)

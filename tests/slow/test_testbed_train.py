@@ -14,7 +14,7 @@ from redknot.reuse.prompt import build_prompt
 from redknot.testbed import train as T
 from redknot.testbed import trainer
 from redknot.testbed.architecture import build_model, grow_depth, make_config
-from redknot.testbed.checkpoint import FULL_STATE_FILE, MODEL_DIR, STATE_FILE, load_state
+from redknot.testbed.checkpoint import MODEL_DIR, STATE_FILE
 from redknot.testbed.packing import StagePlan, build_batch, tokenize_group
 from redknot.testbed.schedule import lr_factor
 from redknot.testbed.stages import _MIX_SEED_STRIDE, Stage, group_records, parse_stages, stage_records
@@ -105,22 +105,6 @@ def test_curriculum_logs_resumes_exactly_and_loads_in_redknot(tmp_path):
                        documents=[docs])
     assert 1 <= len(out[0].outputs[0].token_ids) <= 4 and isinstance(out[0].outputs[0].text, str)
     assert out[0].prompt_token_ids == build_prompt(llm.tokenizer, "Who is the mayor of Pyvik?", docs).token_ids
-
-
-def test_state_over_its_size_limit_is_bf16_weights_plus_an_exact_full_state(tmp_path):
-    out = tmp_path / "run"
-    assert T.run(_args(out, "--state-mb", "1", "--stop-after-steps", "1")) == 0  # tiny's exact state is ~1.6 MB
-    compact = torch.load(out / STATE_FILE, weights_only=False)
-    assert compact["precision"] == "bf16" and "optimizer" not in compact
-    assert all(v.dtype == torch.bfloat16 for v in compact["model"].values() if v.is_floating_point())
-    assert (out / STATE_FILE).stat().st_size < 1e6 and (out / FULL_STATE_FILE).is_file()
-    # on the same disk the exact state is used; carried alone, the bf16 one resumes with a re-warmup
-    assert load_state(out)["precision"] == "exact"
-    (out / FULL_STATE_FILE).unlink()
-    assert T.run(_args(out, "--resume", "--state-mb", "1", "--stop-after-steps", "1")) == 0
-    resume = [r for r in _log(out) if r["event"] == "resume"]
-    assert [(r["precision"], r["step"]) for r in resume] == [("bf16", 1)]
-    assert torch.load(out / STATE_FILE, weights_only=False)["step"] == 2
 
 
 def test_advance_em_ends_a_stage_early_and_export_writes_the_model(tmp_path):
