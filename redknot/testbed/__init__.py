@@ -2,6 +2,15 @@
 
 ``model_path()`` / ``head_config_path()`` locate the checkpoint bundled inside the package
 (``redknot/testbed/model/``); a build without one raises ``FileNotFoundError``.
+
+The corpus: ``templates`` (words and sentences), ``world`` (entities and their names),
+``documents`` (a document's plan and text), ``clusters`` (the documents and question of one
+question type), ``records`` (contexts of clusters as QA records, ``generate_records``), ``easy``
+(the easy curriculum's one-sentence facts) and ``answers`` (the answer a model is trained to write).
+The model's training: ``train`` (the command line), ``trainer`` (the loop, logging, data
+parallelism), ``stages``, ``tokenizer``, ``architecture``, ``packing``, ``masks``, ``step``,
+``schedule``, ``evaluate`` and ``checkpoint``. ``cli`` wires ``redknot testbed ...``; ``hops``
+is the multi_hop diagnostic.
 """
 
 from __future__ import annotations

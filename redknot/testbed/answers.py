@@ -14,7 +14,7 @@ def target_answer(record: dict, reasoned=(), restate: bool = False) -> str:
     (``restated_fact``), ``"Sagern Ikethov was born in Gubury => Orgai River"``, ``"Orla Venn is the
     founder of Kestrel Works => Brar"``: the bridge is then looked up right after the entity's name,
     as a single-hop answer is, and written last, right before the second lookup it keys. Scoring reads
-    the part after ``=>`` (bench.quality.final_answer)."""
+    the part after ``=>`` (``redknot.qa.answers.final_answer``)."""
     answer = record["answers"][0]
     if record.get("type") not in reasoned:
         return answer

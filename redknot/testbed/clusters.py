@@ -14,9 +14,9 @@
   the role finds B's description), so it tests reference by description, not reuse.
 - ``mention`` (not among the default types): the first form of ``description``, where document A is
   the role holder's profile and names X once ("Kestrel Works was founded by Orla Venn"), so the first
-  hop runs backwards from X's single mention. No testbed model trained here learns that hop above
-  the coin flip between X and its twin (runs V–Z, ``git show 21f14ac:docs/results/testbed.md``), so
-  the type measures the model, not the reuse methods. ``mention`` draws exactly what ``description`` drew in that form:
+  hop runs backwards from X's single mention. Testbed models stay at the coin flip between X and
+  its twin on that hop (runs V–Z, ``git show 21f14ac:docs/results/testbed.md``), so the type
+  measures the model, not the reuse methods. ``mention`` draws exactly what ``description`` drew in that form:
   ``--types single_hop multi_hop cross_doc mention`` reproduces held-out files written with it (type
   ``mention`` where they say ``description``).
 - ``role`` (for training stages only, not among the default types): a ``mention`` cluster asked
@@ -104,7 +104,7 @@ def cross_doc_cluster(world: World, variant: str, gender: str | None = None) -> 
 def _described_cluster(world: World, variant: str, kind: str) -> Cluster:
     """A gives X a role; a later B describes X only by that role and states the answer. ``kind``
     says what A is: X's bio stating the role (``description``) or the holder's profile naming X
-    (``mention``, the first form: draws exactly what it always drew, so its records never change)."""
+    (``mention``, the first form, which draws from the generator exactly what that form drew)."""
     role, later = variant.split("->")
     rng = world.rng
     holder, x = role_holder(world, role)

@@ -95,8 +95,8 @@ def _words(text: str) -> int:
 
 def _min_doc_words(words_budget: float) -> float:
     """Documents are 150-400 words where a context holds four of them (every context of 1K tokens
-    and more, so those records never change); shorter contexts get shorter documents, the core
-    sentences and less filler, so a curriculum can start with four short documents."""
+    and more); shorter contexts get shorter documents, the core sentences and less filler, so a
+    curriculum can start with four short documents."""
     return MIN_DOC_WORDS if words_budget >= 4 * MIN_DOC_WORDS else max(SHORT_DOC_WORDS, words_budget / 4)
 
 

@@ -34,8 +34,8 @@ def block_mask(seg: torch.Tensor, qa: torch.Tensor, block: int = 128):
     pair is never skipped; "full" is only claimed when every pair is visible); it may leave a
     full block marked partial, which costs time, not correctness.
 
-    Not ``create_block_mask``: compiled (``_compile=True``) it never left ``ptxas`` on an H200
-    (torch 2.11, triton 3.6); eager it evaluates every (query, key) pair, ~12 ms for 3 rows of
+    Not ``create_block_mask``: compiled (``_compile=True``) it does not get through ``ptxas`` on an
+    H200 (torch 2.11, triton 3.6); eager it evaluates every (query, key) pair, ~12 ms for 3 rows of
     8,832 tokens."""
     from torch.nn.attention.flex_attention import BlockMask
 

@@ -50,8 +50,8 @@ class Stage:
         return (self.context_tokens,) + self.mix
 
     def as_dict(self) -> dict:
-        """For the saved state: ``mix``, ``types``, ``reasoned`` and ``restate`` only when the stage has them
-        (earlier states have none)."""
+        """For the saved state: ``mix``, ``types``, ``reasoned`` and ``restate`` only when the stage has them,
+        so a stage without them is saved, and read back, as ``kind``, ``context_tokens`` and ``questions``."""
         d = asdict(self)
         for k in ("mix", "types", "reasoned", "restate"):
             if not d[k]:

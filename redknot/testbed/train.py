@@ -75,14 +75,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--advance-em", type=float, default=None,
                    help="end a stage early once its held-out EM reaches this (the step counts are then maxima)")
     p.add_argument("--export", action="store_true",
-                   help="only write OUT/model from OUT/train_state.pt (e.g. a state carried back from the GPU)")
+                   help="only write OUT/model from OUT/train_state.pt, without training")
     p.add_argument("--save-every", type=int, default=250, help="write OUT/train_state.pt every N steps")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--attn", choices=("auto", "sdpa", "flex"), default="auto",
                    help="flex: FlexAttention with a block mask (skips the blocks no query sees; 1.5x the tokens/s "
-                        "of sdpa on an H200; training needs CUDA); sdpa: masked SDPA (computes every pair of a row; "
-                        "what trained the bundled model); auto: flex on CUDA, else sdpa")
+                        "of sdpa on an H200; training needs CUDA); sdpa: masked SDPA (computes every pair of a row); "
+                        "auto: flex on CUDA, else sdpa")
     p.add_argument("--compile", action="store_true", help="torch.compile the training forward")
     p.add_argument("--workers", type=int, default=None,
                    help="data-building processes (default: all cores but two on GPU, 0 = in-process on CPU)")
