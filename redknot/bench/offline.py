@@ -67,21 +67,25 @@ def run(args) -> dict:
                               do_sample=False, pad_token_id=tok.pad_token_id)
         return out[:, enc.input_ids.shape[1]:].tolist()
 
-    def timed(fn):
-        fn()  # warm
-        ts, result = [], None
-        for _ in range(args.repeats):
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            result = fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts), result
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
 
-    t_ours, ids_ours = timed(ours)
-    t_hf, ids_hf = timed(theirs)
+    # The two alternate run by run (after one warm-up each), so a machine whose speed drifts
+    # affects both alike; each side's median is reported.
+    ts = {ours: [], theirs: []}
+    results = {}
+    for fn in (ours, theirs):
+        fn()
+    for _ in range(args.repeats):
+        for fn in (ours, theirs):
+            sync()
+            t0 = time.perf_counter()
+            results[fn] = fn()
+            sync()
+            ts[fn].append(time.perf_counter() - t0)
+    t_ours, ids_ours = statistics.median(ts[ours]), results[ours]
+    t_hf, ids_hf = statistics.median(ts[theirs]), results[theirs]
     n = args.prompts * args.max_tokens
     # HF's min_new_tokens forbids EOS while ignore_eos only ignores it: compare up to our first EOS
     eos = set(llm.config.eos_token_ids)

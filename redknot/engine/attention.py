@@ -84,10 +84,12 @@ class PagedAttention:
                 ctx.block_tables, ctx.seq_lens_t, ctx.window, ctx.sink, self.pool.page_size, max(ctx.seq_lens),
                 sel_pos=ctx.sel_pos, sel_lens=ctx.sel_lens)
         pool = self.pool
-        phys, slot = lay["store_page"][layer], lay["store_slot"]  # [B, Hkv], [B]
-        ok = phys >= 0
-        rows, heads = ok.nonzero(as_tuple=True)
-        pool.k_pages[phys[rows, heads], slot[rows]] = k[rows, heads].to(pool.k_pages.dtype)
-        pool.v_pages[phys[rows, heads], slot[rows]] = v[rows, heads].to(pool.v_pages.dtype)
+        src, dst = lay["store_src"][layer], lay["store_rows"][layer]  # present heads' (row * Hkv + head), pool rows
+        d = k.shape[-1]
+        k, v = k.reshape(-1, d), v.reshape(-1, d)
+        if src is not None:
+            k, v = k[src], v[src]
+        pool.k_pages.view(-1, d).index_copy_(0, dst, k.to(pool.k_pages.dtype))
+        pool.v_pages.view(-1, d).index_copy_(0, dst, v.to(pool.v_pages.dtype))
         return reference.paged_decode_attention_masked(q, pool.k_pages, pool.v_pages, lay["pages"][layer],
-                                                       lay["mask"][layer], self.scale)
+                                                       lay["bias"][layer], self.scale)

@@ -131,7 +131,7 @@ class Engine:
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings,
                                  config.max_position_embeddings)
-        model.fuse_projections()
+        model.fuse_projections(pack=device.type == "cpu")  # CPU: prepacked GEMM weights (models/linear.py)
         L, hkv = config.num_hidden_layers, config.num_key_value_heads
         plans = {"dense": HeadConfig.all_global(L, hkv)}
         if head_config is not None:

@@ -168,19 +168,33 @@ def decode_layout(block_tables, seq_lens, window, sink, page_size: int, max_len:
         chosen.scatter_(3, torch.where(ok, idx, width), True)
         mask = mask | (chosen[..., :width] & (j <= pos[None, :, None, None]))
     mask = mask & present
-    return {"store_page": store_page, "store_slot": pos % page_size, "pages": tables.clamp_min(0), "mask": mask}
+    # the new token's K/V rows in the pool's [pages * page_size, D] view, per layer, present heads only
+    rows = store_page * page_size + (pos % page_size)[None, :, None]  # [L, B, Hkv]
+    present_now = store_page >= 0
+    if bool(present_now.all()):  # the usual case: every head keeps the new token's page
+        store, store_rows = [None] * len(rows), list(rows.flatten(1))
+    else:
+        store = [ok.flatten().nonzero()[:, 0] for ok in present_now]
+        store_rows = [r.flatten()[keep] for r, keep in zip(rows, store)]
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return {"store_page": store_page, "store_slot": pos % page_size, "pages": tables.clamp_min(0), "mask": mask,
+            "bias": bias.unsqueeze(3), "store_src": store, "store_rows": store_rows}
 
 
-def paged_decode_attention_masked(q, k_pages, v_pages, pages, mask, sm_scale) -> torch.Tensor:
-    """q [B, Hq, D] over the gathered pages [B, Hkv, P] of one layer under mask [B, Hkv, P * ps]."""
+def paged_decode_attention_masked(q, k_pages, v_pages, pages, bias, sm_scale) -> torch.Tensor:
+    """q [B, Hq, D] over the gathered pages [B, Hkv, P] of one layer, with the additive mask
+    bias [B, Hkv, 1, P * ps] (0 visible, -inf hidden)."""
     B, hq, d = q.shape
-    hkv = pages.shape[1]
-    kk = k_pages[pages].flatten(2, 3)  # [B, Hkv, P * ps, D]
-    vv = v_pages[pages].flatten(2, 3)
+    hkv, n = pages.shape[1], pages.numel()
+    ps = k_pages.shape[1]
+    # index_select on the flat [pages, ps * D] view: one memcpy per page (advanced indexing is ~6x slower)
+    idx = pages.reshape(n)
+    kk = torch.index_select(k_pages.view(k_pages.shape[0], ps * d), 0, idx).view(B, hkv, -1, d)
+    vv = torch.index_select(v_pages.view(v_pages.shape[0], ps * d), 0, idx).view(B, hkv, -1, d)
     # plain matmuls: for one query row they beat SDPA's masked CPU paths, which vary 100x by mask
-    scores = torch.einsum("bhgd,bhld->bhgl", q.view(B, hkv, hq // hkv, d).to(kk.dtype), kk) * sm_scale
-    probs = scores.float().masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
-    o = torch.einsum("bhgl,bhld->bhgd", probs.to(vv.dtype), vv)
+    scores = torch.matmul(q.view(B, hkv, hq // hkv, d).to(kk.dtype), kk.transpose(2, 3))
+    probs = torch.softmax(scores.float().mul_(sm_scale).add_(bias), dim=-1)
+    o = torch.matmul(probs.to(vv.dtype), vv)
     return o.reshape(B, hq, d).to(q.dtype)
 
 
@@ -193,4 +207,4 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, window, 
     q [B, Hq, D]; block_tables [B, Hkv, >= ceil(max_len / page_size)]; seq_lens [B] (the query
     sits at seq_len - 1); window/sink [Hkv] tensors; max_len >= every seq_len (host int)."""
     lay = decode_layout(block_tables[None], seq_lens, window[None], sink[None], k_pages.shape[1], max_len)
-    return paged_decode_attention_masked(q, k_pages, v_pages, lay["pages"][0], lay["mask"][0], sm_scale)
+    return paged_decode_attention_masked(q, k_pages, v_pages, lay["pages"][0], lay["bias"][0], sm_scale)

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import linear as projection
 from .config import ModelConfig
-from .rope import RotaryEmbedding
+from .rope import RotaryEmbedding, apply_rotation
 
 
 
@@ -45,6 +46,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # the same math in one op
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
@@ -67,19 +70,31 @@ class Attention(nn.Module):
         self.rope = rope
         self.backend = None  # set by the runner
         self.qkv_weight = self.qkv_bias = None  # one [Hq+2Hkv)*D, hidden] GEMM once fused
+        self.qkv_packed = self.o_packed = None  # CPU: the GEMM library's layout (models/linear.py)
 
-    def fuse(self) -> None:
+    def fuse(self, pack: bool = False) -> None:
         """One QKV GEMM instead of three: q/k/v_proj's weights become views of one fused tensor,
-        so the separate modules (state dict, tests that edit a weight) stay valid."""
+        so the separate modules (state dict, tests that edit a weight) stay valid. ``pack``
+        also prepacks the QKV and output weights for the CPU GEMM (a second copy)."""
         self.qkv_weight = _fuse_rows(self.q_proj, self.k_proj, self.v_proj)
         self.qkv_bias = _fuse_rows(self.q_proj, self.k_proj, self.v_proj, name="bias")
+        if pack:
+            self.qkv_packed, self.o_packed = projection.pack(self.qkv_weight), projection.pack(self.o_proj.weight)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """q [T, Hq, D], k and v [T, Hkv, D] of normed hidden states x, RoPE applied at positions."""
         t = x.shape[0]
         if self.qkv_weight is not None:
             nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split((nq, nkv, nkv), dim=-1)
+            qkv = projection.linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
+            if not x.is_cuda and not self.qk_norm and self.rope.rot_dim == self.head_dim:
+                # q and k are adjacent in the fused output: one rotation for both
+                cos, sin = self.rope.cos_sin(positions)
+                qk = apply_rotation(qkv[:, :nq + nkv].view(t, self.n_heads + self.n_kv, self.head_dim),
+                                    cos, sin, self.head_dim)
+                v = qkv[:, nq + nkv:].view(t, self.n_kv, self.head_dim)
+                return qk[:, :self.n_heads], qk[:, self.n_heads:], v
+            q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
             q = q.reshape(t, self.n_heads, self.head_dim)
             k = k.reshape(t, self.n_kv, self.head_dim)
             v = v.reshape(t, self.n_kv, self.head_dim)
@@ -101,8 +116,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x, positions)
-        o = self.backend.attention(self.layer_idx, q, k, v)
-        return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))
+        o = self.backend.attention(self.layer_idx, q, k, v).reshape(x.shape[0], self.n_heads * self.head_dim)
+        return projection.linear(o, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 
 class MLP(nn.Module):
@@ -113,19 +128,26 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
         self.gate_up_weight = self.gate_up_bias = None  # one [2I, hidden] GEMM once fused
+        self.gate_up_packed = self.down_packed = None  # CPU: the GEMM library's layout
 
-    def fuse(self) -> None:
+    def fuse(self, pack: bool = False) -> None:
         self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
         self.gate_up_bias = _fuse_rows(self.gate_proj, self.up_proj, name="bias")
+        if pack:
+            self.gate_up_packed = projection.pack(self.gate_up_weight)
+            self.down_packed = projection.pack(self.down_proj.weight)
+
+    def _down(self, h: torch.Tensor) -> torch.Tensor:
+        return projection.linear(h, self.down_proj.weight, self.down_proj.bias, self.down_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
+            gate_up = projection.linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
             fused = _fused_norms() if x.is_cuda else None
             if fused is not None:
-                return self.down_proj(fused[1](gate_up))
+                return self._down(fused[1](gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self._down(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -222,12 +244,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.head_packed = None
 
-    def fuse_projections(self) -> "LlamaForCausalLM":
-        """Fuse QKV and gate/up into single GEMMs (inference; call after loading and casting)."""
+    def fuse_projections(self, pack: bool = False) -> "LlamaForCausalLM":
+        """Fuse QKV and gate/up into single GEMMs (inference; call after loading and casting).
+        ``pack``: also prepack every projection for the CPU GEMM library (``models/linear.py``;
+        a weight edited in place afterwards is repacked on its next use)."""
         for layer in self.model.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.fuse(pack)
+            layer.mlp.fuse(pack)
+        if pack:
+            self.head_packed = projection.pack(self.lm_head.weight)
         return self
 
     def set_backend(self, backend) -> None:
@@ -238,4 +265,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return projection.linear(hidden, self.lm_head.weight, None, self.head_packed).float()

@@ -200,21 +200,30 @@ def test_incremental_detokenizer_equals_a_full_decode(tiny_checkpoint):
 
 # ---------------------------------------------------------------- weights and graphs
 
-def test_fused_projections_equal_the_separate_ones(tiny_checkpoint):
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("pack", [False, True])
+def test_fused_projections_equal_the_separate_ones(tiny_checkpoint, family, pack):
+    """Fused QKV / gate-up (and, on the CPU, prepacked weights and one rotation of q and k
+    together) give the separate projections' q, k, v, MLP output and logits."""
     from redknot.models import load_model
 
-    path = tiny_checkpoint("qwen3", num_key_value_heads=4)
+    path = tiny_checkpoint(family, num_key_value_heads=4)
     model, _ = load_model(path, device="cpu")
-    ids, pos = torch.arange(1, 30), torch.arange(29)
+    pos = torch.arange(29)
     layer = model.model.layers[0]
     x = torch.randn(29, model.config.hidden_size)
-    before = layer.self_attn.qkv(x, pos), layer.mlp(x)
-    model.fuse_projections()
-    after = layer.self_attn.qkv(x, pos), layer.mlp(x)
-    for a, b in zip(before[0] + (before[1],), after[0] + (after[1],)):
+    o = torch.randn(29, model.config.num_attention_heads * model.config.head_dim)
+    with torch.inference_mode():
+        before = (*layer.self_attn.qkv(x, pos), layer.mlp(x), layer.self_attn.o_proj(o), model.logits(x))
+        model.fuse_projections(pack=pack)
+        from redknot.models import linear as projection
+        after = (*layer.self_attn.qkv(x, pos), layer.mlp(x),
+                 projection.linear(o, layer.self_attn.o_proj.weight, None, layer.self_attn.o_packed), model.logits(x))
+    for a, b in zip(before, after):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv_weight.data_ptr()  # no second copy
-    assert ids.numel() == 29
+    assert layer.self_attn.q_proj.weight.data_ptr() == layer.self_attn.qkv_weight.data_ptr()  # no second fused copy
+    if pack and projection.pack(torch.ones(2, 2)) is not None:
+        assert layer.self_attn.qkv_packed is not None and model.head_packed is not None
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
