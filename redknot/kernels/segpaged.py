@@ -172,17 +172,29 @@ def _attend_sel(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks,
                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SEL_N: tl.constexpr,
                 DOT_PREC: tl.constexpr):
     """Retrieval: attend to selected positions (blocks [i_lo, i_hi) of SEL_N entries) that the
-    sink/window rule does not already cover, gathering each through the block table."""
+    sink/window rule does not already cover.
+
+    A block that is one aligned run of SEL_N positions (what page-granular budgets select) is
+    read as a key tile, rows found as for any tile; other blocks gather each position through
+    the block table."""
     offs_n = tl.arange(0, SEL_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for i in range(i_lo, i_hi):
-        idx = i * SEL_N + offs_n
-        js = tl.load(sel_row + idx, mask=idx < n_sel, other=-1)
-        inside = (idx < n_sel) & (js >= 0) & (js < seq_len)
-        lp = tl.where(inside, js, 0) // PAGE
-        phys = tl.load(bt_row + lp, mask=inside & (lp < max_pages), other=-1)
-        ok = inside & (phys >= 0)
-        rows = phys.to(tl.int64) * stride_kp + (tl.where(inside, js, 0) % PAGE) * stride_ks
+        base = i * SEL_N
+        j_first = tl.load(sel_row + base)
+        j_last = tl.load(sel_row + base + SEL_N - 1, mask=base + SEL_N <= n_sel, other=-1)
+        if (j_first >= 0) & (j_first % SEL_N == 0) & (j_last - j_first == SEL_N - 1):
+            js = j_first + offs_n
+            rows, ok = _kv_rows(bt_row, j_first, max_pages, stride_kp, stride_ks, PAGE, SEL_N)
+            ok = ok & (js < seq_len)
+        else:
+            idx = base + offs_n
+            js = tl.load(sel_row + idx, mask=idx < n_sel, other=-1)
+            inside = (idx < n_sel) & (js >= 0) & (js < seq_len)
+            lp = tl.where(inside, js, 0) // PAGE
+            phys = tl.load(bt_row + lp, mask=inside & (lp < max_pages), other=-1)
+            ok = inside & (phys >= 0)
+            rows = phys.to(tl.int64) * stride_kp + (tl.where(inside, js, 0) % PAGE) * stride_ks
         k = tl.load(K + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
         v = tl.load(V + rows[:, None] + offs_d[None, :], mask=ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)

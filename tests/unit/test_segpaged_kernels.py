@@ -237,6 +237,24 @@ def test_retrieval_matches_ref(max_q_len, config):
     close(lse, lse_r, 1e-4)
 
 
+@pytest.mark.parametrize("max_q_len", [20, 1])
+@pytest.mark.parametrize("page", [16, 8])
+def test_selected_page_runs_match_ref(max_q_len, page, config):
+    """Selected sets made of aligned runs of whole tiles (page-granular budgets) take the tile
+    path; a ragged tail and a run overlapping the window still match the reference."""
+    config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
+    runs = [list(range(16, 32)) + list(range(64, 80)) + [90, 91, 95],  # two runs + a ragged tail
+            list(range(0, 16)) + list(range(112, 128)) + list(range(176, 192))]  # runs in the sink / window
+    sel = [[runs[0], runs[1]], [list(range(32, 48)), [3, 17, 18]]]
+    c = make_case([(max_q_len, 200), (1, 120)], 4, 2, 16, page, [24, 40], [4, 0], sel=sel, seed=9)
+    o, lse = run(segpaged.segpaged_attention, c)
+    o_r, lse_r = run(segpaged_attention_ref, c)
+    close(o, o_r, 1e-4)
+    close(lse, lse_r, 1e-4)
+    o_d, lse_d = dense(c)
+    close(o, o_d, 1e-4)
+
+
 @pytest.mark.parametrize("max_q_len", [40, 1])
 def test_bf16(max_q_len, config):
     config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
