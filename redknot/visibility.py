@@ -51,10 +51,14 @@ def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink:
 def visible_pairs(q_pos: torch.Tensor, window: torch.Tensor, sink: torch.Tensor, group: int) -> int:
     """Sum over queries and query heads (``group`` per KV head) of the keys each sees: the rule
     counted in closed form, min(p + 1, W) recent keys plus the sink keys before the window."""
+    return int(visible_pairs_per_kv_head(q_pos, window, sink)) * group
+
+
+def visible_pairs_per_kv_head(q_pos: torch.Tensor, window: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """``visible_pairs`` over KV heads, as a 0-d tensor on ``q_pos``'s device (no host sync)."""
     n = q_pos.long()[:, None] + 1  # keys at or before p
     w, s = window.long().to(q_pos.device)[None], sink.long().to(q_pos.device)[None]
-    per_head = torch.minimum(n, w) + torch.minimum(s, n - w).clamp_min(0)
-    return int(per_head.sum()) * group
+    return (torch.minimum(n, w) + torch.minimum(s, n - w).clamp_min(0)).sum()
 
 
 def visible_keys(window, sink, context: int):

@@ -20,12 +20,13 @@ import torch
 
 from ..context import Context
 from ..models.config import ModelConfig
-from ..reuse.flops import FlopReport, visible_pairs
+from ..reuse.flops import FlopReport
 from ..reuse.recovery import Policy, cross_chunk_mass, observation_mass
+from ..visibility import visible_pairs_per_kv_head
 
 
 class _Request:
-    __slots__ = ("policy", "cur", "n", "cached", "info", "flops", "split_at")
+    __slots__ = ("policy", "cur", "n", "cached", "info", "flops", "split_at", "layers")
 
     def __init__(self, policy: Policy, n: int, cached: torch.Tensor, device):
         self.policy, self.n, self.cached = policy, n, cached
@@ -33,6 +34,7 @@ class _Request:
         self.info: dict = {}
         self.flops = FlopReport()
         self.split_at = 0
+        self.layers = []  # per layer: (rows, visible pairs per KV head as a device tensor, FFN rows)
 
 
 class RecoveryRows:
@@ -62,6 +64,7 @@ class RecoveryRows:
         self.window = torch.stack([w for w, _ in vis]).to(device=device, dtype=torch.int32)  # [L, Hkv]
         self.sink = torch.stack([s for _, s in vis]).to(device=device, dtype=torch.int32)
         self.ctx: Context | None = None
+        self.dropped_ok: list[torch.Tensor] = []  # per dropping layer: were the dropped rows cached (checked at the end)
 
     # ---------------------------------------------------------------- the batch's rows
 
@@ -154,13 +157,14 @@ class RecoveryRows:
             t = r.cur.numel()
             rows = r.policy.ffn_rows(layer, r.cur, r.info)
             split = r.policy.query_split(layer)
+            # FLOPs: pairs stay on the device until the forward ends (flops()), one sync in all
             if split is None:
-                pairs = visible_pairs(r.cur, self.window[layer], self.sink[layer], self.group)
+                pairs = visible_pairs_per_kv_head(r.cur, self.window[layer], self.sink[layer])
             else:
                 at = r.split_at
-                pairs = (visible_pairs(r.cur[:at], self.window[layer], self.sink[layer], self.group)
-                         + visible_pairs(r.cur[at:], split[1], split[2], self.group))
-            r.flops.add_layer(self.cfg, t, pairs, t if rows is None else rows.numel())
+                pairs = (visible_pairs_per_kv_head(r.cur[:at], self.window[layer], self.sink[layer])
+                         + visible_pairs_per_kv_head(r.cur[at:], split[1], split[2]))
+            r.layers.append((t, pairs, t if rows is None else rows.numel()))
             every &= rows is None
             picked.append(torch.arange(o, o + t, device=self.device) if rows is None else rows.to(self.device) + o)
         return None if every else torch.cat(picked)
@@ -177,8 +181,7 @@ class RecoveryRows:
             every = False
             dropped = torch.ones(t, dtype=torch.bool, device=self.device)
             dropped[keep] = False
-            if not bool(r.cached[r.cur[dropped]].all()):
-                raise ValueError(f"layer {layer}: the policy dropped positions that have no cached K/V")
+            self.dropped_ok.append(r.cached[r.cur[dropped]].all())
             r.cur = r.cur[keep]
             kept.append(keep.to(self.device) + o)
         if every:
@@ -188,16 +191,27 @@ class RecoveryRows:
 
     def last_rows(self) -> torch.Tensor:
         """Packed index of each request's last row after the last layer (its last position)."""
+        if self.dropped_ok and not bool(torch.stack(self.dropped_ok).all()):
+            raise ValueError("the recovery policy dropped positions that have no cached K/V")
         ends, o = [], 0
-        for r in self.requests:
+        last = torch.stack([r.cur[-1] if r.cur.numel() else r.cur.new_full((), -1) for r in self.requests])
+        for r, p in zip(self.requests, last.tolist()):
             o += r.cur.numel()
-            if r.cur.numel() == 0 or int(r.cur[-1]) != r.n - 1:
+            if r.cur.numel() == 0 or p != r.n - 1:
                 raise ValueError("recovery policy must compute the last position through every layer")
             ends.append(o - 1)
         return torch.tensor(ends, device=self.device)
 
     def flops(self) -> list[FlopReport]:
+        """Each request's FLOPs (one device-to-host copy of every layer's pair count)."""
+        counts = [p for r in self.requests for _, p, _ in r.layers]
+        counts = torch.stack(counts).tolist() if counts else []
+        i = 0
         for r in self.requests:
+            for t, _, n_ffn in r.layers:
+                r.flops.add_layer(self.cfg, t, counts[i] * self.group, n_ffn)
+                i += 1
+            r.layers = []
             r.flops.add_lm_head(self.cfg)
         return [r.flops for r in self.requests]
 

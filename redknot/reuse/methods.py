@@ -111,6 +111,7 @@ class RedKnot(FixedSet):
         self.chunk_id = chunk_id if chunk_id is not None else torch.where(is_chunk, 0, -1)  # per position
         self._rows = None
         self._n_keep = None  # keep_fraction: the chunk-token count fixed at the first sparse layer
+        self._counted = (None, None, 0)  # (cur, candidates, their count): rows change only when some are dropped
 
     def visibility(self, layer):
         if layer < self.sparse.dense_until:  # local recovery: every head within sink + window
@@ -131,14 +132,17 @@ class RedKnot(FixedSet):
             return None
         if self.sparse.keep_fraction == 1:
             return None  # every candidate is kept: nothing to rank
-        if self._n_keep is not None and int(self._candidates(cur).sum()) <= self._n_keep:
+        if self._n_keep is not None and self._candidates(cur)[1] <= self._n_keep:
             return None  # nothing left to rank (redknot_kv after its one selection)
         return self.chunk_id
 
     def _candidates(self, cur):
-        cand = self.is_chunk[cur].clone()
-        cand[max(0, cur.numel() - self.sparse.recent_n):] = False
-        return cand
+        """(candidate mask over cur, its count): chunk rows outside the last recent_n."""
+        if self._counted[0] is not cur:
+            cand = self.is_chunk[cur].clone()
+            cand[max(0, cur.numel() - self.sparse.recent_n):] = False
+            self._counted = (cur, cand, int(cand.sum()))
+        return self._counted[1], self._counted[2]
 
     def ffn_rows(self, layer, cur, info):
         thr = self.sparse.threshold(layer)
@@ -152,10 +156,10 @@ class RedKnot(FixedSet):
         if self.sparse.keep_fraction is None:
             self._rows = select_tokens(score, self.is_chunk[cur], thr, self.sparse.recent_n, self.sparse.min_keep)
             return self._rows
-        cand = self._candidates(cur)
+        cand, n_cand = self._candidates(cur)
         if self._n_keep is None:
-            self._n_keep = max(self.sparse.min_keep, math.ceil(self.sparse.keep_fraction * int(cand.sum())))
-        if score is None or int(cand.sum()) <= self._n_keep:  # every candidate fits
+            self._n_keep = max(self.sparse.min_keep, math.ceil(self.sparse.keep_fraction * n_cand))
+        if score is None or n_cand <= self._n_keep:  # every candidate fits
             self._rows = None
             return None
         keep = ~cand
