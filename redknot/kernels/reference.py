@@ -148,7 +148,8 @@ def dense_masked_attention(q, k, v, window, sink, sm_scale=None, sel=None, retur
 def decode_layout(block_tables, seq_lens, window, sink, page_size: int, max_len: int,
                   sel_pos=None, sel_lens=None) -> dict:
     """What a decode step (one query per sequence, at seq_len - 1) needs in every layer, at once:
-    the page and slot each new token is stored in, the pages to gather and the visibility mask.
+    the pool rows each new token is stored in (``store_rows``, for the entries ``store_src`` of
+    the flattened [B, Hkv] K/V; None: all), the pages to gather and the additive mask ``bias``.
 
     block_tables int32 [L, B, Hkv, >= ceil(max_len / page_size)]; window/sink [L, Hkv];
     sel_pos int32 [L, B, Hkv, max_sel] (-1 padded) with sel_lens [L, B, Hkv]: selected sets."""
@@ -177,8 +178,7 @@ def decode_layout(block_tables, seq_lens, window, sink, page_size: int, max_len:
         store = [ok.flatten().nonzero()[:, 0] for ok in present_now]
         store_rows = [r.flatten()[keep] for r, keep in zip(rows, store)]
     bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return {"store_page": store_page, "store_slot": pos % page_size, "pages": tables.clamp_min(0), "mask": mask,
-            "bias": bias.unsqueeze(3), "store_src": store, "store_rows": store_rows}
+    return {"pages": tables.clamp_min(0), "bias": bias.unsqueeze(3), "store_src": store, "store_rows": store_rows}
 
 
 def paged_decode_attention_masked(q, k_pages, v_pages, pages, bias, sm_scale) -> torch.Tensor:

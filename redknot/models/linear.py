@@ -4,9 +4,9 @@ On the CPU, decode GEMMs are small (a few rows against every weight of the model
 how fast the weights stream from memory. oneDNN reads a weight that is reordered once into its
 blocked layout 25–40% faster than MKL reads the plain row-major tensor (measured on the bundled
 model's shapes, fp32, 2 cores), so ``pack`` reorders each projection at load and ``linear`` runs
-the packed GEMM. The packed tensor is a second copy of the weight, refreshed if the weight changes in place;
-``pack`` returns ``None``
-(plain ``F.linear``) off the CPU, for dtypes other than float32 and where oneDNN is missing.
+the packed GEMM. The packed tensor is a second copy of the weight, refreshed if the weight
+changes in place; ``pack`` returns ``None`` (plain ``F.linear``) off the CPU, for dtypes other
+than float32 and where oneDNN is missing.
 """
 
 from __future__ import annotations
