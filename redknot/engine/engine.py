@@ -26,6 +26,7 @@ model's head config. A step
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -104,6 +105,11 @@ class EngineConfig:
     reserve_decode_tokens: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # Rows one recovery forward starts with at most (every row of each prompt: recovery reads the
+    # whole prompt at layer 0), beside the token budget that charges what it computes over all
+    # layers; the memory profile sizes the activations for it. None: 4 x max_num_batched_tokens.
+    # A prompt longer than this still recovers, alone.
+    max_recovery_rows: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
@@ -141,8 +147,12 @@ class Engine:
         num_pages = cfg.kv_pages
         page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
         profile = num_pages is None and device.type == "cuda"
+        self.max_recovery_rows = cfg.max_recovery_rows or 4 * cfg.max_num_batched_tokens
+        if self.max_recovery_rows < 1:
+            raise ValueError(f"max_recovery_rows must be >= 1, got {cfg.max_recovery_rows}")
         if profile:  # a pool for one largest step, measured below and then resized
-            num_pages = L * hkv * (-(-cfg.max_num_batched_tokens // cfg.page_size) + 1)
+            rows = max(cfg.max_num_batched_tokens, self.max_recovery_rows)
+            num_pages = L * hkv * (-(-rows // cfg.page_size) + -(-rows // self.max_model_len))
         elif num_pages is None:
             num_pages = max(int(CPU_POOL_BYTES // page_bytes), 1)
         vis = {name: plan.visibility(model_windows=config.sliding_windows) for name, plan in plans.items()}
@@ -171,30 +181,41 @@ class Engine:
         self._heads = L * hkv
         self._local_heads = max(int((self.pool.window_sink(p)[0] < GLOBAL_WINDOW).sum()) for p in self.pool.plans)
         self.timings = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0}  # host seconds per phase
+        # per recovery method: the share of a dense prefill's row work its recoveries compute
+        # (RecoveryRows measures it; each measurement weighs half of the mean; 1.0 until one is measured)
+        self.recovery_share: dict[str, float] = {}
         self.memory = {"kv_pages": self.pool.num_pages, "kv_bytes": self.pool.num_pages * self.pool.bytes_per_page}
         self.selection = HeadSelection(self, cfg.selection) if cfg.selection is not None and cfg.selection.active else None
         if profile:
             self._size_pool_from_memory()
 
     def _size_pool_from_memory(self) -> None:
-        """Run the largest prefill step once (random token ids), measure its activation peak, and
-        give the pages what is left of gpu_memory_utilization x the device's memory after the
-        weights, everything else on the device, that peak and the CUDA-graph reserve."""
+        """Run the largest step once (random token ids: as many rows as a prefill step or a
+        recovery forward holds, in prompts of at most max_model_len), measure its activation
+        peak, and give the pages what is left of gpu_memory_utilization x the device's memory
+        after the weights, everything else on the device, that peak and the CUDA-graph reserve."""
         dev = self.device
-        tokens = min(self.cfg.max_num_batched_tokens, self.max_model_len)
+        tokens = max(self.cfg.max_num_batched_tokens, self.max_recovery_rows)
+        lens = [self.max_model_len] * (tokens // self.max_model_len) + [tokens % self.max_model_len]
+        lens = [n for n in lens if n][:self.cfg.max_num_seqs + CHUNK_SLOTS]
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        sid = next(self._chunk_seq_ids)
-        self.pool.add_sequence(sid, "dense")
+        sids = []
         try:
-            self.pool.ensure(sid, tokens)
-            ids = torch.randint(0, self.config.vocab_size, (tokens,)).tolist()
-            self.runner.forward("dense", [sid], [ids], [0])
+            for n in lens:
+                sid = next(self._chunk_seq_ids)
+                self.pool.add_sequence(sid, "dense")
+                sids.append(sid)
+                self.pool.ensure(sid, n)
+            ids = [torch.randint(0, self.config.vocab_size, (n,)).tolist() for n in lens]
+            self.runner.forward("dense", sids, ids, [0] * len(sids))
             torch.cuda.synchronize(dev)
         finally:
-            self.pool.free_sequence(sid)
+            for sid in sids:
+                self.pool.free_sequence(sid)
+        tokens = sum(lens)
         activations = torch.cuda.max_memory_allocated(dev) - base
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(dev)
@@ -208,7 +229,8 @@ class Engine:
             raise RuntimeError(
                 f"gpu_memory_utilization={self.cfg.gpu_memory_utilization} leaves {max(budget, 0) / 2**30:.2f} GiB "
                 f"for KV pages after {others / 2**30:.2f} GiB in use and {activations / 2**30:.2f} GiB of "
-                f"activations: not even one {tokens}-token step fits; raise it or lower max_num_batched_tokens")
+                f"activations: not even one {tokens}-token step fits; raise it or lower max_num_batched_tokens "
+                f"and max_recovery_rows")
         self.resize_pool(num_pages)
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.memory = {"gpu_memory_utilization": self.cfg.gpu_memory_utilization, "total_bytes": total,
@@ -351,6 +373,7 @@ class Engine:
         return outputs
 
     def _admit(self, budget: int, prefill: list[Sequence], outputs: list[StepOutput]) -> int:
+        recovery_rows = 0  # rows the step's recovery forwards start with
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.abandoned:  # its client has gone: nothing it would compute is read
@@ -359,10 +382,13 @@ class Engine:
                 outputs.append(StepOutput(seq))
                 continue
             chunked = uses_chunks(seq.method) and not seq.reuse_done
+            recovers = chunked and seq.method in RECOVERY_METHODS
+            if recovers and recovery_rows and recovery_rows + len(seq.token_ids) > self.max_recovery_rows:
+                break  # its layer-0 rows would push the recovery forward past its activation size
             steady = self._steady_pages(seq)
             if self.cfg.reserve_full_length and self._committed + steady + self._headroom() > self.pool.num_pages:
                 break  # the running requests' full contexts leave no room for this one's yet
-            if chunked and seq.method in RECOVERY_METHODS:  # the whole prompt at once, every head
+            if recovers:  # the whole prompt at once, every head
                 need = self.pool.pages_needed(len(seq.token_ids), plan=seq.plan).peak + self._heads
             else:
                 first = seq.chunked_prompt.suffix_start if chunked else min(seq.num_pending, budget)
@@ -409,7 +435,9 @@ class Engine:
                 if seq.finished:
                     continue
                 if seq.recovery is not None:
-                    budget -= int(seq.recovery[0].initial().numel())
+                    n = len(seq.token_ids)
+                    recovery_rows += n
+                    budget -= math.ceil(self.recovery_share.get(seq.method, 1.0) * n)
                     prefill.append(seq)
                     continue
             elif self.prefix_cache is not None and seq.num_computed == 0:
@@ -682,7 +710,9 @@ class Engine:
                             [s.recovery[1] for s in seqs], self.device)
         logits = self.runner.recover([s.seq_id for s in seqs], prompts, rows)
         self.timings["forward"] += time.perf_counter() - t0
-        for s, report in zip(seqs, rows.flops()):
+        for s, report, r in zip(seqs, rows.flops(), rows.requests):
+            prev = self.recovery_share.get(s.method)
+            self.recovery_share[s.method] = r.row_share if prev is None else (prev + r.row_share) / 2
             s.recovery = None
             s.num_computed = s.num_prompt
             s.flops = report.totals()

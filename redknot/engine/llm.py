@@ -52,6 +52,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, head_config: str | Path | HeadConfig | None = None,
                  method: str = "dense", device: str | torch.device | None = None, dtype=None,
                  page_size: int = 64, kv_pages: int | None = None, max_num_batched_tokens: int = 8192,
+                 max_recovery_rows: int | None = None,
                  sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
@@ -100,7 +101,8 @@ class LLM:
         self.engine = Engine(self.model, self.config, self.tokenizer, self.fingerprint, head_config, self.sparse_ffn,
                              self.device, EngineConfig(
                                  page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 max_recovery_rows=max_recovery_rows, max_model_len=max_model_len,
                                  enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
                                  chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                                  reserve_full_length=reserve_full_length, kernel=kernel,

@@ -26,7 +26,7 @@ from ..visibility import visible_pairs_per_kv_head
 
 
 class _Request:
-    __slots__ = ("policy", "cur", "n", "cached", "info", "flops", "split_at", "layers")
+    __slots__ = ("policy", "cur", "n", "cached", "info", "flops", "split_at", "layers", "row_share")
 
     def __init__(self, policy: Policy, n: int, cached: torch.Tensor, device):
         self.policy, self.n, self.cached = policy, n, cached
@@ -35,6 +35,7 @@ class _Request:
         self.flops = FlopReport()
         self.split_at = 0
         self.layers = []  # per layer: (rows, visible pairs per KV head as a device tensor, FFN rows)
+        self.row_share = 1.0  # the projection work computed, as a share of a dense prefill's (flops())
 
 
 class RecoveryRows:
@@ -203,14 +204,22 @@ class RecoveryRows:
         return torch.tensor(ends, device=self.device)
 
     def flops(self) -> list[FlopReport]:
-        """Each request's FLOPs (one device-to-host copy of every layer's pair count)."""
+        """Each request's FLOPs (one device-to-host copy of every layer's pair count); also sets
+        each request's ``row_share``: its rows through the attention projections and the FFN,
+        weighted by their weights, as a share of every row through every layer (what admission
+        charges the next recoveries of the method)."""
         counts = [p for r in self.requests for _, p, _ in r.layers]
         counts = torch.stack(counts).tolist() if counts else []
+        c = self.cfg
+        attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        ffn = 3 * c.hidden_size * c.intermediate_size
         i = 0
         for r in self.requests:
             for t, _, n_ffn in r.layers:
                 r.flops.add_layer(self.cfg, t, counts[i] * self.group, n_ffn)
                 i += 1
+            work = sum(t * attn + n_ffn * ffn for t, _, n_ffn in r.layers)
+            r.row_share = work / max(r.n * len(r.layers) * (attn + ffn), 1)
             r.layers = []
             r.flops.add_lm_head(self.cfg)
         return [r.flops for r in self.requests]

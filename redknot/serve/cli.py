@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens one engine step computes at most; smaller prompt chunks let decoding requests "
                         "run between the chunks of a long dense prefill")
+    p.add_argument("--max-recovery-rows", type=int, default=None,
+                   help="prompt rows one recovery forward (cacheblend, redknot_kv, ...) starts with at most "
+                        "(the memory profile sizes the activations for it; default 4 x max-num-batched-tokens)")
     p.add_argument("--chunk-cache-bytes", type=int, default=None,
                    help="pool bytes cached document KV may hold at most (default: as much as the pool has free)")
     p.add_argument("--retrieval-heads", action="store_true",
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
 
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size, max_model_len=args.max_model_len,
-              max_num_batched_tokens=args.max_num_batched_tokens, chunk_cache_bytes=args.chunk_cache_bytes,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_recovery_rows=args.max_recovery_rows,
+              chunk_cache_bytes=args.chunk_cache_bytes,
               gpu_memory_utilization=args.gpu_memory_utilization, selection=selection_options(args))
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)

@@ -94,6 +94,35 @@ def test_batched_recovery_equals_the_recovery_oracle(llm, method):
     assert llm.engine.request_kv_bytes() == 0
 
 
+@pytest.mark.parametrize("cap", [None, 2])
+def test_recovery_admission_charges_the_rows_a_recovery_computes(tiny_checkpoint, llm, cap):
+    """The step's token budget charges a recovery the share of a dense prefill's row work the
+    method's last recoveries computed (every row until one is measured), so more recoveries share
+    one forward than their layer-0 rows alone would allow; max_recovery_rows caps the rows a
+    recovery forward starts with."""
+    import math
+
+    n = len(build_prompt(llm.tokenizer, QUESTION, DOCS).token_ids)
+    budget = n * 3 // 2  # charged every row, two recoveries would share a forward
+    fresh = make_llm(tiny_checkpoint("llama", num_hidden_layers=3), max_num_batched_tokens=budget,
+                     max_recovery_rows=None if cap is None else cap * n)
+    sizes = []
+    recover = fresh.engine.runner.recover
+    fresh.engine.runner.recover = lambda ids, *a: (sizes.append(len(ids)), recover(ids, *a))[1]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+    ref = fresh.generate(QUESTION, params, documents=DOCS, method="cacheblend")[0].first_token_logits
+    share = fresh.engine.recovery_share["cacheblend"]
+    assert 0 < share < 0.75
+    sizes.clear()
+    out = fresh.generate([QUESTION] * 6, params, documents=[DOCS] * 6, method="cacheblend")
+    expected = -(-budget // math.ceil(share * n)) if cap is None else cap
+    assert sizes[0] == expected and max(sizes) == expected and sum(sizes) == 6
+    assert cap is not None or expected > 2
+    for o in out:  # batching does not change what each recovery computes
+        torch.testing.assert_close(o.first_token_logits, ref, rtol=1e-4, atol=1e-4)
+    assert fresh.engine.request_kv_bytes() == 0
+
+
 def test_documents_reused_in_another_order_are_relocated(llm):
     llm.first_token_logits(QUESTION, documents=DOCS, method="full_reuse")
     hits = llm.chunk_cache.stats()["hits"]
