@@ -45,15 +45,14 @@ def main(argv=None) -> int:
         rows = kb.sample_rows(case, args.rows, seed=1)
         ref = kb.reference_rows(case, rows)
         for bm, bn, warps, stages, fast, merge in VARIANTS:
-            segpaged._CONFIG_OVERRIDE.clear()
-            segpaged._CONFIG_OVERRIDE.update(prefill=(bm, bn, warps, stages), fast_interior=fast,
-                                             merge_edges=merge)
+            cfg = segpaged.KernelConfig(prefill=(bm, bn, warps, stages), fast_interior=fast,
+                                        merge_edges=merge)
             entry = {"shape": name, "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
                      "fast_interior": fast, "merge_edges": merge}
             try:
                 fn = lambda: segpaged.segpaged_attention(  # noqa: E731
                     case.q, case.k_pages, case.v_pages, case.block_table, case.cu_q, case.seq_lens,
-                    case.window, case.sink, case.scale, shape.q_len)
+                    case.window, case.sink, case.scale, shape.q_len, config=cfg)
                 out = fn()
                 entry["cos"] = kb.compare(out[rows.to(dev)], ref)["cos"]
                 entry.update(timer(fn))
@@ -64,7 +63,6 @@ def main(argv=None) -> int:
             print(json.dumps(entry), flush=True)
         del case
         kb._free_memory(dev)
-    segpaged._CONFIG_OVERRIDE.clear()
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), **kb._versions(), "argv": sys.argv,
                    "results": results}, f, indent=1)

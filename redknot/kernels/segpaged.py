@@ -18,6 +18,7 @@ natural log.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -31,14 +32,36 @@ from ..config import GLOBAL_WINDOW  # noqa: F401  (re-exported for convenience)
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # base-2 LSE -> natural log
 
-# Tuning knobs for tests and benchmarks: keys "prefill" -> (BLOCK_M, BLOCK_N, warps, stages),
-# "decode" -> (BLOCK_N, warps, stages), "decode_tiles_per_split" -> int, "decode_max_q" -> int,
-# "fast_interior" -> bool (mask-free interior tiles; the masked path is kept for comparison),
-# "merge_edges" -> bool (all masked tiles of a block in one loop instead of three).
-_CONFIG_OVERRIDE: dict = {}
-
 # Largest q_len (per sequence) that takes the split-KV decode path.
 DECODE_MAX_Q = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Launch choices for ``segpaged_attention``; a field left None keeps the built-in choice.
+
+    The built-in choices follow from head_dim, dtype and shapes. Tests set fields to reach small
+    tiles and every code path under the interpreter; benchmarks set them to sweep variants.
+
+    * ``prefill``: (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel.
+    * ``decode``: (BLOCK_N, num_warps, num_stages) of the decode kernel.
+    * ``decode_max_q``: largest q_len that takes the decode path (built-in: ``DECODE_MAX_Q``).
+    * ``decode_tiles_per_split``: key tiles per decode split (built-in: derived from shapes).
+    * ``fast_interior``: mask-free interior tiles in prefill (built-in: True); False reads them
+      through the path that still checks whether each page is stored.
+    * ``merge_edges``: all masked tiles of a prefill block in one loop instead of three
+      (built-in: BLOCK_N <= 32).
+    """
+
+    prefill: tuple[int, int, int, int] | None = None
+    decode: tuple[int, int, int] | None = None
+    decode_max_q: int | None = None
+    decode_tiles_per_split: int | None = None
+    fast_interior: bool | None = None
+    merge_edges: bool | None = None
+
+
+_BUILT_IN = KernelConfig()
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,16 +510,18 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _prefill_merge_edges(block_n: int) -> bool:
+def _prefill_merge_edges(block_n: int, cfg: KernelConfig) -> bool:
     """One loop for all masked tiles pays off with narrow tiles (measured: -3% at 8K with
     BLOCK_N=32) and costs with wide ones (+6% at 32K with BLOCK_N=128)."""
-    return _CONFIG_OVERRIDE.get("merge_edges", block_n <= 32)
+    if cfg.merge_edges is not None:
+        return cfg.merge_edges
+    return block_n <= 32
 
 
-def _prefill_config(head_dim: int, dtype: torch.dtype, max_q_len: int):
+def _prefill_config(head_dim: int, dtype: torch.dtype, max_q_len: int, cfg: KernelConfig):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
-    if "prefill" in _CONFIG_OVERRIDE:
-        return _CONFIG_OVERRIDE["prefill"]
+    if cfg.prefill is not None:
+        return cfg.prefill
     if head_dim > 128:  # keep Q + K/V stages within shared memory
         return 64, 32, 8, 2
     if dtype == torch.float32:  # 2x the bytes per tile: keep shared memory in budget
@@ -511,10 +536,10 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_q_len: int):
     return 64, 64, 4, 3
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype):
+def _decode_config(head_dim: int, dtype: torch.dtype, cfg: KernelConfig):
     """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
-    if "decode" in _CONFIG_OVERRIDE:
-        return _CONFIG_OVERRIDE["decode"]
+    if cfg.decode is not None:
+        return cfg.decode
     block_n = 64 if head_dim >= 128 else 128
     stages = 2 if dtype == torch.float32 else 3
     return block_n, 4, stages
@@ -586,7 +611,7 @@ def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens,
 
 def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, window, sink,
                        sm_scale=None, max_q_len=None, sel_pos=None, sel_lens=None,
-                       return_lse=False, q_pos=None):
+                       return_lse=False, q_pos=None, config: KernelConfig | None = None):
     """Per-head sink/window(/selected) attention over each KV head's own pages.
 
     q [total_q, Hq, D] (varlen, packed by cu_seqlens_q); k_pages/v_pages
@@ -594,7 +619,8 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
     seq_lens int32 [B] (after this step's tokens were stored); window/sink [Hkv];
     max_q_len: host int bound on q_len (None: total_q); sel_pos int32 [B, Hkv, max_sel] sorted,
     -1 padded, with sel_lens [B, Hkv]. q_pos int32 [total_q]: explicit, sorted query positions
-    per sequence (default: the last q_len positions). Returns o (dtype of q) and, if return_lse, float32 lse
+    per sequence (default: the last q_len positions). config: launch choices (KernelConfig;
+    None: the built-in ones). Returns o (dtype of q) and, if return_lse, float32 lse
     [total_q, Hq] (natural log). No host syncs: every launch parameter comes from shapes."""
     total_q, hq, d = q.shape
     _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, d)
@@ -605,6 +631,7 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
         raise ValueError("q needs a contiguous last (head_dim) dimension")
     if k_pages.stride() != v_pages.stride():
         raise ValueError("k_pages and v_pages must have the same strides")
+    cfg = _BUILT_IN if config is None else config
     gqa = hq // hkv
     dev = q.device
     page = k_pages.shape[1]
@@ -638,14 +665,14 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
         return (o, lse) if return_lse else o
 
     mq = total_q if max_q_len is None else min(int(max_q_len), total_q)
-    decode_max_q = _CONFIG_OVERRIDE.get("decode_max_q", DECODE_MAX_Q)
+    decode_max_q = DECODE_MAX_Q if cfg.decode_max_q is None else cfg.decode_max_q
     has_qpos = q_pos is not None
     qpos = _int32(q_pos, dev).contiguous() if has_qpos else cu  # placeholder when unused
     if mq <= decode_max_q and not has_qpos:
         _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, has_sel,
-                qk_scale, o, lse, return_lse, gqa, mq, dot_prec)
+                qk_scale, o, lse, return_lse, gqa, mq, dot_prec, cfg)
     else:
-        block_m, block_n, warps, stages = _prefill_config(d, q.dtype, mq)
+        block_m, block_n, warps, stages = _prefill_config(d, q.dtype, mq, cfg)
         grid = (hq, triton.cdiv(mq, block_m), B)
         _prefill_kernel[grid](
             q, k_pages, v_pages, o, lse, bt, cu, sl, win, snk, sel, nsel, qpos, qk_scale,
@@ -654,19 +681,19 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
             *sel_strides,
             GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
             SEL_N=block_n, HAS_SEL=has_sel, WRITE_LSE=return_lse, DOT_PREC=dot_prec,
-            UPCAST=upcast, FAST_INTERIOR=_CONFIG_OVERRIDE.get("fast_interior", True),
-            MERGE_EDGES=_prefill_merge_edges(block_n), HAS_QPOS=has_qpos,
+            UPCAST=upcast, FAST_INTERIOR=True if cfg.fast_interior is None else cfg.fast_interior,
+            MERGE_EDGES=_prefill_merge_edges(block_n, cfg), HAS_QPOS=has_qpos,
             num_warps=warps, num_stages=stages,
         )
     return (o, lse) if return_lse else o
 
 
 def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, has_sel,
-            qk_scale, o, lse, return_lse, gqa, mq, dot_prec):
+            qk_scale, o, lse, return_lse, gqa, mq, dot_prec, cfg):
     total_q, hq, d = q.shape
     B, hkv, max_pages = bt.shape
     page = k_pages.shape[1]
-    block_n, warps, stages = _decode_config(d, q.dtype)
+    block_n, warps, stages = _decode_config(d, q.dtype, cfg)
     block_m = max(16, triton.next_power_of_2(gqa * mq))
     # Split sizing from shapes only (no syncs; CUDA-graph friendly): a fixed number of tiles
     # per split, sized so that if every group were full there would be ~16 programs per SM.
@@ -675,8 +702,8 @@ def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, h
     n_tiles_max = triton.cdiv(max_pages * page, block_n)
     if has_sel:
         n_tiles_max += triton.cdiv(sel.shape[2], block_n)
-    if "decode_tiles_per_split" in _CONFIG_OVERRIDE:
-        per_split = _CONFIG_OVERRIDE["decode_tiles_per_split"]
+    if cfg.decode_tiles_per_split is not None:
+        per_split = cfg.decode_tiles_per_split
     else:
         want_splits = triton.cdiv(16 * _sm_count(q.device), B * hkv)
         per_split = max(8, triton.cdiv(n_tiles_max, want_splits))

@@ -99,9 +99,10 @@ def _dev(x):
     return x.to(DEVICE) if isinstance(x, torch.Tensor) else x
 
 
-def run(fn, c, return_lse=True, sm_scale=None):
+def run(fn, c, return_lse=True, sm_scale=None, **kw):
+    """fn on case c; kw go to fn as they are (config= for the Triton kernel)."""
     out = fn(*[_dev(c[k]) for k in ATTN_KEYS], sm_scale=sm_scale, max_q_len=c["max_q_len"],
-             sel_pos=_dev(c["sel_pos"]), sel_lens=_dev(c["sel_lens"]), return_lse=return_lse)
+             sel_pos=_dev(c["sel_pos"]), sel_lens=_dev(c["sel_lens"]), return_lse=return_lse, **kw)
     return tuple(o.cpu() for o in out) if return_lse else out.cpu()
 
 
@@ -118,15 +119,6 @@ def dense(c):
         os_.append(o)
         ls_.append(lse)
     return torch.cat(os_), torch.cat(ls_)
-
-
-@pytest.fixture
-def config(monkeypatch):
-    """Set kernel block-size overrides for one test."""
-    def set_(**kw):
-        for k, v in kw.items():
-            monkeypatch.setitem(segpaged._CONFIG_OVERRIDE, k, v)
-    return set_
 
 
 def close(a, b, tol):
@@ -185,20 +177,19 @@ def test_ref_retrieval_matches_dense():
     ("mixed", (32, 16, 4, 1)),
     ("mixed", None),                   # default (GPU) block sizes
 ])
-def test_prefill_matches_ref(name, blocks, config):
-    if blocks is not None:
-        config(prefill=blocks)
+def test_prefill_matches_ref(name, blocks):
+    cfg = segpaged.KernelConfig(prefill=blocks)
     c = make_case(*CASES[name], seed=3, nan_tail=True)
-    o, lse = run(segpaged.segpaged_attention, c)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
     close(o, o_r, 1e-4)
     close(lse, lse_r, 1e-4)
 
 
-def test_prefill_no_lse_and_scale(config):
-    config(prefill=(16, 16, 4, 1))
+def test_prefill_no_lse_and_scale():
+    cfg = segpaged.KernelConfig(prefill=(16, 16, 4, 1))
     c = make_case(*CASES["gqa4_bigwin"], seed=4)
-    o = run(segpaged.segpaged_attention, c, return_lse=False, sm_scale=0.3)
+    o = run(segpaged.segpaged_attention, c, return_lse=False, sm_scale=0.3, config=cfg)
     o_r = run(segpaged_attention_ref, c, return_lse=False, sm_scale=0.3)
     close(o, o_r, 1e-4)
 
@@ -213,25 +204,23 @@ def test_prefill_no_lse_and_scale(config):
     # GQA 1, mixed classes
     ([(2, 90), (1, 64)], 4, 4, 16, 16, [G, 1, 30, 100], [0, 0, 4, 64], 3),
 ])
-def test_decode_matches_ref(seqs, hq, hkv, d, page, windows, sinks, per_split, config):
-    config(decode=(16, 4, 1))
-    if per_split is not None:
-        config(decode_tiles_per_split=per_split)
+def test_decode_matches_ref(seqs, hq, hkv, d, page, windows, sinks, per_split):
+    cfg = segpaged.KernelConfig(decode=(16, 4, 1), decode_tiles_per_split=per_split)
     c = make_case(seqs, hq, hkv, d, page, windows, sinks, seed=5, nan_tail=True)
     assert c["max_q_len"] <= segpaged.DECODE_MAX_Q
-    o, lse = run(segpaged.segpaged_attention, c)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
     close(o, o_r, 1e-4)
     close(lse, lse_r, 1e-4)
 
 
 @pytest.mark.parametrize("max_q_len", [30, 1])
-def test_retrieval_matches_ref(max_q_len, config):
-    config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
+def test_retrieval_matches_ref(max_q_len):
+    cfg = segpaged.KernelConfig(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
     q_len = max_q_len
     sel = [[[3, 40, 41, 100, 140], []], [[5, 66], [0, 1, 2, 30, 60, 61]]]
     c = make_case([(q_len, 150), (1, 70)], 4, 2, 16, 16, [10, 24], [2, 0], sel=sel, seed=6)
-    o, lse = run(segpaged.segpaged_attention, c)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
     close(o, o_r, 1e-4)
     close(lse, lse_r, 1e-4)
@@ -239,15 +228,15 @@ def test_retrieval_matches_ref(max_q_len, config):
 
 @pytest.mark.parametrize("max_q_len", [20, 1])
 @pytest.mark.parametrize("page", [16, 8])
-def test_selected_page_runs_match_ref(max_q_len, page, config):
+def test_selected_page_runs_match_ref(max_q_len, page):
     """Selected sets made of aligned runs of whole tiles (page-granular budgets) take the tile
     path; a ragged tail and a run overlapping the window still match the reference."""
-    config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
+    cfg = segpaged.KernelConfig(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
     runs = [list(range(16, 32)) + list(range(64, 80)) + [90, 91, 95],  # two runs + a ragged tail
             list(range(0, 16)) + list(range(112, 128)) + list(range(176, 192))]  # runs in the sink / window
     sel = [[runs[0], runs[1]], [list(range(32, 48)), [3, 17, 18]]]
     c = make_case([(max_q_len, 200), (1, 120)], 4, 2, 16, page, [24, 40], [4, 0], sel=sel, seed=9)
-    o, lse = run(segpaged.segpaged_attention, c)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
     close(o, o_r, 1e-4)
     close(lse, lse_r, 1e-4)
@@ -256,11 +245,11 @@ def test_selected_page_runs_match_ref(max_q_len, page, config):
 
 
 @pytest.mark.parametrize("max_q_len", [40, 1])
-def test_bf16(max_q_len, config):
-    config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
+def test_bf16(max_q_len):
+    cfg = segpaged.KernelConfig(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
     c = make_case([(max_q_len, 100), (1, 45)], 8, 2, 64, 16, [G, 20], [4, 0],
                   dtype=torch.bfloat16, seed=7)
-    o, lse = run(segpaged.segpaged_attention, c)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
     assert o.dtype == torch.bfloat16
     close(o, o_r, 2e-2)
@@ -268,20 +257,20 @@ def test_bf16(max_q_len, config):
 
 
 @pytest.mark.parametrize("name", ["varlen_gqa2", "gqa4_bigwin"])
-def test_prefill_merged_edge_loop(name, config):
+def test_prefill_merged_edge_loop(name):
     """All masked tiles of a block in one loop (merge_edges) computes the same thing."""
-    config(prefill=(16, 16, 4, 1), merge_edges=True)
+    cfg = segpaged.KernelConfig(prefill=(16, 16, 4, 1), merge_edges=True)
     c = make_case(*CASES[name], seed=12)
-    o, lse = run(segpaged.segpaged_attention, c)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
     close(o, o_r, 1e-4)
     close(lse, lse_r, 1e-4)
 
 
 @pytest.mark.parametrize("n_q", [1, 30])
-def test_explicit_query_positions(n_q, config):
+def test_explicit_query_positions(n_q):
     """q_pos: a sorted subset of positions attends over the whole stored sequence (recovery)."""
-    config(prefill=(16, 16, 4, 1))
+    cfg = segpaged.KernelConfig(prefill=(16, 16, 4, 1))
     seq_len = 150
     c = make_case([(seq_len, seq_len)], 4, 2, 16, 16, [G, 20], [3, 0], seed=13)
     gen = torch.Generator().manual_seed(n_q)
@@ -291,7 +280,8 @@ def test_explicit_query_positions(n_q, config):
     c["cu_seqlens_q"] = torch.tensor([0, n_q], dtype=torch.int32)
     c["max_q_len"] = n_q
     q_pos = pos.to(torch.int32)
-    o = segpaged.segpaged_attention(*[_dev(c[k]) for k in ATTN_KEYS], max_q_len=n_q, q_pos=_dev(q_pos)).cpu()
+    o = segpaged.segpaged_attention(*[_dev(c[k]) for k in ATTN_KEYS], max_q_len=n_q, q_pos=_dev(q_pos),
+                                    config=cfg).cpu()
     o_r = segpaged_attention_ref(*[c[k] for k in ATTN_KEYS], q_pos=q_pos)
     close(o, o_r, 1e-4)
     full = dense_masked_attention(make_case([(seq_len, seq_len)], 4, 2, 16, 16, [G, 20], [3, 0], seed=13)["q"],
@@ -300,22 +290,23 @@ def test_explicit_query_positions(n_q, config):
 
 
 @pytest.mark.parametrize("max_q_len", [40, 1])
-def test_missing_pages_are_absent(max_q_len, config):
+def test_missing_pages_are_absent(max_q_len):
     """A -1 page inside the walked range contributes nothing, as in the reference. The pool never
     leaves one where a head can see (the fast interior path relies on that), so this holds for
     edge tiles, decode, and interior tiles with fast_interior off."""
-    config(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=3, fast_interior=False)
+    cfg = segpaged.KernelConfig(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=3,
+                                fast_interior=False)
     c = make_case([(max_q_len, 160)], 4, 2, 16, 16, [G, 100], [4, 0], seed=10)
     c["block_tables"][0, 0, 2] = -1
     c["block_tables"][0, 1, 5] = -1
-    o, lse = run(segpaged.segpaged_attention, c)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
     close(o, o_r, 1e-4)
     close(lse, lse_r, 1e-4)
 
 
 @pytest.mark.parametrize("seed", range(int(os.environ.get("SEGPAGED_FUZZ", 4))))
-def test_random_configs(seed, config):
+def test_random_configs(seed):
     """Seeded random shapes, windows, sinks and block sizes, both paths."""
     rng = torch.Generator().manual_seed(100 + seed)
 
@@ -334,10 +325,11 @@ def test_random_configs(seed, config):
         seqs.append((q_len, seq_len))
     windows = [pick([G, 1, rand(1, 40), rand(1, 300)]) for _ in range(hkv)]
     sinks = [pick([0, rand(0, 20)]) for _ in range(hkv)]
-    config(prefill=(pick([16, 32]), pick([16, 32]), 4, 1), decode=(pick([16, 32]), 4, 1),
-           decode_tiles_per_split=rand(1, 4), decode_max_q=4)
+    cfg = segpaged.KernelConfig(prefill=(pick([16, 32]), pick([16, 32]), 4, 1),
+                                decode=(pick([16, 32]), 4, 1),
+                                decode_tiles_per_split=rand(1, 4), decode_max_q=4)
     c = make_case(seqs, gqa * hkv, hkv, 16, page, windows, sinks, seed=seed, nan_tail=True)
-    o, lse = run(segpaged.segpaged_attention, c)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
     o_d, lse_d = dense(c)
     close(o_r, o_d, 1e-5)
