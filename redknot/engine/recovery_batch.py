@@ -16,13 +16,15 @@ question gives them) is gathered from the request's pages: the pool is the only 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..context import Context
 from ..models.config import ModelConfig
 from ..reuse.flops import FlopReport
-from ..reuse.recovery import Policy, cross_chunk_mass, observation_mass
-from ..visibility import visible_pairs_per_kv_head
+from ..reuse.methods import RedKnot
+from ..reuse.recovery import Policy, cross_chunk_mass, observation_mass, observation_mass_batched
+from ..visibility import visible_pairs_batched, visible_pairs_per_kv_head
 
 
 class _Request:
@@ -66,6 +68,18 @@ class RecoveryRows:
         self.sink = torch.stack([s for _, s in vis]).to(device=device, dtype=torch.int32)
         self.ctx: Context | None = None
         self.dropped_ok: list[torch.Tensor] = []  # per dropping layer: were the dropped rows cached (checked at the end)
+        # Requests whose rows RedKnot.rows_batch decides together: each layer's selection runs on
+        # padded [R, T] tensors (one nonzero and one count copy per layer, whatever R is), not
+        # request by request.
+        self.batched = (all(isinstance(p, RedKnot) and p.batchable() for p in policies)
+                        and all(p.sparse == policies[0].sparse and p.keep_cached == policies[0].keep_cached
+                                for p in policies))
+        self._picked = None  # the batched path's last FFN selection: (keep mask [R, T], counts, packed rows)
+        if self.batched:
+            pad = torch.nn.utils.rnn.pad_sequence
+            self._is_chunk = pad([p.is_chunk.to(device) for p in policies], batch_first=True)  # [R, N]
+            self._cached = pad([r.cached for r in self.requests], batch_first=True)
+            self._pad_rows()
 
     # ---------------------------------------------------------------- the batch's rows
 
@@ -90,6 +104,16 @@ class RecoveryRows:
             out.append(o)
             o += r.cur.numel()
         return out
+
+    def _pad_rows(self) -> None:
+        """The batched path's padded view of every request's rows: positions [R, T] (0 past a
+        request's rows), their counts on the device, and where each packed row sits in it."""
+        lens = self.q_lens()
+        self._cur = torch.nn.utils.rnn.pad_sequence([r.cur for r in self.requests], batch_first=True)
+        t = self._cur.shape[1]
+        flat = np.concatenate([i * t + np.arange(n) for i, n in enumerate(lens)] + [np.zeros(0, np.int64)])
+        both = torch.from_numpy(np.concatenate([np.asarray(lens, np.int64), flat])).to(self.device)
+        self._lens, self._flat = both[:len(lens)], both[len(lens):]
 
     # ---------------------------------------------------------------- called by the attention backend
 
@@ -130,6 +154,8 @@ class RecoveryRows:
     def after_attention(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, k_pages: torch.Tensor) -> None:
         """What the policies observe of this layer's attention: the mass the last queries give
         each key (ranking rows for the sparse FFN) and the mass rows give other chunks."""
+        if self.batched:
+            return self._observe_batched(layer, q, block_tables, k_pages)
         for b, (r, o) in enumerate(zip(self.requests, self._offsets())):
             n_obs = r.policy.observe(layer)
             split = r.policy.query_split(layer)
@@ -149,10 +175,48 @@ class RecoveryRows:
             if chunk_id is not None:
                 r.info["cross"] = cross_chunk_mass(qb, r.cur, keys, window, sink, self.scale, chunk_id.to(self.device))
 
+    def _observe_batched(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, k_pages: torch.Tensor) -> None:
+        """The observation mass of every request at once, in groups whose padding to the longest
+        prompt at most doubles the keys gathered."""
+        n_obs = [r.policy.observe(layer) for r in self.requests]
+        for r in self.requests:
+            r.info["mass"] = None
+        todo = [i for i, k in enumerate(n_obs) if k]
+        if not todo:
+            return
+        lens, offs = self.q_lens(), self._offsets()
+        groups, group = [], []
+        for i in todo:
+            trial = group + [i]
+            if group and len(trial) * max(self.requests[j].n for j in trial) > 2 * sum(self.requests[j].n for j in trial):
+                groups.append(group)
+                trial = [i]
+            group = trial
+        groups.append(group)
+        window, sink = self.window[layer].long(), self.sink[layer].long()
+        for group in groups:
+            o = max(n_obs[i] for i in group)
+            # each request's last n_obs packed rows, padded with its last row at weight 0
+            rows = np.array([[offs[i] + lens[i] - n_obs[i] + min(k, n_obs[i] - 1) for k in range(o)] for i in group])
+            weight = np.array([[k < n_obs[i] for k in range(o)] for i in group], dtype=np.int64)
+            n_keys = np.array([self.requests[i].n for i in group])
+            host = np.concatenate([rows.ravel(), weight.ravel(), n_keys, np.asarray(group)]).astype(np.int64)
+            dev = torch.from_numpy(host).to(self.device)
+            m = len(group)
+            rows_t, weight_t = dev[:m * o].view(m, o), dev[m * o:2 * m * o].view(m, o)
+            n_t, group_t = dev[2 * m * o:2 * m * o + m], dev[2 * m * o + m:]
+            keys = _gather_batched(k_pages, block_tables.index_select(0, group_t), int(n_keys.max()))
+            mass = observation_mass_batched(q[rows_t], self.ctx.positions[rows_t], keys, n_t, weight_t.float(),
+                                            window, sink, self.scale)
+            for k, i in enumerate(group):
+                self.requests[i].info["mass"] = mass[k, :self.requests[i].n]
+
     # ---------------------------------------------------------------- called by the decoder layers
 
     def ffn_rows(self, layer: int) -> torch.Tensor | None:
         """Packed rows whose FFN runs at this layer (None: all); counts the layer's FLOPs."""
+        if self.batched:
+            return self._ffn_rows_batched(layer)
         picked, every = [], True
         for r, o in zip(self.requests, self._offsets()):
             t = r.cur.numel()
@@ -170,8 +234,46 @@ class RecoveryRows:
             picked.append(torch.arange(o, o + t, device=self.device) if rows is None else rows.to(self.device) + o)
         return None if every else torch.cat(picked)
 
+    def _ffn_rows_batched(self, layer: int) -> torch.Tensor | None:
+        lens = self.q_lens()
+        pairs = visible_pairs_batched(self._cur, self._lens, self.window[layer], self.sink[layer])  # [R]
+        policies = [r.policy for r in self.requests]
+        self._picked = None
+        if policies[0].sparse.threshold(layer) is None or all(p._selected for p in policies):
+            for i, r in enumerate(self.requests):
+                r.layers.append((lens[i], pairs[i], lens[i]))
+            return None
+        mass = torch.nn.utils.rnn.pad_sequence([r.info["mass"] for r in self.requests], batch_first=True)
+        score = mass.gather(1, self._cur)
+        keep = RedKnot.rows_batch(policies, layer, self._lens, score, self._is_chunk.gather(1, self._cur))
+        rows = keep.view(-1)[self._flat].nonzero().flatten()  # the layer's one sync
+        counts = keep.sum(-1).tolist()
+        for i, r in enumerate(self.requests):
+            r.layers.append((lens[i], pairs[i], counts[i]))
+        if counts == lens:
+            return None
+        self._picked = (keep, counts, rows)
+        return rows
+
+    def _keep_rows_batched(self) -> torch.Tensor | None:
+        picked, self._picked = self._picked, None
+        if picked is None or not self.requests[0].policy.keep_cached:
+            return None
+        keep, counts, rows = picked
+        valid = torch.arange(self._cur.shape[1], device=self.device) < self._lens[:, None]
+        self.dropped_ok.append((self._cached.gather(1, self._cur) | keep | ~valid).all())
+        order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[:, :max(counts)]  # kept rows first, in order
+        cur = self._cur.gather(1, order)
+        for i, r in enumerate(self.requests):
+            r.cur = cur[i, :counts[i]]
+        self._pad_rows()
+        self._sync_context()
+        return rows
+
     def keep_rows(self, layer: int) -> torch.Tensor | None:
         """Packed rows computed from the next layer on (None: all); the context follows."""
+        if self.batched:
+            return self._keep_rows_batched()
         kept, every = [], True
         for r, o in zip(self.requests, self._offsets()):
             t = r.cur.numel()
@@ -223,6 +325,17 @@ class RecoveryRows:
             r.layers = []
             r.flops.add_lm_head(self.cfg)
         return [r.flops for r in self.requests]
+
+
+def _gather_batched(pages: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:
+    """[R, n, Hkv, D]: positions 0..n-1 of R requests' pages of one layer (``tables`` [R, Hkv,
+    max_pages]); positions a head keeps no page for (or past a table) read as zeros."""
+    ps = pages.shape[1]
+    pos = torch.arange(n, device=tables.device)
+    phys = tables[:, :, pos // ps].long()  # [R, Hkv, n]
+    x = pages[phys.clamp_min(0), (pos % ps)[None, None, :]]  # [R, Hkv, n, D]
+    x = torch.where((phys >= 0)[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return x.transpose(1, 2)
 
 
 def _gather(pages: torch.Tensor, table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,6 @@ redknot_exact  the redknot code path with every head global, dense FFN, every ch
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -111,7 +110,6 @@ class RedKnot(FixedSet):
         self.chunk_id = chunk_id if chunk_id is not None else torch.where(is_chunk, 0, -1)  # per position
         self._rows = None
         self._n_keep = None  # keep_fraction: the chunk-token count fixed at the first sparse layer
-        self._counted = (None, None, 0)  # (cur, candidates, their count): rows change only when some are dropped
 
     def visibility(self, layer):
         if layer < self.sparse.dense_until:  # local recovery: every head within sink + window
@@ -125,48 +123,66 @@ class RedKnot(FixedSet):
 
     def observe(self, layer):
         sparse = self.sparse.threshold(layer) is not None and self.sparse.importance == "attention"
-        return self.n_obs if sparse else 0
+        return self.n_obs if sparse and not self._selected else 0
+
+    @property
+    def _selected(self) -> bool:
+        """redknot_kv under keep_fraction after its one selection: the rows left are exactly those
+        kept, so no later layer ranks (or observes) anything."""
+        return self.keep_cached and self.sparse.keep_fraction is not None and self._n_keep is not None
 
     def cross_chunks(self, layer, cur):
         if self.sparse.threshold(layer) is None or self.sparse.importance not in ("cross", "chunk"):
             return None
         if self.sparse.keep_fraction == 1:
             return None  # every candidate is kept: nothing to rank
-        if self._n_keep is not None and self._candidates(cur)[1] <= self._n_keep:
-            return None  # nothing left to rank (redknot_kv after its one selection)
+        if self._selected:
+            return None
         return self.chunk_id
 
-    def _candidates(self, cur):
-        """(candidate mask over cur, its count): chunk rows outside the last recent_n."""
-        if self._counted[0] is not cur:
-            cand = self.is_chunk[cur].clone()
-            cand[max(0, cur.numel() - self.sparse.recent_n):] = False
-            self._counted = (cur, cand, int(cand.sum()))
-        return self._counted[1], self._counted[2]
+    def batchable(self) -> bool:
+        """Whether ``rows_batch`` decides this policy's FFN rows (attention-mass ranking, one
+        visibility for every query)."""
+        return self.sparse.importance == "attention" and self.suffix_start is None
 
     def ffn_rows(self, layer, cur, info):
         thr = self.sparse.threshold(layer)
-        if thr is None:
+        if thr is None or (self.sparse.keep_fraction is not None and self._selected):
             self._rows = None
             return None
         imp = self.sparse.importance
         score = info["mass"][cur] if imp == "attention" else info.get("cross")
         if imp == "chunk" and score is not None:
             score = chunk_ranked(score, self.chunk_id[cur])
-        if self.sparse.keep_fraction is None:
-            self._rows = select_tokens(score, self.is_chunk[cur], thr, self.sparse.recent_n, self.sparse.min_keep)
-            return self._rows
-        cand, n_cand = self._candidates(cur)
-        if self._n_keep is None:
-            self._n_keep = max(self.sparse.min_keep, math.ceil(self.sparse.keep_fraction * n_cand))
-        if score is None or n_cand <= self._n_keep:  # every candidate fits
-            self._rows = None
-            return None
-        keep = ~cand
-        s = torch.where(cand, score.float(), torch.full((), float("-inf"), device=score.device))
-        keep[rank_descending(s)[:self._n_keep]] = True
-        self._rows = keep.nonzero().flatten()
+        if score is None:  # keep_fraction 1: nothing to rank, every candidate is kept
+            score = torch.zeros(cur.numel(), device=cur.device)
+        lens = torch.tensor([cur.numel()], device=cur.device)
+        keep = RedKnot.rows_batch([self], layer, lens, score[None], self.is_chunk[cur][None])[0]
+        self._rows = None if bool(keep.all()) else keep.nonzero().flatten()
         return self._rows
+
+    @staticmethod
+    def rows_batch(policies: list["RedKnot"], layer: int, lens: torch.Tensor, score: torch.Tensor,
+                   is_chunk: torch.Tensor) -> torch.Tensor:
+        """The FFN rows of several requests' policies (one sparse config) at a sparse layer,
+        without a host sync: row r's computed rows are the first ``lens[r]`` of ``score`` and
+        ``is_chunk`` ([R, T], padded). Returns the bool keep mask [R, T] (False on padding).
+        Under keep_fraction each policy's count is fixed the first time it ranks."""
+        sp = policies[0].sparse
+        if sp.keep_fraction is None:
+            return select_tokens_batched(score, is_chunk, lens, sp.threshold(layer), sp.recent_n, sp.min_keep)
+        t = score.shape[-1]
+        idx = torch.arange(t, device=score.device)
+        valid = idx < lens[:, None]
+        cand = is_chunk & valid & (idx < (lens - sp.recent_n)[:, None])  # chunk rows outside the last recent_n
+        if any(p._n_keep is None for p in policies):
+            n_keep = torch.ceil(sp.keep_fraction * cand.sum(-1).double()).long().clamp_min(sp.min_keep)
+            for i, p in enumerate(policies):
+                if p._n_keep is None:
+                    p._n_keep = n_keep[i]
+        n_keep = torch.stack([torch.as_tensor(p._n_keep, device=score.device) for p in policies])
+        s = torch.where(cand, score.float(), torch.full((), float("-inf"), device=score.device))
+        return valid & (~cand | (_rank_of(s) < n_keep[:, None]))
 
     def keep_rows(self, layer, cur, info):
         return self._rows if self.keep_cached else None
@@ -191,34 +207,47 @@ def chunk_ranked(cross: torch.Tensor, chunk_id: torch.Tensor) -> torch.Tensor:
 
 
 def rank_descending(score: torch.Tensor) -> torch.Tensor:
-    """Indices of a 1-D score, highest first; equal scores rank the later row first. topk and an
-    unstable argsort leave ties in an order that differs between devices and kernels, and a keep
-    threshold can fall among ties (a row that sees no other chunk scores exactly 0): a fixed rule
-    keeps the same rows everywhere, and the later of two equal rows is the nearer the question."""
-    n = score.numel()
-    return (n - 1) - score.flip(0).sort(descending=True, stable=True).indices
+    """Indices of a score along its last dimension, highest first; equal scores rank the later row
+    first. topk and an unstable argsort leave ties in an order that differs between devices and
+    kernels, and a keep threshold can fall among ties (a row that sees no other chunk scores exactly
+    0): a fixed rule keeps the same rows everywhere, and the later of two equal rows is the nearer
+    the question."""
+    n = score.shape[-1]
+    return (n - 1) - score.flip(-1).sort(dim=-1, descending=True, stable=True).indices
+
+
+def _rank_of(score: torch.Tensor) -> torch.Tensor:
+    """Each entry's place in ``rank_descending`` order (0: highest), along the last dimension."""
+    order = rank_descending(score)
+    places = torch.arange(score.shape[-1], device=score.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)
 
 
 def select_tokens(score: torch.Tensor, candidate: torch.Tensor, drop_share: float, recent_n: int,
                   min_keep: int) -> torch.Tensor:
     """Rows kept: every non-candidate, the last recent_n rows, and the fewest candidates (highest
     score first) that cover 1 - drop_share of the candidates' score; at least min_keep rows."""
-    t = score.numel()
-    keep = ~candidate.clone()
-    keep[max(0, t - recent_n):] = True
-    rows = (candidate & ~keep).nonzero().flatten()
-    if rows.numel():
-        s = score[rows].float().clamp_min(0)
-        by_score = rank_descending(s)
-        total = s.sum()
-        if total > 0:
-            share = s[by_score].cumsum(0) / total
-            n_take = int((share < 1 - drop_share).sum()) + 1
-        else:
-            n_take = 0
-        n_take = min(rows.numel(), max(n_take, min_keep - int(keep.sum())))
-        keep[rows[by_score[:n_take]]] = True
-    return keep.nonzero().flatten()
+    lens = torch.tensor([score.numel()], device=score.device)
+    return select_tokens_batched(score[None], candidate[None], lens, drop_share, recent_n, min_keep)[0].nonzero().flatten()
+
+
+def select_tokens_batched(score: torch.Tensor, candidate: torch.Tensor, lens: torch.Tensor, drop_share: float,
+                          recent_n: int, min_keep: int) -> torch.Tensor:
+    """``select_tokens`` for R rows at once, without a host sync: row r's entries are the first
+    ``lens[r]`` of score/candidate [R, T]. Returns the bool keep mask [R, T] (False on padding)."""
+    t = score.shape[-1]
+    idx = torch.arange(t, device=score.device)
+    valid = idx < lens[:, None]
+    keep = valid & (~candidate | (idx >= (lens - recent_n)[:, None]))
+    rows = candidate & valid & ~keep
+    s = torch.where(rows, score.float().clamp_min(0), torch.zeros((), device=score.device))
+    place = _rank_of(torch.where(rows, s, torch.full((), -1.0, device=score.device)))  # rows first
+    total = s.sum(-1, dtype=torch.float64)
+    # the share the best candidates cover, in float64 so that the cut does not move with the sum's order
+    share = torch.zeros_like(s, dtype=torch.float64).scatter_(-1, place, s.double()).cumsum(-1) / total[:, None]
+    n_take = torch.where(total > 0, (share < 1 - drop_share).sum(-1) + 1, torch.zeros_like(total, dtype=torch.long))
+    n_take = torch.minimum(rows.sum(-1), torch.maximum(n_take, min_keep - keep.sum(-1)))
+    return keep | (rows & (place < n_take[:, None]))
 
 
 class ReuseEngine:

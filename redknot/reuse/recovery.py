@@ -218,16 +218,24 @@ def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None, paged
 def observation_mass(q_obs, p_obs, keys, window, sink, scale) -> torch.Tensor:
     """The attention mass each key [N] receives from the queries q_obs [o, Hq, D] at positions
     p_obs under (window, sink) per KV head, summed over those queries and all heads (fp32)."""
-    o, hq, d = q_obs.shape
-    n, hkv = keys.shape[0], keys.shape[1]
+    n = torch.tensor([keys.shape[0]], device=q_obs.device)
+    weight = torch.ones(1, q_obs.shape[0], device=q_obs.device)
+    return observation_mass_batched(q_obs[None], p_obs[None], keys[None], n, weight, window, sink, scale)[0]
+
+
+def observation_mass_batched(q_obs, p_obs, keys, key_lens, weight, window, sink, scale) -> torch.Tensor:
+    """``observation_mass`` of R requests at once: queries q_obs [R, o, Hq, D] at p_obs [R, o]
+    (``weight`` [R, o] is 1 for a query that counts, 0 for padding) over keys [R, N, Hkv, D], of
+    which row r has the first ``key_lens[r]``. float32 [R, N] (0 past a row's keys)."""
+    r, o, hq, d = q_obs.shape
+    n, hkv = keys.shape[1], keys.shape[2]
     g = hq // hkv
-    j = torch.arange(n, device=q_obs.device)[None, None, :]
-    w, s = window.to(q_obs.device)[:, None, None], sink.to(q_obs.device)[:, None, None]
-    p = p_obs[None, :, None]
-    mask = visible(p, j, w, s)  # [Hkv, o, N]
-    scores = torch.einsum("ohgd,khd->hgok", q_obs.reshape(o, hkv, g, d), keys).float() * scale  # fp32 softmax
-    probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
-    return probs.sum(dim=(0, 1, 2))
+    j = torch.arange(n, device=q_obs.device)[None, None, None, :]
+    w, s = window.to(q_obs.device)[None, :, None, None], sink.to(q_obs.device)[None, :, None, None]
+    mask = visible(p_obs[:, None, :, None], j, w, s) & (j < key_lens[:, None, None, None])  # [R, Hkv, o, N]
+    scores = torch.einsum("rohgd,rkhd->rhgok", q_obs.reshape(r, o, hkv, g, d), keys).float() * scale  # fp32 softmax
+    probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
+    return (probs * weight[:, None, None, :, None]).sum(dim=(1, 2, 3))
 
 
 def cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Tensor:

@@ -94,6 +94,27 @@ def test_batched_recovery_equals_the_recovery_oracle(llm, method):
     assert llm.engine.request_kv_bytes() == 0
 
 
+@pytest.mark.parametrize("keep_fraction", [None, 0.3])
+@pytest.mark.parametrize("method", ["redknot", "redknot_kv"])
+def test_rows_picked_for_a_batch_equal_each_request_alone(tiny_checkpoint, method, keep_fraction):
+    """RedKnot policies ranking by attention mass pick their FFN rows for the whole batch at once
+    (padded tensors, one sync per layer): four requests of different lengths in one step give the
+    logits and FLOPs of the reference recovery forward, one request at a time."""
+    sparse = SparseFFNConfig(dense_until=1, mass_thresh=0.3, deep_layer_start=2, mass_thresh_deep=0.1,
+                             recent_n=6, min_keep=2, keep_fraction=keep_fraction)
+    llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=4), device="cpu", page_size=16, sparse_ffn=sparse,
+              head_config=HeadConfig.synthetic(4, 2, 0.5, window=16, sink=4))
+    orders = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0]], [DOCS[2], DOCS[0] * 2, DOCS[1]]]
+    questions = [QUESTION, "Question: what jumps over the dog?", "Who?", QUESTION]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+    out = llm.generate(questions, params, documents=orders, method=method)
+    for o, q, docs in zip(out, questions, orders):
+        oracle = llm.reuse.prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
+        torch.testing.assert_close(o.first_token_logits, oracle.logits, rtol=1e-4, atol=1e-4)
+        assert o.metrics["flops"] == oracle.flops.totals()
+    assert llm.engine.request_kv_bytes() == 0
+
+
 @pytest.mark.parametrize("cap", [None, 2])
 def test_recovery_admission_charges_the_rows_a_recovery_computes(tiny_checkpoint, llm, cap):
     """The step's token budget charges a recovery the share of a dense prefill's row work the
