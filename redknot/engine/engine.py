@@ -113,11 +113,23 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    # Launch each decode-only step's next forward, fed by its samples on the device, before the
+    # host reads them: the host's bookkeeping then overlaps the GPU's next step (a token a
+    # finishing sequence did not need is discarded). None: on where decode replays CUDA graphs.
+    async_decode: bool | None = None
     kernel: str = "auto"  # "triton" on CUDA, "torch" (the reference) on CPU
     chunk_cache_bytes: int | None = None  # cap on the pool bytes cached chunks hold (None: the pool)
     reuse_options: ReuseOptions | None = None
     # Retrieval heads' selected sets and per-head decode budgets (H2O); None: retrieval heads global
     selection: SelectionOptions | None = None
+
+
+@dataclass
+class _Ahead:
+    """A decode forward launched before the host has read the tokens it continues from."""
+    plan: str
+    seqs: list[Sequence]
+    tokens: torch.Tensor  # what it samples, on the device [len(seqs)]
 
 
 @dataclass
@@ -165,6 +177,9 @@ class Engine:
         plan_tensors = {name: (torch.as_tensor(w, dtype=torch.int32).to(device),
                                torch.as_tensor(s, dtype=torch.int32).to(device)) for name, (w, s) in vis.items()}
         self.runner = ModelRunner(model, self.pool, plan_tensors, cfg.max_num_seqs, cfg.cuda_graphs, cfg.kernel)
+        self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
+        self._ahead: _Ahead | None = None
+        self._may_look_ahead = False
         self.prefix_cache = PrefixCache(self.pool, fingerprint) if cfg.enable_prefix_caching else None
         self.fingerprint = fingerprint
         self.honours_cache_salt = True  # Sequence.cache_salt namespaces every cache key it touches
@@ -331,6 +346,10 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Advance every running request by one scheduled piece of work; returns what changed."""
+        if self._ahead is not None:
+            outputs = self._step_ahead()
+            if outputs is not None:
+                return outputs
         t0 = time.perf_counter()
         outputs: list[StepOutput] = []
         budget = self.cfg.max_num_batched_tokens
@@ -364,6 +383,9 @@ class Engine:
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         for s, n in batch:
             groups.setdefault(s.plan, []).append((s, n))
+        # a decode of every running request and nothing else: its next step can start at once
+        self._may_look_ahead = (self.async_decode and not by_method and not chunks and not self.waiting
+                                and len(groups) == 1 and self.selection is None and len(batch) == len(self.running))
         for plan, items in groups.items():
             try:
                 self._forward(plan, items, outputs)
@@ -648,7 +670,7 @@ class Engine:
             return
         rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device)]
         seqs = [items[i][0] for i in done]
-        self._sample(seqs, rows, outputs)
+        self._sample(seqs, rows, outputs, plan if self._may_look_ahead else None)
 
     def _place_chunks(self, seq: Sequence, specs: list, entries: dict) -> None:
         """Copy the prompt prefix's and every chunk's cached KV into the request's own pages, keys
@@ -734,17 +756,67 @@ class Engine:
 
     # ------------------------------------------------------------------ tokens
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput],
+                plan: str | None = None) -> None:
+        """``plan``: the batch is a decode of every running request under it; the next step's
+        forward is launched from the samples before the host reads them (async_decode)."""
         t0 = time.perf_counter()
-        self._sample_rows(seqs, logits, outputs)
+        self._sample_rows(seqs, logits, outputs, plan)
         self.timings["sample"] += time.perf_counter() - t0
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput]) -> None:
+    def _step_ahead(self) -> list[StepOutput] | None:
+        """The step whose forward the last one launched: its positions count as computed, the
+        next one is launched the same way while nothing else waits, then the host reads its
+        samples. None when none of its requests still runs (the step then schedules afresh)."""
+        ahead, self._ahead = self._ahead, None
+        running = {id(s) for s in self.running}
+        keep = [i for i, s in enumerate(ahead.seqs) if id(s) in running and s.finish_reason is None]
+        if not keep:
+            return None
+        t0 = time.perf_counter()
+        seqs = [ahead.seqs[i] for i in keep]
+        tokens = ahead.tokens if len(keep) == len(ahead.seqs) else ahead.tokens[torch.tensor(keep, device=self.device)]
+        for s in seqs:
+            s.num_computed += 1
+            self.pool.trim(s.seq_id)
+        self.timings["steps"] += 1
+        outputs: list[StepOutput] = []
+        if self.async_decode and not self.waiting and self.selection is None and len(seqs) == len(self.running):
+            self._ahead = self._launch_ahead(ahead.plan, seqs, tokens)
+        self._take_tokens(seqs, tokens.tolist(), outputs)
+        self.timings["sample"] += time.perf_counter() - t0
+        return outputs
+
+    def _launch_ahead(self, plan: str, seqs: list[Sequence], tokens: torch.Tensor) -> _Ahead | None:
+        """Launch the decode of ``tokens`` (sampled on the device, one per sequence, not yet
+        appended) at each sequence's next position; sequences the token ends by length are left
+        out. None when nothing is launched (no page to spare, or the forward fails: the next step
+        then computes these positions as usual and meets the error itself)."""
+        picks = [i for i, s in enumerate(seqs)
+                 if len(s.token_ids) + 1 - s.num_prompt < s.params.max_tokens and len(s.token_ids) + 1 < self.max_model_len]
+        if not picks:
+            return None
+        chosen = [seqs[i] for i in picks]
+        try:
+            for s in chosen:
+                self.pool.ensure(s.seq_id, s.num_computed + 1)
+            ids = tokens if len(picks) == len(seqs) else tokens[torch.tensor(picks, device=tokens.device)]
+            logits = self.runner.forward(plan, [s.seq_id for s in chosen], ids, [s.num_computed for s in chosen])
+            nxt = sample(logits, [s.params for s in chosen], [s.generator for s in chosen])
+        except Exception:
+            return None
+        return _Ahead(plan, chosen, nxt)
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput],
+                     plan: str | None = None) -> None:
         for s, row in zip(seqs, logits):
             if s.params.return_first_logits and s.first_logits is None:
                 s.first_logits = row.float().cpu()
         try:
-            tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs]).tolist()
+            sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            if plan is not None:
+                self._ahead = self._launch_ahead(plan, seqs, sampled)
+            tokens = sampled.tolist()
         except Exception:  # find the rows that fail and fail only those requests
             tokens = []
             for s, row in zip(seqs, logits):
@@ -753,6 +825,11 @@ class Engine:
                 except Exception as e:
                     self._fail(s, e, outputs)
                     tokens.append(None)
+        self._take_tokens(seqs, tokens, outputs)
+
+    def _take_tokens(self, seqs: list[Sequence], tokens: list, outputs: list[StepOutput]) -> None:
+        """Append each sequence's sampled token (None: its sampling failed), finishing and
+        freeing those it ends."""
         now = time.perf_counter()
         for s, t in zip(seqs, tokens):
             if t is None:
@@ -829,6 +906,7 @@ class Engine:
         """Rebuild the page pool with ``num_pages`` pages (only while nothing runs)."""
         if self.has_unfinished():
             raise RuntimeError("resize_pool while requests are running")
+        self._ahead = None  # a finished request's unneeded next step
         old = self.pool
         self.chunk_cache.clear()
         if self.prefix_cache is not None:

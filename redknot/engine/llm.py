@@ -56,8 +56,8 @@ class LLM:
                  sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 cuda_graphs: bool = True, gpu_memory_utilization: float = 0.9, reserve_full_length: bool = True,
-                 retrieval_heads: bool = False, decode_kv_budget=None, selection=None, kernel: str = "auto"):
+                 cuda_graphs: bool = True, async_decode: bool | None = None, gpu_memory_utilization: float = 0.9,
+                 reserve_full_length: bool = True, retrieval_heads: bool = False, decode_kv_budget=None, selection=None, kernel: str = "auto"):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
         that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE).
@@ -67,7 +67,9 @@ class LLM:
         they are served as global heads). ``decode_kv_budget``: per-head decode KV budgets with
         H2O accumulation (tokens or a fraction; ``"global=0.1,retrieval=256"``). ``selection``: a
         ``SelectionOptions`` with every knob (overrides the two above). ``kernel``: the attention
-        kernels, "auto" (Triton on CUDA, the torch reference elsewhere), "triton" or "torch"."""
+        kernels, "auto" (Triton on CUDA, the torch reference elsewhere), "triton" or "torch".
+        ``async_decode``: launch each decode step from the previous one's samples on the device
+        before the host reads them (None: where decode replays CUDA graphs)."""
         if model is None:  # the checkpoint shipped in the package, as every CLI defaults to
             model = bundled_model_path()
         if not isinstance(model, ModelConfig):
@@ -104,6 +106,7 @@ class LLM:
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  max_recovery_rows=max_recovery_rows, max_model_len=max_model_len,
                                  enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+                                 async_decode=async_decode,
                                  chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                                  reserve_full_length=reserve_full_length, kernel=kernel,
                                  reuse_options=reuse_options, selection=selection))

@@ -78,27 +78,31 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
 
     @torch.inference_mode()
-    def forward(self, plan: str, seq_ids: list[int], token_ids: list[list[int]], starts: list[int]) -> torch.Tensor:
+    def forward(self, plan: str, seq_ids: list[int], token_ids: list[list[int]] | torch.Tensor,
+                starts: list[int]) -> torch.Tensor:
         """Compute sequences' next tokens: ``token_ids[b]`` at positions ``starts[b]...``; their
-        pages must already be ensured. Returns float32 logits [B, V] of each sequence's last token."""
-        q_lens = [len(t) for t in token_ids]
+        pages must already be ensured. ``token_ids`` may also be one token per sequence as a
+        device tensor [B] (a decode step fed by the previous step's samples, not yet seen by the
+        host). Returns float32 logits [B, V] of each sequence's last token."""
+        on_device = isinstance(token_ids, torch.Tensor)
+        q_lens = [1] * len(seq_ids) if on_device else [len(t) for t in token_ids]
         seq_lens = [s + n for s, n in zip(starts, q_lens)]
         slots = [self.pool.slot(i) for i in seq_ids]
         self.pool.sync_device_tables()
         if (self.cuda_graphs and max(q_lens) == 1 and len(seq_ids) <= self.graph_sizes[-1]
                 and self.attn.capture is None):  # a graph cannot record queries
-            return self._replay(plan, [t[0] for t in token_ids], starts, seq_lens, slots)
+            return self._replay(plan, token_ids if on_device else [t[0] for t in token_ids], starts, seq_lens, slots)
         pages = -(-max(seq_lens) // self.pool.page_size)
         total = sum(q_lens)
         B = len(seq_ids)
         buf = np.empty(2 * total + 2 * B + B + 1, dtype=np.int64)
-        buf[:total] = np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids])
+        buf[:total] = 0 if on_device else np.concatenate([np.asarray(t, dtype=np.int64) for t in token_ids])
         buf[total:2 * total] = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, q_lens)])
         buf[2 * total:2 * total + B] = seq_lens
         buf[2 * total + B:2 * total + 2 * B] = slots
         buf[2 * total + 2 * B:] = np.concatenate([[0], np.cumsum(q_lens)])
         dev = self._to_device(buf)
-        ids, positions = dev[:total], dev[total:2 * total]
+        ids, positions = (token_ids if on_device else dev[:total]), dev[total:2 * total]
         seq_lens_t = dev[2 * total:2 * total + B].to(torch.int32)
         slots_t = dev[2 * total + B:2 * total + 2 * B]
         cu = dev[2 * total + 2 * B:].to(torch.int32)
@@ -160,12 +164,18 @@ class ModelRunner:
         return min(max(16, 1 << (need - 1).bit_length()), self.pool.device_tables.shape[3])
 
     def _replay(self, plan, ids, positions, seq_lens, slots) -> torch.Tensor:
+        """``ids``: host ints, or a device tensor [B] (copied into the graph's input on the device)."""
         B = len(ids)
         size = self._bucket(B)
         host = np.zeros((4, size), dtype=np.int64)
         host[2, B:] = 1  # padding rows: length 1 at position 0 in slot 0
-        host[0, :B], host[1, :B], host[2, :B], host[3, :B] = ids, positions, seq_lens, slots
+        on_device = isinstance(ids, torch.Tensor)
+        host[1, :B], host[2, :B], host[3, :B] = positions, seq_lens, slots
+        if not on_device:
+            host[0, :B] = ids
         self._static[:, :size].copy_(self._to_device(host))
+        if on_device:
+            self._static[0, :B].copy_(ids)
         key = (plan, size, self._page_bucket(max(seq_lens)))
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)

@@ -239,6 +239,57 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_checkpoint, method):
     assert outs[0] == outs[1]
 
 
+@pytest.mark.parametrize("method", ["dense", "headsparse"])
+def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoint, method):
+    """Each decode step launched from the last one's samples on the device: the same greedy and
+    seeded tokens as step-by-step decode, with requests of different lengths finishing on length,
+    a stop string and a stop token (the token computed past a finish is discarded), and every
+    page back afterwards."""
+    path = tiny_checkpoint("llama", num_key_value_heads=2, num_attention_heads=4)
+    hc = HeadConfig.synthetic(2, 2, 0.5, window=16, sink=4)
+    prompts = [LONG[: 40 + 25 * i] for i in range(5)] + [LONG[:40]]  # the last one stops early
+    outs = {}
+    for ahead in (False, True):
+        llm = LLM(model=path, device=DEVICE, dtype="float32", head_config=hc, method=method, page_size=16,
+                  async_decode=ahead)
+        ref = llm.generate(prompts[0], greedy(12))[0].outputs[0]
+        params = [greedy(5 + 3 * i) for i in range(4)]
+        params.append(SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True))
+        params.append(SamplingParams(max_tokens=20, temperature=0, stop=[ref.text[8:12]],
+                                     stop_token_ids=[ref.token_ids[6]], ignore_eos=True))
+        out = llm.generate(prompts, params)
+        outs[ahead] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out]
+        assert not llm.engine.has_unfinished() and llm.engine.request_kv_bytes() == 0
+        llm.engine.clear_caches()
+        assert llm.pool.num_free_pages == llm.pool.num_pages
+    assert outs[True] == outs[False]
+    assert {r for _, _, r in outs[True]} >= {"length", "stop"}
+
+
+def test_async_decode_yields_to_a_request_that_arrives(tiny_checkpoint):
+    """While requests decode step ahead of the host, a new arrival is admitted at the next step
+    (the launched step is finished first) and every request gets its step-by-step tokens."""
+    path = tiny_checkpoint("llama")
+    got = {}
+    for ahead in (False, True):
+        llm = LLM(model=path, device=DEVICE, page_size=16, async_decode=ahead)
+        first = [llm.make_sequence(LONG[:60 + 20 * i], greedy(16), None, "dense") for i in range(2)]
+        late = llm.make_sequence(LONG[:90], greedy(10), None, "dense")
+        for s in first:
+            llm.engine.add_request(s)
+        steps = 0
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+            steps += 1
+            if steps == 5:
+                llm.engine.add_request(late)
+            if steps == 8:
+                llm.engine.abort(first[1])
+        got[ahead] = [s.output_token_ids for s in first + [late]]
+        assert llm.engine.request_kv_bytes() == 0
+    assert got[True] == got[False]
+
+
 def test_a_row_the_sampler_rejects_fails_only_its_own_request(tiny_checkpoint, monkeypatch):
     import redknot.engine.engine as engine_mod
 
