@@ -384,7 +384,7 @@ class Engine:
         for s, n in batch:
             groups.setdefault(s.plan, []).append((s, n))
         # a decode of every running request and nothing else: its next step can start at once
-        self._may_look_ahead = (self.async_decode and not by_method and not chunks and not self.waiting
+        self._may_look_ahead = (self.async_decode and not by_method and not chunks and self._none_admissible()
                                 and len(groups) == 1 and self.selection is None and len(batch) == len(self.running))
         for plan, items in groups.items():
             try:
@@ -781,11 +781,16 @@ class Engine:
             self.pool.trim(s.seq_id)
         self.timings["steps"] += 1
         outputs: list[StepOutput] = []
-        if self.async_decode and not self.waiting and self.selection is None and len(seqs) == len(self.running):
+        if self.async_decode and self._none_admissible() and self.selection is None and len(seqs) == len(self.running):
             self._ahead = self._launch_ahead(ahead.plan, seqs, tokens)
         self._take_tokens(seqs, tokens.tolist(), outputs)
         self.timings["sample"] += time.perf_counter() - t0
         return outputs
+
+    def _none_admissible(self) -> bool:
+        """No waiting request could start at the next step (none waits, or every sequence slot is
+        taken): the next step may be one launched ahead."""
+        return not self.waiting or len(self.running) >= self.max_num_seqs
 
     def _launch_ahead(self, plan: str, seqs: list[Sequence], tokens: torch.Tensor) -> _Ahead | None:
         """Launch the decode of ``tokens`` (sampled on the device, one per sequence, not yet

@@ -266,13 +266,15 @@ def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoi
     assert {r for _, _, r in outs[True]} >= {"length", "stop"}
 
 
-def test_async_decode_yields_to_a_request_that_arrives(tiny_checkpoint):
+@pytest.mark.parametrize("slots", [256, 2])
+def test_async_decode_yields_to_a_request_that_arrives(tiny_checkpoint, slots):
     """While requests decode step ahead of the host, a new arrival is admitted at the next step
-    (the launched step is finished first) and every request gets its step-by-step tokens."""
+    (the launched step is finished first), or once a slot frees when every slot is taken, and
+    every request gets its step-by-step tokens."""
     path = tiny_checkpoint("llama")
     got = {}
     for ahead in (False, True):
-        llm = LLM(model=path, device=DEVICE, page_size=16, async_decode=ahead)
+        llm = LLM(model=path, device=DEVICE, page_size=16, async_decode=ahead, max_num_seqs=slots)
         first = [llm.make_sequence(LONG[:60 + 20 * i], greedy(16), None, "dense") for i in range(2)]
         late = llm.make_sequence(LONG[:90], greedy(10), None, "dense")
         for s in first:
