@@ -248,6 +248,10 @@ def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoi
     path = tiny_checkpoint("llama", num_key_value_heads=2, num_attention_heads=4)
     hc = HeadConfig.synthetic(2, 2, 0.5, window=16, sink=4)
     prompts = [LONG[: 40 + 25 * i] for i in range(5)] + [LONG[:40]]  # the last one stops early
+    # On a GPU a row's logits depend on the batch's size (GEMM kernels are chosen by shape), and a
+    # request that stops on a token or string is still in the launched step, not in the step-by-step
+    # one: so there every request finishes on length, and the batches are the same.
+    stops = DEVICE == "cpu"
     outs = {}
     for ahead in (False, True):
         llm = LLM(model=path, device=DEVICE, dtype="float32", head_config=hc, method=method, page_size=16,
@@ -255,22 +259,24 @@ def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoi
         ref = llm.generate(prompts[0], greedy(12))[0].outputs[0]
         params = [greedy(5 + 3 * i) for i in range(4)]
         params.append(SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True))
-        params.append(SamplingParams(max_tokens=20, temperature=0, stop=[ref.text[8:12]],
-                                     stop_token_ids=[ref.token_ids[6]], ignore_eos=True))
+        params.append(SamplingParams(max_tokens=20, temperature=0, stop=[ref.text[8:12]] if stops else None,
+                                     stop_token_ids=[ref.token_ids[6]] if stops else [], ignore_eos=True))
         out = llm.generate(prompts, params)
         outs[ahead] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out]
         assert not llm.engine.has_unfinished() and llm.engine.request_kv_bytes() == 0
         llm.engine.clear_caches()
         assert llm.pool.num_free_pages == llm.pool.num_pages
     assert outs[True] == outs[False]
-    assert {r for _, _, r in outs[True]} >= {"length", "stop"}
+    assert {r for _, _, r in outs[True]} >= ({"length", "stop"} if stops else {"length"})
 
 
 @pytest.mark.parametrize("slots", [256, 2])
 def test_async_decode_yields_to_a_request_that_arrives(tiny_checkpoint, slots):
     """While requests decode step ahead of the host, a new arrival is admitted at the next step
     (the launched step is finished first), or once a slot frees when every slot is taken, and
-    every request gets its step-by-step tokens."""
+    every request gets its step-by-step tokens (on the CPU, where a row's arithmetic does not
+    depend on the batch it is in; on a GPU the arrival and the abort change batches at other
+    steps than step by step, so there each request gets its length)."""
     path = tiny_checkpoint("llama")
     got = {}
     for ahead in (False, True):
@@ -289,7 +295,9 @@ def test_async_decode_yields_to_a_request_that_arrives(tiny_checkpoint, slots):
                 llm.engine.abort(first[1])
         got[ahead] = [s.output_token_ids for s in first + [late]]
         assert llm.engine.request_kv_bytes() == 0
-    assert got[True] == got[False]
+        assert [len(t) for t in got[ahead][::2]] == [16, 10] and first[1].finish_reason == "abort"
+    if DEVICE == "cpu":
+        assert got[True] == got[False]
 
 
 def test_a_row_the_sampler_rejects_fails_only_its_own_request(tiny_checkpoint, monkeypatch):
