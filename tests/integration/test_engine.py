@@ -255,7 +255,7 @@ def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoi
     outs = {}
     for ahead in (False, True):
         llm = LLM(model=path, device=DEVICE, dtype="float32", head_config=hc, method=method, page_size=16,
-                  async_decode=ahead)
+                  kv_pages=4096, async_decode=ahead)
         ref = llm.generate(prompts[0], greedy(12))[0].outputs[0]
         params = [greedy(5 + 3 * i) for i in range(4)]
         params.append(SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True))
@@ -280,7 +280,7 @@ def test_async_decode_yields_to_a_request_that_arrives(tiny_checkpoint, slots):
     path = tiny_checkpoint("llama")
     got = {}
     for ahead in (False, True):
-        llm = LLM(model=path, device=DEVICE, page_size=16, async_decode=ahead, max_num_seqs=slots)
+        llm = LLM(model=path, device=DEVICE, page_size=16, kv_pages=4096, async_decode=ahead, max_num_seqs=slots)
         first = [llm.make_sequence(LONG[:60 + 20 * i], greedy(16), None, "dense") for i in range(2)]
         late = llm.make_sequence(LONG[:90], greedy(10), None, "dense")
         for s in first:
