@@ -124,12 +124,33 @@ class EngineConfig:
     selection: SelectionOptions | None = None
 
 
+class _TokensToHost:
+    """Sampled token ids on their way to the host. On CUDA the copy goes into pinned memory as
+    soon as it is enqueued, with its own event, so reading it waits for the step that sampled
+    them and not for a step launched after it (a plain ``tolist`` would wait for the stream)."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+        self.host = self.event = None
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def tolist(self) -> list[int]:
+        if self.event is None:
+            return self.tokens.tolist()
+        self.event.synchronize()
+        return self.host.tolist()
+
+
 @dataclass
 class _Ahead:
     """A decode forward launched before the host has read the tokens it continues from."""
     plan: str
     seqs: list[Sequence]
-    tokens: torch.Tensor  # what it samples, on the device [len(seqs)]
+    tokens: _TokensToHost  # what it samples, on the device [len(seqs)], on its way to the host
 
 
 @dataclass
@@ -775,7 +796,9 @@ class Engine:
             return None
         t0 = time.perf_counter()
         seqs = [ahead.seqs[i] for i in keep]
-        tokens = ahead.tokens if len(keep) == len(ahead.seqs) else ahead.tokens[torch.tensor(keep, device=self.device)]
+        tokens = ahead.tokens.tokens
+        if len(keep) < len(ahead.seqs):
+            tokens = tokens[torch.tensor(keep, device=self.device)]
         for s in seqs:
             s.num_computed += 1
             self.pool.trim(s.seq_id)
@@ -783,7 +806,8 @@ class Engine:
         outputs: list[StepOutput] = []
         if self.async_decode and self._none_admissible() and self.selection is None and len(seqs) == len(self.running):
             self._ahead = self._launch_ahead(ahead.plan, seqs, tokens)
-        self._take_tokens(seqs, tokens.tolist(), outputs)
+        ids = ahead.tokens.tolist()
+        self._take_tokens(seqs, [ids[i] for i in keep], outputs)
         self.timings["sample"] += time.perf_counter() - t0
         return outputs
 
@@ -807,7 +831,7 @@ class Engine:
                 self.pool.ensure(s.seq_id, s.num_computed + 1)
             ids = tokens if len(picks) == len(seqs) else tokens[torch.tensor(picks, device=tokens.device)]
             logits = self.runner.forward(plan, [s.seq_id for s in chosen], ids, [s.num_computed for s in chosen])
-            nxt = sample(logits, [s.params for s in chosen], [s.generator for s in chosen])
+            nxt = _TokensToHost(sample(logits, [s.params for s in chosen], [s.generator for s in chosen]))
         except Exception:
             return None
         return _Ahead(plan, chosen, nxt)
@@ -819,9 +843,10 @@ class Engine:
                 s.first_logits = row.float().cpu()
         try:
             sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            on_way = _TokensToHost(sampled) if plan is not None else sampled
             if plan is not None:
                 self._ahead = self._launch_ahead(plan, seqs, sampled)
-            tokens = sampled.tolist()
+            tokens = on_way.tolist()
         except Exception:  # find the rows that fail and fail only those requests
             tokens = []
             for s, row in zip(seqs, logits):
