@@ -56,7 +56,7 @@ def visible_pairs(q_pos: torch.Tensor, window: torch.Tensor, sink: torch.Tensor,
 
 def visible_pairs_per_kv_head(q_pos: torch.Tensor, window: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
     """``visible_pairs`` over KV heads, as a 0-d tensor on ``q_pos``'s device (no host sync)."""
-    return _pairs(q_pos.long()[:, None], window, sink).sum()
+    return keys_seen(q_pos.long()[:, None], window, sink).sum()
 
 
 def visible_pairs_batched(q_pos: torch.Tensor, lens: torch.Tensor, window: torch.Tensor,
@@ -64,12 +64,12 @@ def visible_pairs_batched(q_pos: torch.Tensor, lens: torch.Tensor, window: torch
     """``visible_pairs_per_kv_head`` of R query sets at once: row r's queries are the first
     ``lens[r]`` positions of q_pos [R, T]. int64 [R] on the device (no host sync)."""
     valid = torch.arange(q_pos.shape[-1], device=q_pos.device) < lens[:, None]
-    return (_pairs(q_pos.long()[..., None], window, sink) * valid[..., None]).sum(dim=(-1, -2))
+    return (keys_seen(q_pos.long()[..., None], window, sink) * valid[..., None]).sum(dim=(-1, -2))
 
 
-def _pairs(p: torch.Tensor, window: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
-    """Keys each query at p [..., 1] sees per KV head [..., Hkv]: min(p + 1, W) recent keys plus
-    the sink keys before the window."""
+def keys_seen(p: torch.Tensor, window: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """Keys each query at p [..., 1] sees per KV head [..., Hkv] (``window``/``sink`` [Hkv]):
+    min(p + 1, W) recent keys plus the sink keys before the window."""
     n = p + 1  # keys at or before p
     w, s = window.long().to(p.device), sink.long().to(p.device)
     return torch.minimum(n, w) + torch.minimum(s, n - w).clamp_min(0)

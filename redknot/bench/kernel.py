@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..visibility import GLOBAL_WINDOW, kept_page_mask, kept_pages, visible
+from ..visibility import GLOBAL_WINDOW, keys_seen, kept_page_mask, kept_pages, visible
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
 GROUP = HQ // HKV
@@ -230,10 +230,7 @@ def make_case(shape: Shape, device: torch.device, seed: int, global_window: int)
 
 def visible_counts(pos: torch.Tensor, windows, sinks) -> torch.Tensor:
     """int64 [T, Hkv]: keys each query sees per KV head (exactly, from the rule)."""
-    n = pos.long()[:, None] + 1                   # keys j <= p
-    w = torch.tensor(windows, dtype=torch.long)[None]
-    s = torch.tensor(sinks, dtype=torch.long)[None]
-    return torch.minimum(n, w) + torch.minimum(s, n - w).clamp_min(0)
+    return keys_seen(pos.long()[:, None], torch.tensor(windows), torch.tensor(sinks))
 
 
 def work_model(case: Case) -> dict:
@@ -647,7 +644,7 @@ def bench_sdpa_mask(case: Case, env: Env):
                            f"{budget / 2**30:.1f} GiB)"}, None
     pos = case.pos[:ql].to(dev)[:, None]                       # same positions for every b
     j = torch.arange(L, device=dev)[None]
-    mask = torch.stack([(j <= pos) & ((j < case.sinks[h]) | (pos - j < case.windows[h]))
+    mask = torch.stack([visible(pos, j, case.windows[h], case.sinks[h])
                         for h in range(HKV)])                  # [Hkv, Lq, L]
     mask = mask.repeat_interleave(GROUP, dim=0)[None].contiguous()  # [1, Hq, Lq, L]
     q4 = _bhsd(case.q, B)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..visibility import dead_pages_end, visible
 from . import kernel as kb
 
 BUDGET = 0.10
@@ -63,7 +64,7 @@ def make_h2o_case(shape: H2OShape, device: torch.device, seed: int) -> dict:
     v = torch.randn(B, L, H, D, generator=gen, device=device, dtype=kb.DTYPE)
     n_lp = -(-L // ps)
     sink_pages = -(-H2O_SINK // ps)
-    dead_end = max(0, (L - shape.window) // ps)  # pages below hold no window token of the query at L-1
+    dead_end = int(dead_pages_end(L - 1, shape.window, ps))  # pages below hold no window token of the query at L-1
     window_pages = n_lp - dead_end
     heavy = max(0, int(shape.budget * L) // ps - sink_pages - window_pages)
     cpu = torch.Generator().manual_seed(seed + 1)
@@ -90,7 +91,7 @@ def make_h2o_case(shape: H2OShape, device: torch.device, seed: int) -> dict:
     sel = (heavy_pages[..., None] * ps + torch.arange(ps)).flatten(2).to(torch.int32)  # [B, H, heavy * ps]
     # the kept positions per (b, h), in order: sink, heavy, window (each head the same count)
     j = torch.arange(L)
-    vis = ((j < H2O_SINK) | (L - 1 - j < shape.window))[None, None].expand(B, H, L).clone()
+    vis = visible(L - 1, j, shape.window, H2O_SINK)[None, None].expand(B, H, L).clone()
     vis.scatter_(2, sel.long().clamp_max(L - 1), True)
     kept = vis.sum(-1)
     if not (kept == kept[0, 0]).all():

@@ -278,9 +278,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"beside the checkpoint)")
     p.add_argument("--sparse-ffn", default=None,
                    help="sparse FFN JSON (default: sparse_ffn.json beside the checkpoint, else built-in tiers)")
-    p.add_argument("--shallow-suffix", choices=("local", "plan"), default="local",
-                   help="redknot's shallow layers: the question attends locally like the chunk tokens "
-                        "(local, default) or keeps its head plan (plan)")
     p.add_argument("--shallow-window", type=int, default=None,
                    help="redknot's shallow layers: the window global heads recover within (default: the "
                         "widest local window; at least the context length: global heads read everything there)")
@@ -374,8 +371,7 @@ def run(args) -> dict:
     from ..reuse.methods import ReuseOptions
 
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
-              dtype=args.dtype, reuse_options=ReuseOptions(shallow_suffix=args.shallow_suffix,
-                                                   shallow_window=args.shallow_window))
+              dtype=args.dtype, reuse_options=ReuseOptions(shallow_window=args.shallow_window))
     # One request at a time: a page pool for the largest request (its context, and for chunk
     # methods the cached chunks it copies from), not the serving default share of GPU memory, so
     # harness processes can share a device.
@@ -423,7 +419,7 @@ def _resumable(path: Path, args, methods: list[str]) -> list[dict]:
         mine = None if getattr(args, key) is None else str(getattr(args, key))
         if mine != theirs:
             raise ValueError(f"--resume: {path} was made with {key}={theirs!r}, this run has {mine!r}")
-    for key in ("data", "sparse_ffn", "shallow_suffix", "shallow_window", "max_tokens",
+    for key in ("data", "sparse_ffn", "shallow_window", "max_tokens",
                 "dtype", "prompt"):
         mine = getattr(args, key, None)
         mine = None if mine is None else str(mine)
@@ -433,6 +429,9 @@ def _resumable(path: Path, args, methods: list[str]) -> list[dict]:
             theirs = "plain"
         if mine != theirs:
             raise ValueError(f"--resume: {path} was made with {key}={theirs!r}, this run has {mine!r}")
+    if old_args.get("shallow_suffix", "local") != "local":  # files that record it: the question's shallow visibility
+        raise ValueError(f"--resume: {path} was made with shallow_suffix={old_args['shallow_suffix']!r}; "
+                         f"redknot's question attends locally in the shallow layers ('local')")
     if list(old["methods"]) != methods:
         raise ValueError(f"--resume: {path} has methods {','.join(old['methods'])}, this run {','.join(methods)}")
     return entries

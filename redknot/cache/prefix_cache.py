@@ -18,6 +18,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from ..visibility import kept_page_mask
 from .pool import PagePool
 
 
@@ -64,8 +65,7 @@ class PrefixCache:
         for m in range(len(blocks), 0, -1):
             table = np.stack(blocks[:m], axis=-1)  # [L, Hkv, m]
             n = m * ps
-            lp = np.arange(m)
-            need = (lp < -(-sink[:, :, None] // ps)) | (lp >= np.maximum(0, (n - window + 1) // ps)[:, :, None])
+            need = kept_page_mask(n, window, sink, ps)  # [L, Hkv, m]
             if (table[need] >= 0).all():
                 for k in reversed(keys[:m]):  # parents end most recent: evicted after their children
                     self._blocks.move_to_end(k)

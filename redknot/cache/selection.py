@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from .. import visibility
+
 # Scores of one chunk of heads take at most this many bytes (fp32 [R, M, N]).
 _CHUNK_BYTES = 256 << 20
 
@@ -71,7 +73,7 @@ def distant_mask(n: int, length: torch.Tensor, window: torch.Tensor, sink: torch
     a sink token (j < sink) nor inside the window (length - j < window)."""
     j = torch.arange(n, device=window.device)[None, :]
     length = length.to(window.device).long().reshape(-1, 1)
-    return (j < length) & (j >= sink.long()[:, None]) & (length - j >= window.long()[:, None])
+    return (j < length) & ~visibility.visible(length, j, window.long()[:, None], sink.long()[:, None])
 
 
 def select_top_p(mass: torch.Tensor, length, window, sink, top_p, max_sel: int | None = None,
@@ -188,7 +190,7 @@ def attention_mass_ref(q, k, q_pos, scale, visible=None) -> torch.Tensor:
 def select_top_p_ref(mass, length: int, window: int, sink: int, top_p: float) -> list[int]:
     """select_top_p for one head in plain Python (float64): sorted selected positions."""
     m = [max(0.0, float(x)) for x in mass[:length]]
-    far = [j for j in range(length) if j >= sink and length - j >= window]
+    far = [j for j in range(length) if not visibility.visible(length, j, window, sink)]
     total = sum(m)
     have = total - sum(m[j] for j in far)
     if top_p >= 1:

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DEFAULT_SINK, HeadConfig
-from ..visibility import visible
+from ..visibility import GLOBAL_WINDOW, visible
 
 # Score elements per query block ([Hq, rows, keys] fp32): bounds memory at long context.
 BLOCK_ELEMS = 2**24
@@ -174,12 +174,11 @@ def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=B
         n = q_start + r1  # keys after the block's last query are invisible: skip them
         pos = torch.arange(q_start + r0, q_start + r1, device=q.device)
         j = torch.arange(n, device=q.device)
-        visible = j[None, :] <= pos[:, None]
-        if native_window:  # the architecture's own sliding window
-            visible &= pos[:, None] - j[None, :] < native_window
+        # every head sees its causal past, within the architecture's own sliding window if it has one
+        seen = visible(pos[:, None], j[None, :], native_window or GLOBAL_WINDOW, 0)
         qb = q[r0:r1].float().view(r1 - r0, hkv, g, d)
         scores = torch.einsum("rhgd,hnd->hgrn", qb, kf[:, :n]) * scale
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [Hkv, g, rows, n]
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)  # [Hkv, g, rows, n]
         out[r0:r1] = torch.einsum("hgrn,hnd->rhgd", probs, vf[:, :n]).reshape(r1 - r0, hq, d).to(v.dtype)
         for acc, measure_from in stats:
             i0 = max(0, measure_from - (q_start + r0))  # rows are sorted by position

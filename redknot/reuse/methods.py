@@ -7,9 +7,8 @@ epic           full_reuse, plus the first `epic_tokens` tokens of each chunk rec
 cacheblend     layer 0 recomputes every chunk token; the `cacheblend_ratio` with the largest
                value deviation from their cached KV continue, the rest keep the cache
 redknot        one forward over chunks + suffix (the first chunk's cache is exact and stays): shallow
-               layers (< dense_until) attend locally
-               (every head within its sink + window; ReuseOptions.shallow_suffix="plan" keeps the
-               suffix on its head plan there) with a dense FFN; deeper layers give global
+               layers (< dense_until) attend locally (every head, the suffix's included, within its
+               sink + window) with a dense FFN; deeper layers give global
                heads the full context and local heads their window, and run the FFN only on the
                tokens that receive the most attention from the suffix's last tokens (tiered
                thresholds; or SparseFFNConfig.keep_fraction of them, ranked by its importance,
@@ -48,14 +47,8 @@ class ReuseOptions:
     cacheblend_ratio: float = 0.15
     observation_tokens: int = 16  # suffix tail whose attention mass ranks tokens for the sparse FFN
     shallow_window: int | None = None  # local-recovery window of global heads; None: widest local window
-    # What the suffix (question) sees in the shallow, locally recovering layers: "local" = the same
-    # sink + window as the chunk tokens (every published number), "plan" = its head plan (global
-    # heads the whole context; docs/results/quality_testbed.md measures both).
-    shallow_suffix: str = "local"
 
     def __post_init__(self):
-        if self.shallow_suffix not in ("plan", "local"):
-            raise ValueError(f"ReuseOptions.shallow_suffix={self.shallow_suffix!r}: use 'plan' or 'local'")
         if self.shallow_window is not None and self.shallow_window < 1:
             raise ValueError(f"ReuseOptions.shallow_window={self.shallow_window!r}: use a window >= 1 or None")
 
@@ -101,11 +94,9 @@ class CacheBlend(FixedSet):
 
 class RedKnot(FixedSet):
     def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
-                 sparse: SparseFFNConfig, observe: int, keep_cached: bool, suffix_start: int | None = None,
-                 chunk_id: torch.Tensor | None = None):
+                 sparse: SparseFFNConfig, observe: int, keep_cached: bool, chunk_id: torch.Tensor | None = None):
         super().__init__(positions, window, sink)
         self.shallow = (shallow_window, shallow_sink)
-        self.suffix_start = suffix_start  # None: the suffix recovers locally in shallow layers too
         self.is_chunk, self.sparse, self.n_obs, self.keep_cached = is_chunk, sparse, observe, keep_cached
         self.chunk_id = chunk_id if chunk_id is not None else torch.where(is_chunk, 0, -1)  # per position
         self._rows = None
@@ -115,11 +106,6 @@ class RedKnot(FixedSet):
         if layer < self.sparse.dense_until:  # local recovery: every head within sink + window
             return self.shallow[0][layer], self.shallow[1][layer]
         return super().visibility(layer)
-
-    def query_split(self, layer):
-        if self.suffix_start is None or layer >= self.sparse.dense_until:
-            return None
-        return self.suffix_start, self.window[layer], self.sink[layer]  # the question keeps its head plan
 
     def observe(self, layer):
         sparse = self.sparse.threshold(layer) is not None and self.sparse.importance == "attention"
@@ -143,7 +129,7 @@ class RedKnot(FixedSet):
     def batchable(self) -> bool:
         """Whether ``rows_batch`` decides this policy's FFN rows (attention-mass ranking, one
         visibility for every query)."""
-        return self.sparse.importance == "attention" and self.suffix_start is None
+        return self.sparse.importance == "attention"
 
     def ffn_rows(self, layer, cur, info):
         thr = self.sparse.threshold(layer)
@@ -402,7 +388,6 @@ class ReuseEngine:
         body = torch.arange(first, n, device=dev)
         return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, self.sparse,
                        min(o.observation_tokens, len(prompt.suffix)), keep_cached=method == "redknot_kv",
-                       suffix_start=prompt.suffix_start if o.shallow_suffix == "plan" else None,
                        chunk_id=chunk_id)
 
     def _shallow(self, window, sink):

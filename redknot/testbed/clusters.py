@@ -12,13 +12,13 @@
   1820"); a *later* document B refers to X only by that role ("the founder of Kestrel Works") and
   states a fact about them; the question names X. Linked at question time (X's bio gives the role,
   the role finds B's description), so it tests reference by description, not reuse.
-- ``mention`` (not among the default types): the first form of ``description``, where document A is
-  the role holder's profile and names X once ("Kestrel Works was founded by Orla Venn"), so the first
-  hop runs backwards from X's single mention. Testbed models stay at the coin flip between X and
-  its twin on that hop (runs V–Z, ``git show 21f14ac:docs/results/testbed.md``), so the type
-  measures the model, not the reuse methods. ``mention`` draws exactly what ``description`` drew in that form:
-  ``--types single_hop multi_hop cross_doc mention`` reproduces held-out files written with it (type
-  ``mention`` where they say ``description``).
+- ``mention`` (not among the default types): ``description`` with document A the role holder's
+  profile, which names X once ("Kestrel Works was founded by Orla Venn"), so the first hop runs
+  backwards from X's single mention. Testbed models stay at the coin flip between X and its twin on
+  that hop (runs V–Z, ``git show 21f14ac:docs/results/testbed.md``), so the type measures the model,
+  not the reuse methods. Held-out files whose ``description`` records have this form are what
+  ``--types single_hop multi_hop cross_doc mention`` draws (type ``mention`` where they say
+  ``description``): ``mention`` takes from the generator exactly what those records took.
 - ``role`` (for training stages only, not among the default types): a ``mention`` cluster asked
   for the holder of X's role ("Which city is Orla Venn the mayor of?" -> the city whose document
   names X as its mayor), the backward first hop of ``mention`` on its own.
@@ -104,7 +104,8 @@ def cross_doc_cluster(world: World, variant: str, gender: str | None = None) -> 
 def _described_cluster(world: World, variant: str, kind: str) -> Cluster:
     """A gives X a role; a later B describes X only by that role and states the answer. ``kind``
     says what A is: X's bio stating the role (``description``) or the holder's profile naming X
-    (``mention``, the first form, which draws from the generator exactly what that form drew)."""
+    (``mention``, which takes from the generator exactly what held-out ``description`` records of
+    that form took)."""
     role, later = variant.split("->")
     rng = world.rng
     holder, x = role_holder(world, role)

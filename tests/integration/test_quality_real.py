@@ -145,6 +145,23 @@ def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
         quality.run(_args(**{**common, "max_tokens": 4}, resume=True))
 
 
+def test_resume_refuses_a_file_whose_question_kept_its_head_plan(tmp_path):
+    """Result files record shallow_suffix; one run with "plan" is another measurement than redknot's."""
+    import argparse
+
+    args = argparse.Namespace(model=None, head_config=None, data=None, sparse_ffn=None, shallow_window=None,
+                              max_tokens=None, dtype=None, prompt="plain")
+    path = tmp_path / "old.json"
+    for suffix, ok in (("local", True), ("plan", False)):
+        path.write_text(json.dumps({"model": None, "head_config": None, "methods": ["dense"], "records": [],
+                                    "args": {"prompt": "plain", "shallow_suffix": suffix}}))
+        if ok:
+            assert quality._resumable(path, args, ["dense"]) == []
+        else:
+            with pytest.raises(ValueError, match="shallow_suffix"):
+                quality._resumable(path, args, ["dense"])
+
+
 def test_public_sets_default_to_the_longbench_prompt(setup, tmp_path):
     model, _, _, _ = setup
     src = tmp_path / "hp.jsonl"  # IRCoT's processed HotpotQA layout (what hotpotqa_dev_500.jsonl holds)

@@ -368,8 +368,8 @@ def test_causal_sdpa_path_equals_the_masked_reference(kernel, n, skip, full):
 
 def test_suffix_keeps_its_head_plan_where_chunks_recover_locally(llm):
     """A query split (chunk rows local, suffix rows under their own visibility) equals two passes:
-    every position under the local visibility, then the suffix alone under its own over that K/V.
-    In redknot this lets the question see its head plan in the shallow layers."""
+    every position under the local visibility, then the suffix alone under its own over that K/V
+    (``Policy.query_split``, which the batched recovery also honours)."""
     from redknot.reuse.methods import FixedSet
     from redknot.reuse.recovery import recover
 
@@ -395,15 +395,9 @@ def test_suffix_keeps_its_head_plan_where_chunks_recover_locally(llm):
     assert split.flops.totals()["attention"] > first.flops.totals()["attention"]
 
 
-def test_redknot_suffix_visibility_option(tiny_checkpoint):
+def test_reuse_options_refuse_a_zero_shallow_window():
     from redknot.reuse.methods import ReuseOptions
 
-    path = tiny_checkpoint("llama", num_hidden_layers=3)
-    local = make_llm(path).first_token_logits(QUESTION, documents=DOCS, method="redknot")  # the default
-    plan = make_llm(path, reuse_options=ReuseOptions(shallow_suffix="plan"))
-    assert cos(plan.first_token_logits(QUESTION, documents=DOCS, method="redknot"), local) < 0.99999
-    with pytest.raises(ValueError, match="shallow_suffix"):
-        ReuseOptions(shallow_suffix="global")
     with pytest.raises(ValueError, match="shallow_window"):
         ReuseOptions(shallow_window=0)  # 0 would silently mean the default window
 

@@ -44,3 +44,10 @@ def test_bench_and_testbed_share_records_not_each_other():
     assert not testbed_up
     for f in ("quality.py", "datasets.py"):
         assert not any(m.startswith("redknot.testbed") for m in imported_modules(ROOT / "bench" / f))
+
+
+def test_the_visibility_rule_is_written_out_in_one_module():
+    """Outside the kernels' device code and their torch reference, modules call redknot/visibility.py."""
+    rule = "j <= p and (j < S or p - j < W or j in sel)"
+    where = sorted(str(f.relative_to(ROOT)) for f in ROOT.rglob("*.py") if rule in f.read_text())
+    assert where == ["visibility.py"]
