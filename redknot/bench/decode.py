@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-max-batch", type=int, default=64)
     p.add_argument("--bandwidth", type=float, default=4.0e12, help="bytes/s of the bound (H200: ~4 TB/s)")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--async-decode", action="store_true",
-                   help="launch each step from the last one's samples before the host reads them")
+    p.add_argument("--no-async-decode", action="store_true",
+                   help="the host reads each step's tokens before the next step is launched")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also run 4 eager (graph-free) steps of each case under torch.profiler; op tables in DIR")
     p.add_argument("--device", default=None)
@@ -245,7 +245,7 @@ def run(args) -> dict:
         llm = LLM(model=cfg, head_config=head, device=dev, dtype=dtype, kv_pages=pages, max_num_seqs=max(b for b, _ in cases),
                   max_model_len=arch["max_position_embeddings"], enable_prefix_caching=False,
                   cuda_graphs=not args.no_cuda_graphs, chunk_cache_bytes=0,
-                  async_decode=getattr(args, "async_decode", False))
+                  async_decode=False if getattr(args, "no_async_decode", False) else None)
         _fill_random(llm.pool)
         weights = _weight_bytes(llm.model)
         result["weight_bytes"] = weights

@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pages", type=int, default=None)
     p.add_argument("--capture-graphs", action="store_true",
                    help="capture every decode graph the run can need before the clients start")
-    p.add_argument("--async-decode", action="store_true",
-                   help="launch each decode step from the last one's samples before the host reads them")
+    p.add_argument("--no-async-decode", action="store_true",
+                   help="the host reads each decode step's tokens before the next step is launched")
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
@@ -65,7 +65,7 @@ def _llm(args, dev):
         head = (HeadConfig.from_json(args.head_config) if os.path.isfile(args.head_config)
                 else head_config(args.head_config, cfg, None))
     return LLM(model=model, head_config=head, device=dev, kv_pages=args.kv_pages,
-               async_decode=getattr(args, "async_decode", False))
+               async_decode=False if getattr(args, "no_async_decode", False) else None)
 
 
 async def _client(client, model, jobs, results, max_tokens, method):

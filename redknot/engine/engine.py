@@ -115,9 +115,8 @@ class EngineConfig:
     cuda_graphs: bool = True
     # Launch each decode-only step's next forward, fed by its samples on the device, before the
     # host reads them: the host's bookkeeping then overlaps the GPU's next step (a token a
-    # finishing sequence did not need is discarded). Off until its GPU speed is measured in the
-    # current form (docs/results/decode.md).
-    async_decode: bool = False
+    # finishing sequence did not need is discarded). None: on where decode replays CUDA graphs.
+    async_decode: bool | None = None
     kernel: str = "auto"  # "triton" on CUDA, "torch" (the reference) on CPU
     chunk_cache_bytes: int | None = None  # cap on the pool bytes cached chunks hold (None: the pool)
     reuse_options: ReuseOptions | None = None
@@ -199,7 +198,7 @@ class Engine:
         plan_tensors = {name: (torch.as_tensor(w, dtype=torch.int32).to(device),
                                torch.as_tensor(s, dtype=torch.int32).to(device)) for name, (w, s) in vis.items()}
         self.runner = ModelRunner(model, self.pool, plan_tensors, cfg.max_num_seqs, cfg.cuda_graphs, cfg.kernel)
-        self.async_decode = cfg.async_decode
+        self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
         self._ahead: _Ahead | None = None
         self._may_look_ahead = False
         self.prefix_cache = PrefixCache(self.pool, fingerprint) if cfg.enable_prefix_caching else None

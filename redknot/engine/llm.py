@@ -56,7 +56,7 @@ class LLM:
                  sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 cuda_graphs: bool = True, async_decode: bool = False, gpu_memory_utilization: float = 0.9,
+                 cuda_graphs: bool = True, async_decode: bool | None = None, gpu_memory_utilization: float = 0.9,
                  reserve_full_length: bool = True, retrieval_heads: bool = False, decode_kv_budget=None, selection=None, kernel: str = "auto"):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
@@ -69,7 +69,7 @@ class LLM:
         ``SelectionOptions`` with every knob (overrides the two above). ``kernel``: the attention
         kernels, "auto" (Triton on CUDA, the torch reference elsewhere), "triton" or "torch".
         ``async_decode``: launch each decode step from the previous one's samples on the device
-        before the host reads them."""
+        before the host reads them (None: where decode replays CUDA graphs)."""
         if model is None:  # the checkpoint shipped in the package, as every CLI defaults to
             model = bundled_model_path()
         if not isinstance(model, ModelConfig):
