@@ -77,6 +77,18 @@ def test_placed_chunks_equal_the_recovery_oracle(llm):
         assert metrics["flops"] == oracle.flops.totals()
 
 
+def _assert_batch_equals_the_oracle(llm, questions, orders, method):
+    """All requests in one generate call: each one's first-token logits and FLOPs equal the
+    reference recovery forward's for it alone, and no page is left held."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+    out = llm.generate(questions, params, documents=orders, method=method)
+    for o, q, docs in zip(out, questions, orders):
+        oracle = llm.reuse.prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
+        torch.testing.assert_close(o.first_token_logits, oracle.logits, rtol=1e-4, atol=1e-4)
+        assert o.metrics["flops"] == oracle.flops.totals()
+    assert llm.engine.request_kv_bytes() == 0
+
+
 @pytest.mark.parametrize("method", ["cacheblend", "redknot", "redknot_kv", "redknot_exact"])
 def test_batched_recovery_equals_the_recovery_oracle(llm, method):
     """Recovery methods run as a row policy inside one batched forward over the pool: three
@@ -85,13 +97,7 @@ def test_batched_recovery_equals_the_recovery_oracle(llm, method):
     llm.engine.clear_caches()
     orders = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0]]]
     questions = [QUESTION, "Question: what jumps over the dog?", QUESTION]
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
-    out = llm.generate(questions, params, documents=orders, method=method)
-    for o, q, docs in zip(out, questions, orders):
-        oracle = llm.reuse.prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
-        torch.testing.assert_close(o.first_token_logits, oracle.logits, rtol=1e-4, atol=1e-4)
-        assert o.metrics["flops"] == oracle.flops.totals()
-    assert llm.engine.request_kv_bytes() == 0
+    _assert_batch_equals_the_oracle(llm, questions, orders, method)
 
 
 @pytest.mark.parametrize("keep_fraction", [None, 0.3])
@@ -106,13 +112,7 @@ def test_rows_picked_for_a_batch_equal_each_request_alone(tiny_checkpoint, metho
               head_config=HeadConfig.synthetic(4, 2, 0.5, window=16, sink=4))
     orders = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0]], [DOCS[2], DOCS[0] * 2, DOCS[1]]]
     questions = [QUESTION, "Question: what jumps over the dog?", "Who?", QUESTION]
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
-    out = llm.generate(questions, params, documents=orders, method=method)
-    for o, q, docs in zip(out, questions, orders):
-        oracle = llm.reuse.prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
-        torch.testing.assert_close(o.first_token_logits, oracle.logits, rtol=1e-4, atol=1e-4)
-        assert o.metrics["flops"] == oracle.flops.totals()
-    assert llm.engine.request_kv_bytes() == 0
+    _assert_batch_equals_the_oracle(llm, questions, orders, method)
 
 
 @pytest.mark.parametrize("cap", [None, 2])
