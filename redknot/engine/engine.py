@@ -200,7 +200,6 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, plan_tensors, cfg.max_num_seqs, cfg.cuda_graphs, cfg.kernel)
         self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
         self._ahead: _Ahead | None = None
-        self._may_look_ahead = False
         self.prefix_cache = PrefixCache(self.pool, fingerprint) if cfg.enable_prefix_caching else None
         self.fingerprint = fingerprint
         self.honours_cache_salt = True  # Sequence.cache_salt namespaces every cache key it touches
@@ -405,11 +404,10 @@ class Engine:
         for s, n in batch:
             groups.setdefault(s.plan, []).append((s, n))
         # a decode of every running request and nothing else: its next step can start at once
-        self._may_look_ahead = (self.async_decode and not by_method and not chunks and self._none_admissible()
-                                and len(groups) == 1 and self.selection is None and len(batch) == len(self.running))
+        ahead = not by_method and not chunks and len(groups) == 1 and self._may_look_ahead(len(batch))
         for plan, items in groups.items():
             try:
-                self._forward(plan, items, outputs)
+                self._forward(plan, items, outputs, ahead)
             except Exception as e:  # a failing forward fails its requests, never the engine
                 for s, _ in items:
                     self._fail(s, e, outputs)
@@ -666,7 +664,10 @@ class Engine:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _forward(self, plan: str, items: list[tuple[Sequence, int]], outputs: list[StepOutput]) -> None:
+    def _forward(self, plan: str, items: list[tuple[Sequence, int]], outputs: list[StepOutput],
+                 ahead: bool = False) -> None:
+        """``ahead``: the batch is a decode of every running request; its samples launch the next
+        step before the host reads them."""
         t0 = time.perf_counter()
         if self.selection is not None:
             self.selection.begin(plan, items)
@@ -691,7 +692,7 @@ class Engine:
             return
         rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device)]
         seqs = [items[i][0] for i in done]
-        self._sample(seqs, rows, outputs, plan if self._may_look_ahead else None)
+        self._sample(seqs, rows, outputs, plan if ahead else None)
 
     def _place_chunks(self, seq: Sequence, specs: list, entries: dict) -> None:
         """Copy the prompt prefix's and every chunk's cached KV into the request's own pages, keys
@@ -804,17 +805,19 @@ class Engine:
             self.pool.trim(s.seq_id)
         self.timings["steps"] += 1
         outputs: list[StepOutput] = []
-        if self.async_decode and self._none_admissible() and self.selection is None and len(seqs) == len(self.running):
+        if self._may_look_ahead(len(seqs)):
             self._ahead = self._launch_ahead(ahead.plan, seqs, tokens)
         ids = ahead.tokens.tolist()
         self._take_tokens(seqs, [ids[i] for i in keep], outputs)
         self.timings["sample"] += time.perf_counter() - t0
         return outputs
 
-    def _none_admissible(self) -> bool:
-        """No waiting request could start at the next step (none waits, or every sequence slot is
-        taken): the next step may be one launched ahead."""
-        return not self.waiting or len(self.running) >= self.max_num_seqs
+    def _may_look_ahead(self, decoding: int) -> bool:
+        """Whether a decode of ``decoding`` sequences may launch the next step ahead: async decode
+        is on, they are every running request, no head selection runs between steps, and no
+        waiting request could start at the next step (none waits, or every slot is taken)."""
+        return (self.async_decode and decoding == len(self.running) and self.selection is None
+                and (not self.waiting or len(self.running) >= self.max_num_seqs))
 
     def _launch_ahead(self, plan: str, seqs: list[Sequence], tokens: torch.Tensor) -> _Ahead | None:
         """Launch the decode of ``tokens`` (sampled on the device, one per sequence, not yet
@@ -843,8 +846,9 @@ class Engine:
                 s.first_logits = row.float().cpu()
         try:
             sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            on_way = _TokensToHost(sampled) if plan is not None else sampled
-            if plan is not None:
+            on_way = sampled
+            if plan is not None:  # copy these out first, so reading them does not wait for the next step
+                on_way = _TokensToHost(sampled)
                 self._ahead = self._launch_ahead(plan, seqs, sampled)
             tokens = on_way.tolist()
         except Exception:  # find the rows that fail and fail only those requests

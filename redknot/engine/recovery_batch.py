@@ -105,11 +105,14 @@ class RecoveryRows:
             o += r.cur.numel()
         return out
 
-    def _pad_rows(self) -> None:
-        """The batched path's padded view of every request's rows: positions [R, T] (0 past a
-        request's rows), their counts on the device, and where each packed row sits in it."""
+    def _pad_rows(self, cur: torch.Tensor | None = None) -> None:
+        """The batched path's padded view of every request's rows: positions [R, T] (``cur`` when
+        given; any valid position past a request's rows), their counts on the device, and where
+        each packed row sits in it."""
         lens = self.q_lens()
-        self._cur = torch.nn.utils.rnn.pad_sequence([r.cur for r in self.requests], batch_first=True)
+        if cur is None:
+            cur = torch.nn.utils.rnn.pad_sequence([r.cur for r in self.requests], batch_first=True)
+        self._cur = cur
         t = self._cur.shape[1]
         flat = np.concatenate([i * t + np.arange(n) for i, n in enumerate(lens)] + [np.zeros(0, np.int64)])
         both = torch.from_numpy(np.concatenate([np.asarray(lens, np.int64), flat])).to(self.device)
@@ -246,8 +249,8 @@ class RecoveryRows:
         mass = torch.nn.utils.rnn.pad_sequence([r.info["mass"] for r in self.requests], batch_first=True)
         score = mass.gather(1, self._cur)
         keep = RedKnot.rows_batch(policies, layer, self._lens, score, self._is_chunk.gather(1, self._cur))
-        rows = keep.view(-1)[self._flat].nonzero().flatten()  # the layer's one sync
-        counts = keep.sum(-1).tolist()
+        rows = keep.view(-1)[self._flat].nonzero().flatten()  # the layer's two syncs: its rows
+        counts = keep.sum(-1).tolist()  # and their count per request
         for i, r in enumerate(self.requests):
             r.layers.append((lens[i], pairs[i], counts[i]))
         if counts == lens:
@@ -266,7 +269,7 @@ class RecoveryRows:
         cur = self._cur.gather(1, order)
         for i, r in enumerate(self.requests):
             r.cur = cur[i, :counts[i]]
-        self._pad_rows()
+        self._pad_rows(cur)  # past a request's rows: some of its dropped positions, never read
         self._sync_context()
         return rows
 
