@@ -88,28 +88,41 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-def dead_pages_end(n: int, window, page_size: int) -> np.ndarray:
+def _as_int(x):
+    """int64 array of ``x``, kept a tensor (on its device) when it is one, so the rule's page
+    arithmetic runs on the host for the pool and on the device for the selection code."""
+    return x.long() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.int64)
+
+
+def _arange(count: int, like):
+    return torch.arange(count, device=like.device) if isinstance(like, torch.Tensor) else np.arange(count)
+
+
+def dead_pages_end(n: int, window, page_size: int):
     """Per head: logical pages lp < this (and past the sink pages) hold no position a query at
-    p >= n sees: lp is dead iff (lp + 1) * page_size - 1 < n - W + 1, i.e. lp < floor((n - W + 1) / ps)."""
-    return np.maximum(0, (n - np.asarray(window, dtype=np.int64) + 1) // page_size)
+    p >= n sees: lp is dead iff (lp + 1) * page_size - 1 < n - W + 1, i.e. lp < floor((n - W + 1) / ps).
+    Numpy in, numpy out; a tensor in, a tensor out on its device."""
+    end = (n - _as_int(window) + 1) // page_size
+    return end.clamp_min(0) if isinstance(end, torch.Tensor) else np.maximum(0, end)
 
 
-def kept_page_mask(n: int, window, sink, page_size: int) -> np.ndarray:
-    """bool [..., ceil(n / page_size)]: the logical pages each head (``window``/``sink`` of any
-    shape, e.g. [L, Hkv]) still needs once a sequence of ``n`` tokens is trimmed for its next query
-    at p = n. Global heads keep every page."""
-    window = np.asarray(window, dtype=np.int64)
-    sink_pages = _cdiv(np.asarray(sink, dtype=np.int64), page_size)
-    lp = np.arange(_cdiv(n, page_size))
-    dead = (lp >= sink_pages[..., None]) & (lp < dead_pages_end(n, window, page_size)[..., None])
+def kept_page_mask(n: int, window, sink, page_size: int, pages: int | None = None):
+    """bool [..., pages]: the logical pages each head (``window``/``sink`` of any shape, e.g.
+    [L, Hkv]) still needs once a sequence of ``n`` tokens is trimmed for its next query at p = n.
+    ``pages`` defaults to ceil(n / page_size); pages past n count as kept (nothing to release yet).
+    Global heads keep every page. Numpy in, numpy out; tensors in, a tensor out."""
+    window, sink = _as_int(window), _as_int(sink)
+    lp = _arange(_cdiv(n, page_size) if pages is None else pages, window)
+    dead = (lp >= _cdiv(sink, page_size)[..., None]) & (lp < dead_pages_end(n, window, page_size)[..., None])
     return ~dead
 
 
-def kept_pages(n: int, window, sink, page_size: int) -> np.ndarray:
+def kept_pages(n: int, window, sink, page_size: int):
     """Pages each head holds for a trimmed sequence of ``n`` tokens (``kept_page_mask`` counted)."""
-    total = _cdiv(n, page_size)
-    sink_pages = _cdiv(np.asarray(sink, dtype=np.int64), page_size)
-    return total - np.maximum(0, dead_pages_end(n, window, page_size) - sink_pages)
+    window, sink = _as_int(window), _as_int(sink)
+    dead = dead_pages_end(n, window, page_size) - _cdiv(sink, page_size)
+    dead = dead.clamp_min(0) if isinstance(dead, torch.Tensor) else np.maximum(0, dead)
+    return _cdiv(n, page_size) - dead
 
 
 def bytes_per_page(page_size: int, head_dim: int, element_size: int) -> int:

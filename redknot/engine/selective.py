@@ -37,6 +37,7 @@ import torch
 
 from ..cache import selection as sel_ops
 from ..config import DEFAULT_SINK, HEAD_CLASSES, HeadConfig
+from .. import visibility
 from ..context import get_context
 
 SCORERS = ("snapkv", "h2o")
@@ -312,16 +313,15 @@ class HeadSelection:
         sink = torch.as_tensor(d.sink[l, heads], device=dev)
         budget = torch.as_tensor(d.budget[l, heads], device=dev, dtype=torch.float64)
         tokens = torch.where(budget < 1, budget * n, budget).floor().long()
-        lp = torch.arange(P, device=dev)[None, :]
-        sink_pages = (sink + ps - 1) // ps
-        dead_end = ((n - window + 1) // ps).clamp_min(0)  # pages below this are out of the window at p = n
+        stored = tbl >= 0
+        kept_now = visibility.kept_page_mask(n, window, sink, ps, pages=P)
         nxt = (n // ps + 1) * ps  # the next check's length
-        dead_next = ((nxt - window + 1) // ps).clamp_min(0)
-        far = (lp >= sink_pages[:, None]) & (lp < dead_end[:, None]) & (tbl >= 0)
-        leaving = (lp >= sink_pages[:, None]) & (lp >= dead_end[:, None]) & (lp < dead_next[:, None])
-        window_pages = (-(-n // ps)) - torch.maximum(dead_end, sink_pages)
-        heavy = tokens // ps - sink_pages - window_pages.clamp_min(0)
-        return sel_ops.select_pages(acc, far, heavy.clamp_min(0)) | (leaving & (tbl >= 0))
+        far = ~kept_now & stored
+        leaving = kept_now & ~visibility.kept_page_mask(nxt, window, sink, ps, pages=P) & stored
+        # the budget's pages beyond what the head keeps anyway (its sink and window pages)
+        held = torch.maximum(visibility.kept_pages(n, window, sink, ps), -(-sink // ps))
+        heavy = tokens // ps - held
+        return sel_ops.select_pages(acc, far, heavy.clamp_min(0)) | leaving
 
     @staticmethod
     def _visible(sel: np.ndarray, window, sink, q_pos: torch.Tensor, n: int) -> torch.Tensor:
@@ -330,12 +330,11 @@ class HeadSelection:
         j = torch.arange(n, device=dev)
         w = torch.as_tensor(window, device=dev)[:, None, None]
         sk = torch.as_tensor(sink, device=dev)[:, None, None]
-        p = q_pos[None, :, None]
-        vis = (j < sk) | (p - j < w)
+        vis = visibility.visible(q_pos[None, :, None], j, w, sk)
         chosen = torch.zeros(sel.shape[0], n + 1, dtype=torch.bool, device=dev)
         idx = torch.from_numpy(np.where((sel >= 0) & (sel < n), sel, n).astype(np.int64)).to(dev)
         chosen.scatter_(1, idx, True)
-        return vis | chosen[:, None, :n]
+        return vis | (chosen[:, None, :n] & (j <= q_pos[:, None]))
 
 
 class _Capture:
