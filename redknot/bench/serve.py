@@ -41,6 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pages", type=int, default=None)
     p.add_argument("--capture-graphs", action="store_true",
                    help="capture every decode graph the run can need before the clients start")
+    p.add_argument("--warmup-rounds", type=int, default=1,
+                   help="untimed rounds (one request per client, the timed workload's first ones) through "
+                        "each method's server before its timed run, so that kernel compiles and decode-graph "
+                        "captures for the run's batch shapes fall outside the measurement")
     p.add_argument("--no-async-decode", action="store_true",
                    help="the host reads each decode step's tokens before the next step is launched")
     p.add_argument("--device", default=None)
@@ -108,16 +112,26 @@ async def _load(base, model, method, jobs_per_client, max_tokens):
     return results, wall, errors
 
 
+def _serve_load(llm, args, method, per_client):
+    """One OpenAI server on ``llm`` for the duration of one load; returns ``_load``'s results."""
+    from ..engine.async_engine import AsyncLLMEngine
+    from ..serve.background import BackgroundServer
+
+    server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs), "bench")
+    try:
+        return asyncio.run(_load(server.base, "bench", method, per_client, args.max_tokens))
+    finally:
+        server.stop()
+
+
 def _pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 def run(args) -> dict:
-    from ..engine.async_engine import AsyncLLMEngine
     from ..engine.llm import METHODS
     from ..engine.sampling import SamplingParams
-    from ..serve.background import BackgroundServer
     from .common import ARCHS, parse_names
 
     methods = parse_names(args.methods, METHODS, "method")  # before a model is built: a typo fails at once
@@ -150,27 +164,29 @@ def run(args) -> dict:
     for method in methods:  # kernels compile (and chunk paths run once) before anything is timed
         llm.generate("Which documents mention the salt trade?", warm, documents=rng.sample(pool, 2), method=method)
     print(f"warmed up in {time.perf_counter() - t0:.1f} s", flush=True)
+    engine = llm.engine
     for method in methods:
-        llm.engine.clear_caches()
-        server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs), "bench")
-        print(f"{method}: server up at {server.base}, {args.requests} requests from {args.clients} clients", flush=True)
-        try:
-            results, wall, errors = asyncio.run(_load(server.base, "bench", method, per_client, args.max_tokens))
-        finally:
-            server.stop()
-        engine = llm.engine
+        warm_errors = []
+        if args.warmup_rounds > 0:
+            t0 = time.perf_counter()
+            _, _, warm_errors = _serve_load(llm, args, method, [jobs[:args.warmup_rounds] for jobs in per_client])
+            print(f"{method}: {args.warmup_rounds} warm-up round(s) in {time.perf_counter() - t0:.1f} s", flush=True)
+        engine.clear_caches()  # the timed run starts with no document cached, as a fresh server does
+        preempted = engine.num_preemptions
+        print(f"{method}: {args.requests} requests from {args.clients} clients", flush=True)
+        results, wall, errors = _serve_load(llm, args, method, per_client)
         # with the prefix and chunk caches dropped every page is free again: no request kept any
         engine.clear_caches()
         pool_idle = not engine.has_unfinished() and engine.pool.num_free_pages == engine.pool.num_pages
         ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
         tokens = sum(r["completion_tokens"] for r in results)
-        row = {"requests": len(results), "errors": errors, "wall_s": wall,
+        row = {"requests": len(results), "errors": errors, "warmup_errors": warm_errors, "wall_s": wall,
                "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
                "ttft_mean_s": statistics.mean(ttfts) if ttfts else float("nan"),
                "throughput_tok_s": tokens / wall, "requests_per_s": len(results) / wall,
                "prompt_tokens_mean": statistics.mean(r["prompt_tokens"] for r in results) if results else 0,
                "cached_tokens_mean": statistics.mean(r["cached_tokens"] for r in results) if results else 0,
-               "pool_idle_after": pool_idle, "preemptions": engine.num_preemptions}
+               "pool_idle_after": pool_idle, "preemptions": engine.num_preemptions - preempted}
         result["methods"][method] = row
         print(json.dumps({"method": method, **row}), flush=True)
         with open(out, "w") as f:
