@@ -23,14 +23,14 @@ import time
 
 import torch
 
+from ..engine.selective import SELECTED_METHODS, selection_for
 from ..visibility import visible_keys
 from ..models.config import ModelConfig
 from .common import ARCHS, head_config, hf_model, parse_names, sync
 
 METHODS = ("dense", "headsparse", "hf")
-# Rows with selected sets: (base method, SelectionOptions fields); --decode-kv-budget sets the budget.
-SELECTIVE = {"h2o": ("dense", {"budget": True}), "headsparse_h2o": ("headsparse", {"budget": True}),
-             "retrieval": ("headsparse", {"retrieval_heads": True})}
+# Rows with selected sets (the engine's SELECTED_METHODS); --decode-kv-budget sets the budget.
+SELECTIVE = tuple(SELECTED_METHODS)
 ALL_METHODS = METHODS + tuple(SELECTIVE)
 
 
@@ -290,17 +290,10 @@ def _with_retrieval(head, ratio: float):
 def _use_selection(llm, method: str, args) -> str:
     """Give the engine the selected-set options of ``method``'s row (none for the plain
     methods); returns the base method its requests run."""
-    from ..engine.selective import HeadSelection, SelectionOptions
-    base, kind = SELECTIVE.get(method, (method, {}))
-    if not kind:
-        llm.engine.selection = None
-        return base
-    opts = SelectionOptions(retrieval_heads=bool(kind.get("retrieval_heads")),
-                            decode_kv_budget=args.decode_kv_budget if kind.get("budget") else None,
-                            decode_kv_window=args.decode_kv_window)
-    if method == "h2o":  # every head of the all-global plan
-        opts.decode_kv_budget = {"global": next(iter(opts.decode_kv_budget.values()))}
-    llm.engine.selection = HeadSelection(llm.engine, opts)
+    from ..engine.selective import HeadSelection
+
+    base, opts = selection_for(method, args.decode_kv_budget, args.decode_kv_window)
+    llm.engine.selection = None if opts is None else HeadSelection(llm.engine, opts)
     return base
 
 

@@ -17,8 +17,13 @@ part the suffix; ``redknot.reuse.prompt.DOCUMENTS_SLOT``).
 
 Budgets: a method may carry one knob after ``@``: ``cacheblend@0.3`` (recompute ratio),
 ``epic@32`` (tokens recomputed per chunk), ``redknot_kv@0.5`` / ``redknot@0.5`` (the sparse FFN's
-``keep_fraction``: that share of chunk tokens through the FFN, instead of the mass tiers); head-plan budgets are separate runs with other
-``--head-config`` files (``redknot bench quality-report`` merges them).
+``keep_fraction``: that share of chunk tokens through the FFN, instead of the mass tiers),
+``h2o@0.05`` / ``headsparse_h2o@0.2`` (the decode KV budget, tokens or a fraction of the sequence,
+of every head of the all-global plan / of the head plan's global and retrieval heads: each keeps
+sink, a 128-token window and its heaviest distant pages within the budget from the end of the
+prompt on); ``retrieval`` runs the head plan with its retrieval heads live (``retrieval_top_p``
+of the head config). Head-plan budgets are separate runs with other ``--head-config`` files
+(``redknot bench quality-report`` merges them).
 
 Long runs: a tqdm bar on stderr, the results JSON rewritten after every record (``complete``:
 false until the end), and ``--resume`` continues from such a file, skipping the records it holds.
@@ -45,7 +50,7 @@ import torch
 REFERENCE = "dense"
 TOPK = 10
 # Methods that cannot run without a per-head plan; checked before the (slow) model load.
-NEEDS_HEAD_CONFIG = ("headsparse", "redknot", "redknot_kv")
+NEEDS_HEAD_CONFIG = ("headsparse", "redknot", "redknot_kv", "headsparse_h2o", "retrieval")
 # Per-record quantities that are averaged, overall and per question type.
 SCORES = ("em", "f1", "answer_em", "answer_f1", "top1_agreement", "top10_overlap", "logit_cos", "kl")
 # LongBench's multi-document QA prompt (its hotpotqa/2wikimqa/musique template), the documents as chunks.
@@ -56,7 +61,11 @@ LONGBENCH_QA = ("Answer the question based on the given passages. Only give me t
 PROMPTS = {"plain": None, "longbench": LONGBENCH_QA}
 # Method knobs a spec may set after "@" (budgets): method -> (ReuseOptions / SparseFFNConfig field, type).
 VARIANT_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
-                 "redknot": ("keep_fraction", float), "redknot_kv": ("keep_fraction", float)}
+                 "redknot": ("keep_fraction", float), "redknot_kv": ("keep_fraction", float),
+                 "h2o": ("decode_kv_budget", float), "headsparse_h2o": ("decode_kv_budget", float)}
+# Selected-set rows (redknot.engine.selective.SELECTED_METHODS): a full prefill under their base
+# plan, then the heads keep what their selection keeps; the budget rows default to 10%.
+DEFAULT_DECODE_KV_BUDGET = 0.1
 
 
 # ---- first-token comparison ---------------------------------------------------------------------
@@ -136,6 +145,10 @@ def split_variant(spec: str) -> tuple[str, dict]:
         raise ValueError(f"method {spec!r}: {value!r} is not a {kind.__name__} ({field})") from None
     if v < 0 or (field in ("cacheblend_ratio", "keep_fraction") and v > 1):
         raise ValueError(f"method {spec!r}: {field} out of range")
+    if field == "decode_kv_budget":
+        from ..engine.selective import parse_budget
+
+        v = next(iter(parse_budget(v).values()))  # tokens (an integer >= 1) or a fraction in (0, 1)
     return name, {field: v}
 
 
@@ -146,17 +159,22 @@ def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None
 
     from ..engine import SamplingParams
 
+    from ..engine.selective import HeadSelection, selection_for
+
     name, knobs = split_variant(method)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"], return_first_logits=True)
-    reuse = llm.engine.reuse
-    saved = reuse.options, reuse.sparse
+    engine = llm.engine
+    name, selection = selection_for(name, knobs.pop("decode_kv_budget", DEFAULT_DECODE_KV_BUDGET))
+    reuse = engine.reuse
+    saved = reuse.options, reuse.sparse, engine.selection
     options = {k: v for k, v in knobs.items() if k in {f.name for f in dataclasses.fields(saved[0])}}
     reuse.options = dataclasses.replace(saved[0], **options)  # this request's budget only
     reuse.sparse = dataclasses.replace(saved[1], **{k: v for k, v in knobs.items() if k not in options})
+    engine.selection = None if selection is None else HeadSelection(engine, selection)
     try:
         return llm.generate(question_prompt(rec, template), params, documents=rec["documents"], method=name)[0]
     finally:
-        reuse.options, reuse.sparse = saved
+        reuse.options, reuse.sparse, engine.selection = saved
 
 
 def answer_scores(text: str, rec: dict, reference: str | None = None) -> dict:
@@ -302,11 +320,14 @@ def parse_methods(spec: str, head_config) -> list[str]:
     """Validate the method list up front, so a typo fails before minutes of model loading."""
     from ..engine import METHODS
 
+    from ..engine.selective import SELECTED_METHODS
+
+    known = tuple(METHODS) + tuple(SELECTED_METHODS)
     methods = list(dict.fromkeys(m.strip() for m in spec.split(",") if m.strip()))
-    unknown = [m for m in methods if split_variant(m)[0] not in METHODS]
+    unknown = [m for m in methods if split_variant(m)[0] not in known]
     if unknown or not methods:
-        raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'} (available: {', '.join(METHODS)})")
-    needy = [m for m in methods if m in NEEDS_HEAD_CONFIG]
+        raise ValueError(f"unknown method(s) {', '.join(unknown) or '(none given)'} (available: {', '.join(known)})")
+    needy = [m for m in methods if split_variant(m)[0] in NEEDS_HEAD_CONFIG]
     if needy and head_config is None:
         raise ValueError(f"method(s) {', '.join(needy)} need --head-config")
     return methods
@@ -376,8 +397,10 @@ def run(args) -> dict:
     # methods the cached chunks it copies from), not the serving default share of GPU memory, so
     # harness processes can share a device.
     params = SamplingParams(max_tokens=args.max_tokens)
-    kv_pages = max(llm.engine.pages_for(llm.make_sequence(question_prompt(r, template), params, r["documents"],
-                                                          split_variant(m)[0]))
+    from ..engine.selective import selection_for
+
+    kv_pages = max(llm.engine.pool_pages_for(llm.make_sequence(question_prompt(r, template), params, r["documents"],
+                                                          selection_for(split_variant(m)[0])[0]))
                    for r in records for m in methods)
     llm.engine.resize_pool(kv_pages)
     meta = {

@@ -320,11 +320,22 @@ class Engine:
         decode = min(seq.params.max_tokens, self.cfg.reserve_decode_tokens)
         return self.pool.peak_pages(len(seq.token_ids) + decode, 1, seq.plan)
 
-    def _headroom(self) -> int:
+    def _headroom(self, capped: bool = True) -> int:
         """Pages kept out of the commitments for what prefill holds only for a while: local heads'
         pages of one token budget, stored before trim drops them (at most an eighth of the pool)."""
         per_head = -(-self.cfg.max_num_batched_tokens // self.pool.page_size) + 1
-        return min(self._local_heads * per_head, self.pool.num_pages // 8)
+        need = self._local_heads * per_head
+        return min(need, self.pool.num_pages // 8) if capped else need
+
+    def pool_pages_for(self, seq: Sequence) -> int:
+        """The smallest pool that admits this request on its own (``check_fits`` on a pool of that
+        size): what a harness that runs one request at a time sizes its pool by (``resize_pool``).
+        The headroom grows with the pool (an eighth of it, up to its uncapped size)."""
+        steady, headroom = self._steady_pages(seq), self._headroom(capped=False)
+        pages = max(self.pages_for(seq), steady)
+        while pages < steady + min(headroom, pages // 8):
+            pages += 1
+        return pages
 
     def check_fits(self, seq: Sequence) -> None:
         n = len(seq.token_ids)

@@ -77,6 +77,28 @@ class SelectionOptions:
         return self.retrieval_heads or bool(self.decode_kv_budget)
 
 
+# Method names that run a base plan with selected sets (benchmarks and evaluations name rows by
+# them): name -> (base plan, what is selected). h2o: the decode KV budget on every head of the
+# all-global plan; headsparse_h2o: on the plan's global and retrieval heads; retrieval: the
+# plan's retrieval heads live (a head config with retrieval entries).
+SELECTED_METHODS = {"h2o": ("dense", "budget"), "headsparse_h2o": ("headsparse", "budget"),
+                    "retrieval": ("headsparse", "retrieval")}
+
+
+def selection_for(method: str, decode_kv_budget=0.1, decode_kv_window: int = 128) -> tuple[str, SelectionOptions | None]:
+    """The base plan a ``SELECTED_METHODS`` row (or a plain method: no selection) runs, and its
+    selection options; ``decode_kv_budget`` is the budget rows' budget (tokens or a fraction)."""
+    base, kind = SELECTED_METHODS.get(method, (method, None))
+    if kind is None:
+        return base, None
+    if kind == "retrieval":
+        return base, SelectionOptions(retrieval_heads=True, decode_kv_window=decode_kv_window)
+    budget = parse_budget(decode_kv_budget)
+    if method == "h2o":  # the all-global plan has global heads only
+        budget = {"global": next(iter(budget.values()))}
+    return base, SelectionOptions(decode_kv_budget=budget, decode_kv_window=decode_kv_window)
+
+
 def parse_budget(spec) -> dict | None:
     """``0.1`` / ``"512"`` / ``"global=0.1,retrieval=256"`` / a dict -> {class: tokens or fraction}.
     A plain number applies to global and retrieval heads (local heads are bounded by their window)."""

@@ -319,3 +319,36 @@ def test_rescore_adds_the_twin_share_to_stored_answers(tmp_path, capsys):
     bad.write_text("{\"methods\": ")
     with pytest.raises(ValueError, match="not a results JSON"):
         quality.run(_args(rescore=bad, data=data, out=out))
+
+
+def test_selected_set_rows_run_and_bound_to_their_references(setup):
+    """h2o@B / headsparse_h2o@B / retrieval rows: a budget wider than any prompt is dense exactly, a
+    16-token budget on a ~600-token prompt is not; live retrieval heads with top-p 1 are the plan
+    with those heads global."""
+    import redknot
+
+    model, _, _, tmp = setup
+    words = " ".join(f"w{i}" for i in range(90))
+    recs = [{"id": "long", "type": "single", "question": "Which word comes first?",
+             "documents": [f"The first word is alpha. {words}", f"The last word is omega. {words}"],
+             "answers": ["alpha"]}]
+    data = _write(tmp / "long.jsonl", [json.dumps(r) for r in recs])
+    heads = tmp / "retrieval.json"
+    redknot.HeadConfig([["retrieval", "local"], ["global", "retrieval"]], [[64, 64], [-1, 64]], [[4, 4], [0, 4]],
+                       retrieval_top_p=1.0).to_json(heads)
+    methods = ["dense", "h2o@100000", "h2o@16", "headsparse", "retrieval", "headsparse_h2o@0.05"]
+    out = quality.run(_args(model=model, data=data, methods=",".join(methods), head_config=heads,
+                            out=tmp / "sel.json", max_tokens=3, device="cpu", dtype="float32"))
+    rows = out["methods"]
+    assert rows["h2o@100000"]["logit_cos"] >= 0.99999 and rows["h2o@100000"]["top1_agreement"] == 1.0
+    pred = out["records"][0]["predictions"]
+    # a budget applies from the end of the prompt on: the first token is dense's, later ones differ
+    assert rows["h2o@16"]["logit_cos"] >= 0.99999 and pred["h2o@16"]["text"] != pred["dense"]["text"]
+    assert pred["h2o@100000"]["text"] == pred["dense"]["text"]
+    assert pred["retrieval"]["text"] == pred["headsparse"]["text"]
+    assert rows["retrieval"]["logit_cos"] == pytest.approx(rows["headsparse"]["logit_cos"], abs=1e-5)
+    assert rows["headsparse_h2o@0.05"]["n"] == 1
+    with pytest.raises(ValueError, match="decode_kv_budget"):
+        quality.split_variant("h2o@1.5")
+    with pytest.raises(ValueError, match="need --head-config"):
+        quality.parse_methods("dense,retrieval", None)

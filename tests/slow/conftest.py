@@ -1,5 +1,5 @@
-"""Everything under tests/slow carries the `slow` marker: `make test` leaves it out
-(`-m "not slow"`), `make test-all` runs it."""
+"""Everything under tests/slow carries the `slow` marker: `make test` runs it with the rest,
+`make test-fast` leaves it out (`-m "not slow"`), `make test-slow` runs only it."""
 from pathlib import Path
 
 import pytest
