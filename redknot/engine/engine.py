@@ -825,9 +825,10 @@ class Engine:
 
     def _may_look_ahead(self, decoding: int) -> bool:
         """Whether a decode of ``decoding`` sequences may launch the next step ahead: async decode
-        is on, they are every running request, no head selection runs between steps, and no
-        waiting request could start at the next step (none waits, or every slot is taken)."""
-        return (self.async_decode and decoding == len(self.running) and self.selection is None
+        is on, they are every running request, and no waiting request could start at the next
+        step (none waits, or every slot is taken). A step the head selection needs is not
+        launched ahead (``_launch_ahead``)."""
+        return (self.async_decode and decoding == len(self.running)
                 and (not self.waiting or len(self.running) >= self.max_num_seqs))
 
     def _launch_ahead(self, plan: str, seqs: list[Sequence], tokens: torch.Tensor) -> _Ahead | None:
@@ -840,6 +841,8 @@ class Engine:
         if not picks:
             return None
         chosen = [seqs[i] for i in picks]
+        if self.selection is not None and self.selection.needed_by_decode(plan, chosen):
+            return None  # it runs as a plain step, with the selection around its forward
         try:
             for s in chosen:
                 self.pool.ensure(s.seq_id, s.num_computed + 1)

@@ -207,6 +207,20 @@ class HeadSelection:
 
     # ------------------------------------------------------------------ around a forward
 
+    def needed_by_decode(self, plan: str, seqs: list) -> bool:
+        """Whether a decode forward of ``seqs`` under ``plan`` at their next positions
+        (``num_computed``) must run through ``begin``/``end``: a plan with a selected twin (its
+        requests select when their prompt completes) or a budget check at one of them. Other
+        decode steps may be launched ahead of the host (async decode)."""
+        if plan in self.derived:
+            return True
+        d = self._by_name.get(plan)
+        return d is not None and bool((d.mode == 2).any()) and any(self._checks_at(s.num_computed) for s in seqs)
+
+    def _checks_at(self, position: int) -> bool:
+        """A budgeted head's mass is sampled by the decode query at this position."""
+        return (position + 1) % self.engine.pool.page_size == 0
+
     def begin(self, plan: str, items: list) -> None:
         """Before a forward: note which requests complete their prompt (or hit a budget check) in
         it and have the attention layers record those rows' queries."""
@@ -219,13 +233,12 @@ class HeadSelection:
             d, kind = self._by_name[plan], "check"
         else:
             return
-        ps = self.engine.pool.page_size
         rows, off = [], 0
         for s, n in items:
             m = 0
             if kind == "select" and s.num_computed + n == len(s.token_ids):
                 m = n if self.options.scorer == "h2o" else min(self.options.obs, n)
-            elif kind == "check" and n == 1 and (s.num_computed + 1) % ps == 0:
+            elif kind == "check" and n == 1 and self._checks_at(s.num_computed):
                 m = 1
             if m:
                 self._pending.append((s, kind, d, len(rows), m, s.num_computed + n))

@@ -239,14 +239,19 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_checkpoint, method):
     assert outs[0] == outs[1]
 
 
-@pytest.mark.parametrize("method", ["dense", "headsparse"])
+@pytest.mark.parametrize("method", ["dense", "headsparse", "h2o"])
 def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoint, method):
     """Each decode step launched from the last one's samples on the device: the same greedy and
     seeded tokens as step-by-step decode, with requests of different lengths finishing on length,
     a stop string and a stop token (the token computed past a finish is discarded), and every
-    page back afterwards."""
+    page back afterwards. ``h2o``: dense under a decode KV budget, whose check steps (every
+    page of decode) run step by step and the others ahead."""
+    from redknot.engine.selective import SelectionOptions
+
     path = tiny_checkpoint("llama", num_key_value_heads=2, num_attention_heads=4)
     hc = HeadConfig.synthetic(2, 2, 0.5, window=16, sink=4)
+    selection = SelectionOptions(decode_kv_budget={"global": 48}, decode_kv_window=16) if method == "h2o" else None
+    method = "dense" if method == "h2o" else method
     prompts = [LONG[: 40 + 25 * i] for i in range(5)] + [LONG[:40]]  # the last one stops early
     # On a GPU a row's logits depend on the batch's size (GEMM kernels are chosen by shape), and a
     # request that stops on a token or string is still in the launched step, not in the step-by-step
@@ -255,7 +260,14 @@ def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoi
     outs = {}
     for ahead in (False, True):
         llm = LLM(model=path, device=DEVICE, dtype="float32", head_config=hc, method=method, page_size=16,
-                  kv_pages=4096, async_decode=ahead)
+                  kv_pages=4096, async_decode=ahead, selection=selection)
+        launched, held = [], []
+        if ahead:  # count the steps launched ahead: a test that never launches one proves nothing
+            launch = llm.engine._launch_ahead
+            llm.engine._launch_ahead = lambda *a: launched.append(launch(*a)) or launched[-1]
+            if selection is not None:  # and the steps the budget checks kept step by step
+                needed = llm.engine.selection.needed_by_decode
+                llm.engine.selection.needed_by_decode = lambda *a: held.append(needed(*a)) or held[-1]
         ref = llm.generate(prompts[0], greedy(12))[0].outputs[0]
         params = [greedy(5 + 3 * i) for i in range(4)]
         params.append(SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True))
@@ -263,6 +275,10 @@ def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoi
                                      stop_token_ids=[ref.token_ids[6]] if stops else [], ignore_eos=True))
         out = llm.generate(prompts, params)
         outs[ahead] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in out]
+        if ahead:
+            assert sum(x is not None for x in launched) >= 10
+            if selection is not None:
+                assert True in held and False in held
         assert not llm.engine.has_unfinished() and llm.engine.request_kv_bytes() == 0
         llm.engine.clear_caches()
         assert llm.pool.num_free_pages == llm.pool.num_pages
