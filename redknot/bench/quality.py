@@ -158,7 +158,6 @@ def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None
     import dataclasses
 
     from ..engine import SamplingParams
-
     from ..engine.selective import HeadSelection, selection_for
 
     name, knobs = split_variant(method)
@@ -319,7 +318,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parse_methods(spec: str, head_config) -> list[str]:
     """Validate the method list up front, so a typo fails before minutes of model loading."""
     from ..engine import METHODS
-
     from ..engine.selective import SELECTED_METHODS
 
     known = tuple(METHODS) + tuple(SELECTED_METHODS)
