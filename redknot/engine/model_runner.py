@@ -191,6 +191,12 @@ class ModelRunner:
         self.last_graph = graph
         return logits[:B]
 
+    def drop_graphs(self, plans) -> None:
+        """Forget the decode graphs captured for ``plans``: a graph keeps the addresses of the
+        plan's window/sink tensors and of the pool's selection table it read at capture, so a plan
+        registered again (or a reallocated table) needs fresh ones."""
+        self._graphs = {k: v for k, v in self._graphs.items() if k[0] not in plans}
+
     def capture(self, max_len: int) -> int:
         """Capture every decode graph a batch of contexts up to ``max_len`` tokens can need (each
         plan, batch bucket and table-width bucket), as vLLM does at start-up, so serving never

@@ -197,7 +197,8 @@ class HeadSelection:
         eng = self.engine
         if not self.derived:
             return
-        eng.pool.attach_selection(self.options.max_selected)
+        eng.pool.attach_selection(self.options.max_selected)  # a new table: graphs reading the old one go
+        eng.runner.drop_graphs(set(self._by_name))
         eng.runner.selective_plans = set(self._by_name)
 
     def base_plan(self, plan: str) -> str:

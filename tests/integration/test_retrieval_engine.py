@@ -220,3 +220,28 @@ def test_serve_flags_build_selection_options():
     assert opts.retrieval_heads and opts.decode_kv_budget == {"global": 0.1} and opts.decode_kv_window == 64
     with pytest.raises(SystemExit, match="decode_kv_budget"):
         selection_options(p.parse_args(["--decode-kv-budget", "local=3"]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_a_new_selection_drops_the_graphs_of_the_old_one(tiny_checkpoint):
+    """Replacing the engine's selection re-registers its twin plans and reallocates the selected-set
+    table: decode graphs captured under the old one must not replay. Decode under budget B after a
+    run under budget A equals a fresh engine under B (graphs on), and eager decode under B."""
+    from redknot.engine.selective import HeadSelection
+
+    path = tiny_checkpoint("llama", num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=4)
+    wide = SelectionOptions(decode_kv_budget={"global": 4096}, decode_kv_window=64)
+    narrow = SelectionOptions(decode_kv_budget={"global": 32}, decode_kv_window=8)
+    prompts = [PROMPT * 2, PROMPT * 3]
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(40))]
+
+    reused = LLM(model=path, device="cuda", dtype="float32", page_size=16, selection=wide, enable_prefix_caching=False)
+    tokens(reused)  # captures the twin plan's graphs under the wide budget
+    reused.engine.selection = HeadSelection(reused.engine, narrow)
+    got = tokens(reused)
+    fresh = LLM(model=path, device="cuda", dtype="float32", page_size=16, selection=narrow, enable_prefix_caching=False)
+    eager = LLM(model=path, device="cuda", dtype="float32", page_size=16, selection=narrow, enable_prefix_caching=False,
+                cuda_graphs=False)
+    assert got == tokens(fresh) == tokens(eager)
