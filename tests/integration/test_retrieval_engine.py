@@ -237,11 +237,14 @@ def test_a_new_selection_drops_the_graphs_of_the_old_one(tiny_checkpoint):
     def tokens(llm):
         return [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(40))]
 
-    reused = LLM(model=path, device="cuda", dtype="float32", page_size=16, selection=wide, enable_prefix_caching=False)
+    reused = LLM(model=path, device="cuda", dtype="float32", page_size=16, kv_pages=2048, selection=wide,
+                 enable_prefix_caching=False)
     tokens(reused)  # captures the twin plan's graphs under the wide budget
     reused.engine.selection = HeadSelection(reused.engine, narrow)
     got = tokens(reused)
-    fresh = LLM(model=path, device="cuda", dtype="float32", page_size=16, selection=narrow, enable_prefix_caching=False)
-    eager = LLM(model=path, device="cuda", dtype="float32", page_size=16, selection=narrow, enable_prefix_caching=False,
+    fresh = LLM(model=path, device="cuda", dtype="float32", page_size=16, kv_pages=2048, selection=narrow,
+                enable_prefix_caching=False)
+    eager = LLM(model=path, device="cuda", dtype="float32", page_size=16, kv_pages=2048, selection=narrow,
+                enable_prefix_caching=False,
                 cuda_graphs=False)
     assert got == tokens(fresh) == tokens(eager)
