@@ -94,6 +94,10 @@ def _as_int(x):
     return x.long() if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.int64)
 
 
+def _nonneg(x):
+    return x.clamp_min(0) if isinstance(x, torch.Tensor) else np.maximum(0, x)
+
+
 def _arange(count: int, like):
     return torch.arange(count, device=like.device) if isinstance(like, torch.Tensor) else np.arange(count)
 
@@ -102,8 +106,7 @@ def dead_pages_end(n: int, window, page_size: int):
     """Per head: logical pages lp < this (and past the sink pages) hold no position a query at
     p >= n sees: lp is dead iff (lp + 1) * page_size - 1 < n - W + 1, i.e. lp < floor((n - W + 1) / ps).
     Numpy in, numpy out; a tensor in, a tensor out on its device."""
-    end = (n - _as_int(window) + 1) // page_size
-    return end.clamp_min(0) if isinstance(end, torch.Tensor) else np.maximum(0, end)
+    return _nonneg((n - _as_int(window) + 1) // page_size)
 
 
 def kept_page_mask(n: int, window, sink, page_size: int, pages: int | None = None):
@@ -120,9 +123,7 @@ def kept_page_mask(n: int, window, sink, page_size: int, pages: int | None = Non
 def kept_pages(n: int, window, sink, page_size: int):
     """Pages each head holds for a trimmed sequence of ``n`` tokens (``kept_page_mask`` counted)."""
     window, sink = _as_int(window), _as_int(sink)
-    dead = dead_pages_end(n, window, page_size) - _cdiv(sink, page_size)
-    dead = dead.clamp_min(0) if isinstance(dead, torch.Tensor) else np.maximum(0, dead)
-    return _cdiv(n, page_size) - dead
+    return _cdiv(n, page_size) - _nonneg(dead_pages_end(n, window, page_size) - _cdiv(sink, page_size))
 
 
 def bytes_per_page(page_size: int, head_dim: int, element_size: int) -> int:

@@ -144,6 +144,7 @@ class _Derived:
         self.top_p = top_p
         self.budget = budget  # float [L, Hkv]: tokens (>= 1) or fraction (< 1); 0 where none
         self.layers = [l for l in range(mode.shape[0]) if (mode[l] > 0).any()]
+        self.budgeted = bool((mode == 2).any())  # some head runs budget checks in decode
 
 
 class HeadSelection:
@@ -216,7 +217,7 @@ class HeadSelection:
         if plan in self.derived:
             return True
         d = self._by_name.get(plan)
-        return d is not None and bool((d.mode == 2).any()) and any(self._checks_at(s.num_computed) for s in seqs)
+        return d is not None and d.budgeted and any(self._checks_at(s.num_computed) for s in seqs)
 
     def _checks_at(self, position: int) -> bool:
         """A budgeted head's mass is sampled by the decode query at this position."""
@@ -230,7 +231,7 @@ class HeadSelection:
         self._pending = []
         if plan in self.derived:
             d, kind = self.derived[plan], "select"
-        elif plan in self._by_name and (self._by_name[plan].mode == 2).any():
+        elif plan in self._by_name and self._by_name[plan].budgeted:
             d, kind = self._by_name[plan], "check"
         else:
             return
@@ -336,7 +337,7 @@ class HeadSelection:
         pool.select(s.seq_id, arr, plan=d.name)
         s.plan = d.name
         s.selection = arr.astype(np.int32)
-        s.page_mass = acc if (d.mode == 2).any() else None
+        s.page_mass = acc if d.budgeted else None
 
     def _budget_pages(self, acc: torch.Tensor, tbl: torch.Tensor, d: _Derived, l: int, heads: np.ndarray,
                       n: int) -> torch.Tensor:
