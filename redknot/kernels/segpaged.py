@@ -8,8 +8,8 @@ Three kernels share a few jitted helpers:
   the window tiles, split into [window edge | interior | causal edge]; only edges compute a mask.
 * ``_decode_kernel`` + ``_merge_kernel``: small q_len. One program per (split, KV head, sequence)
   packs every query head of the GQA group (and every query of the step) into one tile, so each KV
-  page is read once per group; the head's visible tiles are cut into fixed-size splits so small
-  batches still fill the GPU. Partial O/LSE are fp32 and merged in fp32.
+  page is read once per group; each head's visible tiles are cut evenly over the splits so small
+  batches and sparse heads still fill the GPU. Partial O/LSE are fp32 and merged in fp32.
 
 Positions are never stored: slot s of logical page lp holds position lp * page_size + s.
 All softmax math is fp32, base-2 (scores are pre-multiplied by log2(e)); LSE is returned in
@@ -34,6 +34,9 @@ _LN2 = tl.constexpr(0.6931471805599453)  # base-2 LSE -> natural log
 
 # Largest q_len (per sequence) that takes the split-KV decode path.
 DECODE_MAX_Q = 8
+# Fewest key tiles per busy decode split when each head's tiles are cut evenly (measured on an
+# H200: 1 and 2 tie on dense decode; 1 is up to 8% faster on budgeted heads).
+DECODE_MIN_TILES = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,10 @@ class KernelConfig:
     * ``prefill``: (BLOCK_M, BLOCK_N, num_warps, num_stages) of the prefill kernel.
     * ``decode``: (BLOCK_N, num_warps, num_stages) of the decode kernel.
     * ``decode_max_q``: largest q_len that takes the decode path (built-in: ``DECODE_MAX_Q``).
-    * ``decode_tiles_per_split``: key tiles per decode split (built-in: derived from shapes).
+    * ``decode_tiles_per_split``: key tiles per decode split, fixed (built-in: the split count
+      follows from shapes and each head's visible tiles are cut evenly over it).
+    * ``decode_min_tiles_per_split``: fewest key tiles a busy decode split reads when the tiles
+      are cut evenly (built-in: ``DECODE_MIN_TILES``).
     * ``fast_interior``: mask-free interior tiles in prefill (built-in: True); False reads them
       through the path that still checks whether each page is stored.
     * ``merge_edges``: all masked tiles of a prefill block in one loop instead of three
@@ -57,6 +63,7 @@ class KernelConfig:
     decode: tuple[int, int, int] | None = None
     decode_max_q: int | None = None
     decode_tiles_per_split: int | None = None
+    decode_min_tiles_per_split: int | None = None
     fast_interior: bool | None = None
     merge_edges: bool | None = None
 
@@ -379,7 +386,7 @@ def _decode_kernel(Q, K, V, OP, LP, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sca
                    stride_qt, stride_qh, stride_opt, stride_oph, stride_ops,
                    stride_lpt, stride_lph,
                    stride_kp, stride_ks, stride_bb, stride_bh, max_pages,
-                   stride_sb, stride_sh, stride_nb, tiles_per_split,
+                   stride_sb, stride_sh, stride_nb, min_tiles,
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_SEL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -416,8 +423,13 @@ def _decode_kernel(Q, K, V, OP, LP, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sca
     if HAS_SEL:
         n_sel = tl.load(SEL_LEN + b * stride_nb + hk)
         n_tiles += (n_sel + BLOCK_N - 1) // BLOCK_N
-    t_lo = split * tiles_per_split
-    t_hi = tl.minimum(t_lo + tiles_per_split, n_tiles)
+    # The head's own visible tiles (not the block table's width) are cut evenly over the
+    # splits: a budgeted head whose few kept pages sit in a wide table still spreads over all
+    # of them instead of loading every tile in the first few splits.
+    num_splits = tl.num_programs(0)
+    per_split = tl.maximum(min_tiles, (n_tiles + num_splits - 1) // num_splits)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, n_tiles)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -536,11 +548,16 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_q_len: int, cfg: Kern
     return 64, 64, 4, 3
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, cfg: KernelConfig):
+def _decode_config(head_dim: int, dtype: torch.dtype, cfg: KernelConfig, has_sel: bool = False):
     """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
     if cfg.decode is not None:
         return cfg.decode
     block_n = 64 if head_dim >= 128 else 128
+    if has_sel:
+        # Measured on an H200 (docs/results/kernel.md, H2O decode): a budgeted head's few kept
+        # tiles leave each split one or two tiles, where pipeline stages only cost shared memory
+        # and occupancy: one stage is 1.16-1.24x faster than three at 8K-32K.
+        return block_n, 4, 1
     stages = 2 if dtype == torch.float32 else 3
     return block_n, 4, stages
 
@@ -693,21 +710,23 @@ def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, h
     total_q, hq, d = q.shape
     B, hkv, max_pages = bt.shape
     page = k_pages.shape[1]
-    block_n, warps, stages = _decode_config(d, q.dtype, cfg)
+    block_n, warps, stages = _decode_config(d, q.dtype, cfg, has_sel)
     block_m = max(16, triton.next_power_of_2(gqa * mq))
-    # Split sizing from shapes only (no syncs; CUDA-graph friendly): a fixed number of tiles
-    # per split, sized so that if every group were full there would be ~16 programs per SM.
-    # Short (local) heads then use few splits and long (global) heads many, and all busy
-    # programs do about the same work, so the tail stays short.
+    # Split count from shapes only (no syncs; CUDA-graph friendly): enough splits that if every
+    # group were full there would be ~16 programs per SM. Inside the kernel each head cuts its
+    # own visible tiles evenly over them (at least min_tiles a split), so short or budgeted
+    # heads finish in a few short programs instead of one long one.
     n_tiles_max = triton.cdiv(max_pages * page, block_n)
     if has_sel:
         n_tiles_max += triton.cdiv(sel.shape[2], block_n)
     if cfg.decode_tiles_per_split is not None:
-        per_split = cfg.decode_tiles_per_split
+        per_split = min_tiles = cfg.decode_tiles_per_split
     else:
         want_splits = triton.cdiv(16 * _sm_count(q.device), B * hkv)
         per_split = max(8, triton.cdiv(n_tiles_max, want_splits))
         per_split = max(per_split, triton.cdiv(n_tiles_max, 64))  # cap the merge fan-in
+        min_tiles = (DECODE_MIN_TILES if cfg.decode_min_tiles_per_split is None
+                     else cfg.decode_min_tiles_per_split)
     num_splits = max(1, triton.cdiv(n_tiles_max, per_split))
 
     o_part = torch.empty((total_q, hq, num_splits, d), dtype=torch.float32, device=q.device)
@@ -717,7 +736,7 @@ def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, h
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         k_pages.stride(0), k_pages.stride(1), bt.stride(0), bt.stride(1), max_pages,
-        *sel_strides, per_split,
+        *sel_strides, min_tiles,
         GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SEL=has_sel, DOT_PREC=dot_prec, UPCAST=_upcast(q.dtype),
         num_warps=warps, num_stages=stages,

@@ -194,18 +194,22 @@ def test_prefill_no_lse_and_scale():
     close(o, o_r, 1e-4)
 
 
-@pytest.mark.parametrize("seqs,hq,hkv,d,page,windows,sinks,per_split", [
+@pytest.mark.parametrize("seqs,hq,hkv,d,page,windows,sinks,per_split,min_tiles", [
     # q_len 1, GQA 4, several splits per head (2 tiles each)
-    ([(1, 1), (1, 77), (1, 300)], 8, 2, 64, 16, [G, 40], [4, 0], 2),
+    ([(1, 1), (1, 77), (1, 300)], 8, 2, 64, 16, [G, 40], [4, 0], 2, None),
     # q_len up to 4 (speculative decode), GQA 2, page 64, one tile per split
-    ([(4, 130), (1, 9), (3, 200)], 4, 2, 16, 64, [17, G], [0, 2], 1),
+    ([(4, 130), (1, 9), (3, 200)], 4, 2, 16, 64, [17, G], [0, 2], 1, None),
     # GQA 8, head_dim 128, window 1, default split sizing
-    ([(1, 150), (1, 33)], 8, 1, 128, 64, [1], [5], None),
+    ([(1, 150), (1, 33)], 8, 1, 128, 64, [1], [5], None, None),
     # GQA 1, mixed classes
-    ([(2, 90), (1, 64)], 4, 4, 16, 16, [G, 1, 30, 100], [0, 0, 4, 64], 3),
+    ([(2, 90), (1, 64)], 4, 4, 16, 16, [G, 1, 30, 100], [0, 0, 4, 64], 3, None),
+    # tiles cut evenly over the splits: one tile a split, and three (some splits left empty)
+    ([(1, 1), (1, 77), (2, 300)], 8, 2, 64, 16, [G, 40], [4, 0], None, 1),
+    ([(1, 250), (3, 40)], 4, 2, 16, 16, [G, 100], [0, 4], None, 3),
 ])
-def test_decode_matches_ref(seqs, hq, hkv, d, page, windows, sinks, per_split):
-    cfg = segpaged.KernelConfig(decode=(16, 4, 1), decode_tiles_per_split=per_split)
+def test_decode_matches_ref(seqs, hq, hkv, d, page, windows, sinks, per_split, min_tiles):
+    cfg = segpaged.KernelConfig(decode=(16, 4, 1), decode_tiles_per_split=per_split,
+                                decode_min_tiles_per_split=min_tiles)
     c = make_case(seqs, hq, hkv, d, page, windows, sinks, seed=5, nan_tail=True)
     assert c["max_q_len"] <= segpaged.DECODE_MAX_Q
     o, lse = run(segpaged.segpaged_attention, c, config=cfg)
@@ -327,7 +331,8 @@ def test_random_configs(seed):
     sinks = [pick([0, rand(0, 20)]) for _ in range(hkv)]
     cfg = segpaged.KernelConfig(prefill=(pick([16, 32]), pick([16, 32]), 4, 1),
                                 decode=(pick([16, 32]), 4, 1),
-                                decode_tiles_per_split=rand(1, 4), decode_max_q=4)
+                                decode_tiles_per_split=pick([None, rand(1, 4)]),
+                                decode_min_tiles_per_split=rand(1, 3), decode_max_q=4)
     c = make_case(seqs, gqa * hkv, hkv, 16, page, windows, sinks, seed=seed, nan_tail=True)
     o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
