@@ -396,6 +396,11 @@ class Engine:
             if budget <= 0:
                 break
             n = min(s.num_pending, budget)
+            tail = min(self._selection_rows(s), self.cfg.max_num_batched_tokens)  # a budget that fits it
+            if n < s.num_pending < n + tail:  # the last chunk keeps the selection's rows
+                n = s.num_pending - tail
+                if n <= 0:
+                    continue  # all of it in one later step, with more budget
             chunks.append((s, n))
             budget -= n
         batch = self._make_room([(s, 1) for s in decode] + chunks)
@@ -493,7 +498,8 @@ class Engine:
                     prefill.append(seq)
                     continue
             elif self.prefix_cache is not None and seq.num_computed == 0:
-                n, table = self.prefix_cache.match(seq.plan, seq.token_ids, len(seq.token_ids) - 1, seq.cache_salt)
+                limit = len(seq.token_ids) - max(1, self._selection_rows(seq))
+                n, table = self.prefix_cache.match(seq.plan, seq.token_ids, limit, seq.cache_salt) if limit > 0 else (0, None)
                 if n:
                     self.pool.share(seq.seq_id, table, n)
                     seq.num_computed = n
@@ -502,6 +508,11 @@ class Engine:
                 seq.prefill_start = seq.num_computed
             prefill.append(seq)
         return budget
+
+    def _selection_rows(self, seq: Sequence) -> int:
+        """Prompt rows the forward completing ``seq``'s prompt must compute (its selection's
+        observation window; 0 without one)."""
+        return self.selection.prompt_rows(seq.plan) if self.selection is not None else 0
 
     def _cannot_wait(self, seq: Sequence, outputs: list[StepOutput]) -> bool:
         """With nothing running and the caches empty, no page will ever come back: fail the

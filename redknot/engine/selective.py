@@ -207,6 +207,14 @@ class HeadSelection:
         d = self._by_name.get(plan)
         return d.base if d is not None else plan
 
+    def prompt_rows(self, plan: str) -> int:
+        """Prompt rows at the end that the forward completing a prompt under ``plan`` must
+        compute itself: the observation window its selection reads queries from (0 for a plan
+        without selected heads). The engine keeps that many rows out of prefix-cache hits and
+        out of earlier prefill chunks, so a selection does not depend on what was cached or on
+        where a chunk boundary fell."""
+        return self.options.obs if plan in self.derived else 0
+
     # ------------------------------------------------------------------ around a forward
 
     def needed_by_decode(self, plan: str, seqs: list) -> bool:

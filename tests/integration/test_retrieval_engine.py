@@ -136,6 +136,37 @@ def test_selection_frees_pages_without_prefix_caching(tiny_checkpoint):
     assert live.pool.num_free_pages == live.pool.num_pages
 
 
+def test_selection_does_not_depend_on_prefix_hits_or_chunk_boundaries(tiny_checkpoint):
+    """The observation window's queries are computed by the forward that completes the prompt,
+    whatever the prefix cache holds and wherever the prefill chunks end: a cached prompt and a
+    prompt chunked one row short of the end select what a cold, unchunked prompt selects."""
+    path = tiny_checkpoint("llama", num_hidden_layers=3, num_key_value_heads=4, num_attention_heads=8)
+    # no local heads: a local head's trimmed pages would stop the prefix cache from serving a
+    # length short of the whole cached prompt
+    hc = HeadConfig([["global", "retrieval", "global", "retrieval"], ["retrieval", "global", "global", "global"],
+                     ["dense", "global", "retrieval", "global"]],
+                    [[-1, 6, -1, 4], [9, -1, -1, -1], [-1, -1, 5, -1]],
+                    [[0, 2, 0, 1], [2, 0, 0, 0], [0, 0, 0, 0]], retrieval_top_p=0.6)
+    kw = dict(model=path, device="cpu", method="headsparse", head_config=hc, page_size=16, retrieval_heads=True)
+    cold = LLM(**kw, enable_prefix_caching=False)
+    ref, _ = _run(cold, PROMPT, 4)
+    obs = cold.engine.selection.options.obs
+    n = ref.num_prompt
+    assert n > obs + 16
+    warm = LLM(**kw)
+    first, _ = _run(warm, PROMPT, 4)
+    again, _ = _run(warm, PROMPT, 4)
+    assert n - obs - 16 < again.cached_tokens <= n - obs  # page-aligned hit that leaves the window out
+    chunked = LLM(**kw, enable_prefix_caching=False, max_num_batched_tokens=n - 1)
+    cut, _ = _run(chunked, PROMPT, 4)
+    for seq in (first, again, cut):
+        np.testing.assert_array_equal(seq.selection, ref.selection)
+        assert seq.output_token_ids == ref.output_token_ids
+    # a budget smaller than the window still completes (the window is then cut by the budget)
+    tiny = LLM(**kw, enable_prefix_caching=False, max_num_batched_tokens=obs // 2)
+    assert len(_run(tiny, PROMPT, 4)[0].output_token_ids) == 4
+
+
 def test_decode_budget_bounds_pages_and_equals_the_masked_reference(tiny_checkpoint):
     """H2O: every head with a budget keeps at most budget (+ one page) tokens of pages during decode,
     and the tokens equal transformers under the masks the engine used at every step."""
