@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -152,6 +153,9 @@ def split_variant(spec: str) -> tuple[str, dict]:
     return name, {field: v}
 
 
+_ROW_SALTS = itertools.count()
+
+
 def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None = None):
     """One record through one method (a spec, ``split_variant``): the greedy answer and its first-token
     logits, one prefill."""
@@ -170,8 +174,12 @@ def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None
     reuse.options = dataclasses.replace(saved[0], **options)  # this request's budget only
     reuse.sparse = dataclasses.replace(saved[1], **{k: v for k, v in knobs.items() if k not in options})
     engine.selection = None if selection is None else HeadSelection(engine, selection)
+    # A selected row prefills the whole prompt as a first request would (its own cache namespace):
+    # its FLOPs are the base plan's full prefill, not what earlier rows left in the prefix cache.
+    salt = None if selection is None else f"quality-row-{next(_ROW_SALTS)}"
     try:
-        return llm.generate(question_prompt(rec, template), params, documents=rec["documents"], method=name)[0]
+        return llm.generate(question_prompt(rec, template), params, documents=rec["documents"], method=name,
+                            cache_salt=salt)[0]
     finally:
         reuse.options, reuse.sparse, engine.selection = saved
 

@@ -141,8 +141,11 @@ class LLM:
         return seq
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 documents=None, method: str | None = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """``documents``: one list of documents (strings or token-id lists) per prompt, or None."""
+                 documents=None, method: str | None = None, use_tqdm: bool = False,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """``documents``: one list of documents (strings or token-id lists) per prompt, or None.
+        ``cache_salt``: the cache namespace of these requests (``make_sequence``); a fresh salt
+        keeps them from reusing, or being reused by, any other request's cached prefix."""
         single = (isinstance(prompts, str) or is_conversation(prompts)
                   or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)))
         prompts = [prompts] if single else list(prompts)
@@ -155,7 +158,7 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        seqs = [self.make_sequence(p, sp, None if documents is None else documents[i], method)
+        seqs = [self.make_sequence(p, sp, None if documents is None else documents[i], method, cache_salt)
                 for i, (p, sp) in enumerate(zip(prompts, params))]
         engine = self.engine
         for s in seqs:  # every request is checked before any is queued

@@ -336,7 +336,8 @@ def test_selected_set_rows_run_and_bound_to_their_references(setup):
     heads = tmp / "retrieval.json"
     redknot.HeadConfig([["retrieval", "local"], ["global", "retrieval"]], [[64, 64], [-1, 64]], [[4, 4], [0, 4]],
                        retrieval_top_p=1.0).to_json(heads)
-    methods = ["dense", "h2o@100000", "h2o@16", "headsparse", "retrieval", "headsparse_h2o@0.05"]
+    # full_reuse sizes the pool for the chunks it copies from too: room for earlier rows' prefixes
+    methods = ["dense", "h2o@100000", "h2o@16", "headsparse", "retrieval", "headsparse_h2o@0.05", "full_reuse"]
     out = quality.run(_args(model=model, data=data, methods=",".join(methods), head_config=heads,
                             out=tmp / "sel.json", max_tokens=3, device="cpu", dtype="float32"))
     rows = out["methods"]
@@ -348,6 +349,12 @@ def test_selected_set_rows_run_and_bound_to_their_references(setup):
     assert pred["retrieval"]["text"] == pred["headsparse"]["text"]
     assert rows["retrieval"]["logit_cos"] == pytest.approx(rows["headsparse"]["logit_cos"], abs=1e-5)
     assert rows["headsparse_h2o@0.05"]["n"] == 1
+    # a selected row prefills the whole prompt under its base plan (no hits on earlier rows' prefixes)
+    for m in ("h2o@100000", "h2o@16"):
+        assert rows[m]["flops_fraction"] == pytest.approx(1.0) and rows[m]["cached_tokens"] == 0
+    for m in ("retrieval", "headsparse_h2o@0.05"):
+        assert rows[m]["flops_fraction"] == pytest.approx(rows["headsparse"]["flops_fraction"])
+        assert rows[m]["cached_tokens"] == 0
     with pytest.raises(ValueError, match="decode_kv_budget"):
         quality.split_variant("h2o@1.5")
     with pytest.raises(ValueError, match="need --head-config"):
