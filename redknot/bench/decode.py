@@ -134,11 +134,15 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
         sync(llm.device)
         engine.timings = dict.fromkeys(engine.timings, 0)
         engine.runner.graph_events = [] if engine.runner.cuda_graphs else None
+        checks0 = engine.selection.checks if engine.selection is not None else 0
         t0 = time.perf_counter()
         for _ in range(tokens):
             engine.step()
         sync(llm.device)
         dt = time.perf_counter() - t0
+        # budget checks (one per sequence every page_size steps) fall inside the timed steps only
+        # when --tokens spans a check position: report how many did
+        checks = (engine.selection.checks if engine.selection is not None else 0) - checks0
         events, engine.runner.graph_events = engine.runner.graph_events, None
         host = {k: v / tokens for k, v in engine.timings.items() if k != "steps"}
         if events:
@@ -170,7 +174,7 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
         for s in seqs:
             engine.abort(s)
     return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt, "graph_s_per_step": graph_s,
-            "phases_s_per_step": host, "pages_held_at_start": held,
+            "phases_s_per_step": host, "pages_held_at_start": held, "budget_checks": checks,
             "kv_bytes_held_at_start": held * engine.pool.bytes_per_page}
 
 
@@ -303,12 +307,13 @@ def print_table(result: dict) -> None:
     if sel:
         base = {(r["method"], r["batch"], r["context"]): r for r in rows if r["method"] in ("dense", "headsparse")}
         print(f"\nselected-set rows (decode KV budget {result.get('decode_kv_budget')}):")
-        print(f"{'method':<15}{'B x ctx':>13}{'tok/s':>10}{'KV read GiB':>13}{'x dense':>9}{'x headsparse':>13}")
+        print(f"{'method':<15}{'B x ctx':>13}{'tok/s':>10}{'KV read GiB':>13}{'x dense':>9}{'x headsparse':>13}"
+              f"{'checks':>8}")
         for r in sel:
             ratio = [r["tok_s"] / b["tok_s"] if b else float("nan")
                      for b in (base.get((m, r["batch"], r["context"])) for m in ("dense", "headsparse"))]
             print(f"{r['method']:<15}{r['batch']:>5} x {r['context']:<6}{r['tok_s']:>10.0f}"
-                  f"{r['kv_read_bytes'] / 2**30:>13.2f}{ratio[0]:>9.2f}{ratio[1]:>13.2f}")
+                  f"{r['kv_read_bytes'] / 2**30:>13.2f}{ratio[0]:>9.2f}{ratio[1]:>13.2f}{r.get('budget_checks', 0):>8}")
     result = {**result, "rows": [r for r in rows if r["method"] not in SELECTIVE]}
     rows = result["rows"]
     by = {(r["method"], r["batch"], r["context"]): r for r in rows}

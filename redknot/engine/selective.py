@@ -187,6 +187,7 @@ class HeadSelection:
                                          torch.as_tensor(sink, dtype=torch.int32).to(engine.device))
         self._by_name = {d.name: d for d in self.derived.values()}
         self._pending: list = []
+        self.checks = 0  # budget checks run (one per sequence and check position)
         self.attach()
 
     @property
@@ -266,7 +267,11 @@ class HeadSelection:
         for s, kind, d, r0, m, n in pending:
             if s.finished or s.seq_id not in self.engine.pool or cap is None or any(q is None for q in cap.q):
                 continue
-            self._update(s, kind, d, [q[r0:r0 + m] if q is not None else None for q in cap.q], n)
+            rows = [q[r0:r0 + m] if q is not None else None for q in cap.q]
+            if kind == "check":
+                self._check(s, d, rows, n)
+            else:
+                self._update(s, kind, d, rows, n)
 
     def select_from(self, s, q_rows: list, n: int) -> None:
         """Select a running request's sets now from given queries (per layer [m, Hq, D], the rows
@@ -277,6 +282,74 @@ class HeadSelection:
         self._update(s, "select", d, q_rows, n)
 
     # ------------------------------------------------------------------ the sets
+
+    @torch.inference_mode()
+    def _check(self, s, d: _Derived, q_rows: list, n: int) -> None:
+        """A budget check of one decoding request, every layer's budgeted heads at once: the
+        step's query (``q_rows[l]`` [1, Hq, D], at position n-1) adds its mass over what each head
+        sees (gathered from the head's stored pages only, ~ its budget) to the head's page mass,
+        and the head keeps its heaviest distant pages within budget. Retrieval heads keep their
+        sets. Equal to ``_update(s, "check", ...)``, the per-layer form, which it replaces in the
+        engine because that gathers every position of the context for each head."""
+        eng = self.engine
+        pool = eng.pool
+        ps, dev = pool.page_size, eng.device
+        cfg = eng.config
+        L, H = d.mode.shape
+        g = cfg.num_attention_heads // H
+        table = pool.table(s.seq_id)  # [L, H, P]
+        P = table.shape[2]
+        prev = pool.selection(s.seq_id)
+        self.checks += 1
+        acc = getattr(s, "page_mass", None)
+        if acc is None:
+            acc = torch.zeros(L, H, P, dtype=torch.float32, device=dev)
+        elif acc.shape[2] < P:
+            acc = torch.cat([acc, acc.new_zeros(L, H, P - acc.shape[2])], 2)
+        ls, hs = np.nonzero(d.mode == 2)
+        tbl = table[ls, hs]  # [R, P]
+        stored = tbl >= 0
+        k_max = max(1, int(stored.sum(1).max()))
+        lp = np.argsort(~stored, axis=1, kind="stable")[:, :k_max]  # each head's stored pages first
+        valid = np.take_along_axis(stored, lp, 1)
+        phys = np.where(valid, np.take_along_axis(tbl, lp, 1), 0)
+        lp_t = torch.from_numpy(lp).to(dev)
+        R = len(ls)
+        keys = pool.k_pages[torch.from_numpy(phys).to(dev)].flatten(1, 2)  # [R, k_max * ps, D]
+        pos = (lp_t[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)  # [R, k_max * ps]
+        window = torch.as_tensor(d.window[ls, hs], device=dev)[:, None]
+        sink = torch.as_tensor(d.sink[ls, hs], device=dev)[:, None]
+        sel = prev[ls, hs]
+        chosen = torch.zeros(R, n + 1, dtype=torch.bool, device=dev)
+        chosen.scatter_(1, torch.from_numpy(np.where((sel >= 0) & (sel < n), sel, n).astype(np.int64)).to(dev), True)
+        p = n - 1  # the check's query
+        vis = (torch.from_numpy(valid).to(dev).repeat_interleave(ps, 1) & (pos <= p)
+               & (visibility.visible(p, pos, window, sink) | chosen.gather(1, pos.clamp(max=n))))
+        ls_t, hs_t = torch.from_numpy(ls).to(dev), torch.from_numpy(hs).to(dev)
+        q = torch.stack([q_rows[l][0] for l in range(L)]).view(L, H, g, -1)[ls_t, hs_t]  # [R, g, D]
+        # positions are in ``vis``; keys are compact, so the causal bound inside is always met
+        mass = sel_ops.attention_mass(q, keys, torch.full((g,), keys.shape[1], device=dev), cfg.head_dim ** -0.5,
+                                      vis[:, None, :].expand(-1, g, -1))
+        rows = acc[ls_t, hs_t]
+        rows.scatter_add_(1, lp_t, mass.view(R, k_max, ps).sum(-1))  # padding rows added 0 (not visible)
+        acc[ls_t, hs_t] = rows
+        keep = self._budget_pages(rows, torch.from_numpy(tbl.astype(np.int64)).to(dev), d.window[ls, hs],
+                                  d.sink[ls, hs], d.budget[ls, hs], n)
+        pos_sel, lens = sel_ops.pages_to_positions(keep, ps)
+        pos_sel, lens = pos_sel.cpu().numpy(), lens.cpu().numpy()
+        retr = d.mode == 1  # retrieval heads keep the set chosen at prefill
+        width = max(1, int(lens.max(initial=0)), int((prev[retr] >= 0).sum(-1).max(initial=0)))
+        if width > self.options.max_selected:
+            raise ValueError(f"a decode budget of {width} selected tokens exceeds max_selected="
+                             f"{self.options.max_selected}")
+        arr = np.full((L, H, width), -1, np.int64)
+        w = min(width, prev.shape[2])
+        arr[retr, :w] = prev[retr, :w]
+        arr[ls, hs, :pos_sel.shape[1]] = np.where(np.arange(pos_sel.shape[1]) < lens[:, None], pos_sel, -1)[:, :width]
+        pool.select(s.seq_id, arr, plan=d.name)
+        s.plan = d.name
+        s.selection = arr.astype(np.int32)
+        s.page_mass = acc
 
     @torch.inference_mode()
     def _update(self, s, kind: str, d: _Derived, q_rows: list, n: int) -> None:
@@ -290,6 +363,7 @@ class HeadSelection:
         table = pool.table(s.seq_id)  # [L, H, P]
         P = table.shape[2]
         prev = pool.selection(s.seq_id) if kind == "check" else None
+        self.checks += kind == "check"
         sets: dict[tuple[int, int], np.ndarray] = {}
         acc = getattr(s, "page_mass", None)
         if kind == "select" or acc is None:
@@ -326,7 +400,8 @@ class HeadSelection:
             bud = d.mode[l, heads] == 2
             if bud.any():
                 idx = np.nonzero(bud)[0]
-                keep = self._budget_pages(acc[l, hs[idx]], tbl[idx], d, l, heads[idx], n)
+                keep = self._budget_pages(acc[l, hs[idx]], tbl[idx], d.window[l, heads[idx]], d.sink[l, heads[idx]],
+                                          d.budget[l, heads[idx]], n)
                 pos, lens = sel_ops.pages_to_positions(keep, ps)
                 pos, lens = pos.cpu().numpy(), lens.cpu().numpy()
                 for i, r in enumerate(idx):
@@ -347,16 +422,17 @@ class HeadSelection:
         s.selection = arr.astype(np.int32)
         s.page_mass = acc if d.budgeted else None
 
-    def _budget_pages(self, acc: torch.Tensor, tbl: torch.Tensor, d: _Derived, l: int, heads: np.ndarray,
-                      n: int) -> torch.Tensor:
-        """bool [R, P] distant pages a budgeted head keeps: its heaviest within the budget, plus the
-        pages that leave its window before the next check (still candidates then)."""
+    def _budget_pages(self, acc: torch.Tensor, tbl: torch.Tensor, window: np.ndarray, sink: np.ndarray,
+                      budget: np.ndarray, n: int) -> torch.Tensor:
+        """bool [R, P] distant pages R budgeted heads (their window, sink, budget [R]) keep: their
+        heaviest within the budget, plus the pages that leave the window before the next check
+        (still candidates then)."""
         ps = self.engine.pool.page_size
         dev = acc.device
         R, P = acc.shape
-        window = torch.as_tensor(d.window[l, heads], device=dev)
-        sink = torch.as_tensor(d.sink[l, heads], device=dev)
-        budget = torch.as_tensor(d.budget[l, heads], device=dev, dtype=torch.float64)
+        window = torch.as_tensor(window, device=dev)
+        sink = torch.as_tensor(sink, device=dev)
+        budget = torch.as_tensor(budget, device=dev, dtype=torch.float64)
         tokens = torch.where(budget < 1, budget * n, budget).floor().long()
         stored = tbl >= 0
         kept_now = visibility.kept_page_mask(n, window, sink, ps, pages=P)

@@ -222,6 +222,47 @@ def test_decode_budget_bounds_pages_and_equals_the_masked_reference(tiny_checkpo
     assert seq.output_token_ids == tok[:40]
 
 
+@pytest.mark.parametrize("plan", ["dense", "headsparse"])
+def test_batched_budget_check_equals_the_per_layer_form(tiny_checkpoint, plan):
+    """The engine's budget check (every layer's budgeted heads at once, keys gathered from each
+    head's stored pages) selects the same pages and accumulates the same mass on budgeted heads as
+    the per-layer form over every position of the context; retrieval heads keep their sets."""
+    path = tiny_checkpoint("llama", num_hidden_layers=3, num_key_value_heads=4, num_attention_heads=8)
+    opts = dict(decode_kv_budget={"global": 48}, decode_kv_window=8, retrieval_heads=plan == "headsparse")
+    kw = dict(model=path, device="cpu", page_size=16, enable_prefix_caching=False, method=plan,
+              head_config=_head_config(0.6) if plan == "headsparse" else None)
+    llms = [LLM(**kw, selection=SelectionOptions(**opts)) for _ in range(2)]
+    seqs = []
+    for llm in llms:  # the same state in both: the prompt selected, 5 decode steps (no check yet)
+        seq = llm.make_sequence(PROMPT * 2, _greedy(30))
+        llm.engine.add_request(seq)
+        while seq.selection is None or len(seq.output_token_ids) < 5:
+            llm.engine.step()
+        seqs.append(seq)
+    a, b = seqs
+    np.testing.assert_array_equal(a.selection, b.selection)
+    cfg = llms[0].config
+    gen = torch.Generator().manual_seed(3)
+    before = a.selection.copy()
+    for _ in range(3):  # three checks in a row: the mass accumulates
+        n = a.num_computed
+        q = [torch.randn(1, cfg.num_attention_heads, cfg.head_dim, generator=gen) for _ in range(cfg.num_hidden_layers)]
+        sel0, sel1 = (llm.engine.selection for llm in llms)
+        sel0._check(a, sel0.derived[plan], q, n)
+        sel1._update(b, "check", sel1.derived[plan], q, n)
+        np.testing.assert_array_equal(a.selection, b.selection)
+        budgeted = torch.from_numpy(sel0.derived[plan].mode == 2)  # the only heads whose mass is read
+        torch.testing.assert_close(a.page_mass[budgeted], b.page_mass[budgeted], rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(llms[0].pool.table(a.seq_id) >= 0, llms[1].pool.table(b.seq_id) >= 0)
+    assert before.shape != a.selection.shape or (before != a.selection).any()  # the checks chose other pages
+    d = sel0.derived[plan]
+    assert (d.mode == 2).any() and ((d.mode == 1).any() == (plan == "headsparse"))
+    for llm, seq in zip(llms, seqs):
+        llm.engine.abort(seq)
+        llm.engine.clear_caches()
+        assert llm.pool.num_free_pages == llm.pool.num_pages
+
+
 def test_budget_and_option_errors():
     assert parse_budget(0.1) == {"global": 0.1, "retrieval": 0.1}
     assert parse_budget("global=0.05,retrieval=256") == {"global": 0.05, "retrieval": 256}
