@@ -155,15 +155,25 @@ def select_pages(mass: torch.Tensor, candidate: torch.Tensor, n_pages) -> torch.
 def pages_to_positions(keep: torch.Tensor, page_size: int, width: int | None = None,
                        limit=None) -> tuple[torch.Tensor, torch.Tensor]:
     """bool [R, P] pages -> (sel_pos int32 [R, width] sorted -1 padded, sel_lens int32 [R]):
-    every position of each kept page (below ``limit`` [R] if given)."""
+    every position of each kept page (below ``limit`` [R] if given). Only pages are ordered (a
+    stable sort of [R, P]); positions follow from them in order."""
     R, P = keep.shape
-    pos = torch.arange(P * page_size, device=keep.device)
-    take = keep.repeat_interleave(page_size, dim=1)
-    if limit is not None:
-        take = take & (pos[None, :] < torch.as_tensor(limit, device=keep.device).long().reshape(-1, 1))
-    k = take.sum(1)
-    order = torch.where(take, pos[None, :], torch.iinfo(torch.int64).max)
-    return _positions(order.sort(dim=1).values, k, width)
+    dev = keep.device
+    n_pages = keep.sum(1)
+    m = int(n_pages.max()) if R else 0
+    pages = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices[:, :m]  # kept pages first, ascending
+    pos = (pages[:, :, None] * page_size + torch.arange(page_size, device=dev)).flatten(1)  # [R, m * page_size]
+    ok = (torch.arange(m, device=dev)[None, :] < n_pages[:, None]).repeat_interleave(page_size, dim=1)
+    if limit is not None:  # positions ascend along a row, so what the limit cuts is its tail
+        ok = ok & (pos < torch.as_tensor(limit, device=dev).long().reshape(-1, 1))
+    k = ok.sum(1)
+    w = int(k.max()) if width is None and R else (width or 0)
+    if (k > w).any():
+        raise ValueError(f"selection of {int(k.max())} tokens does not fit width {w}")
+    pos = torch.where(ok, pos, -1)
+    if w > pos.shape[1]:
+        pos = torch.cat([pos, torch.full((R, w - pos.shape[1]), -1, dtype=pos.dtype, device=dev)], 1)
+    return pos[:, :w].to(torch.int32), k.to(torch.int32)
 
 
 # ------------------------------------------------------------------ float64 oracles

@@ -122,6 +122,24 @@ def test_select_pages_and_positions():
     torch.testing.assert_close(S.page_mass(torch.arange(10.0)[None], 4), torch.tensor([[6.0, 22.0, 17.0]]))
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_pages_to_positions_equals_every_position_of_the_kept_pages(seed):
+    g = torch.Generator().manual_seed(seed)
+    R, P, ps = 5, 9, 4
+    keep = torch.rand(R, P, generator=g) < 0.4
+    keep[0] = False  # a head keeping nothing
+    limit = torch.randint(0, P * ps + 1, (R,), generator=g)
+    for lim in (None, limit):
+        pos, lens = S.pages_to_positions(keep, ps, width=P * ps + 3, limit=lim)
+        assert pos.shape == (R, P * ps + 3) and pos.dtype == torch.int32
+        for r in range(R):
+            want = [p * ps + i for p in range(P) if keep[r, p] for i in range(ps)
+                    if lim is None or p * ps + i < int(lim[r])]
+            assert pos[r, :lens[r]].tolist() == want and (pos[r, lens[r]:] == -1).all()
+    with pytest.raises(ValueError, match="does not fit width"):
+        S.pages_to_positions(torch.ones(1, 3, dtype=torch.bool), ps, width=5)
+
+
 # ---------------------------------------------------------------- at the attention level
 
 def _paged_case(seed, seqs, hkv, hq, d, page):
