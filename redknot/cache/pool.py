@@ -445,8 +445,13 @@ class PagePool:
                                  f"{self.device_sel.shape[3]} (attach_selection's max_sel)")
             sel = sel[:, :, :self.device_sel.shape[3]]
             valid = valid[:, :, :sel.shape[2]]
-        l_idx, h_idx, i_idx = np.nonzero(valid)
-        lp = sel[l_idx, h_idx, i_idx] // self.page_size
+        # One entry per (head, page): positions are sorted, so a page's first selected position
+        # stands for the page (thousands of positions per head map to tens of pages).
+        page = np.where(valid, sel // self.page_size, -1)
+        first = valid.copy()
+        first[:, :, 1:] &= page[:, :, 1:] != page[:, :, :-1]
+        l_idx, h_idx, i_idx = np.nonzero(first)
+        lp = page[l_idx, h_idx, i_idx]
         stored = lp < s.table.shape[2]
         gone = (sel[l_idx, h_idx, i_idx] < s.length) & (~stored | (s.table[l_idx, h_idx, np.minimum(lp, s.table.shape[2] - 1)] < 0))
         if gone.any():
@@ -457,14 +462,15 @@ class PagePool:
         keep = np.zeros((self.num_layers, self.num_kv_heads, n_pages), dtype=bool)
         keep[l_idx, h_idx, lp] = True
         s.keep = keep
+        old_width = 0 if s.sel is None else s.sel.shape[2]
         s.sel = sel.astype(np.int32)
         if plan is not None:
             s.plan = self._plans[plan]
         if s.slot and self.device_sel is not None:
-            row = torch.full(self.device_sel.shape[2:], -1, dtype=torch.int32)
-            row = row[None].repeat(self.num_layers, 1, 1)
-            row[:, :, :sel.shape[2]] = torch.from_numpy(s.sel)
-            self.device_sel[:, s.slot] = row.to(self.device_sel.device)
+            w = sel.shape[2]
+            self.device_sel[:, s.slot, :, :w] = torch.from_numpy(s.sel).to(self.device_sel.device)
+            if old_width > w:  # the old set's tail columns
+                self.device_sel[:, s.slot, :, w:old_width] = -1
             self.device_sel_lens[:, s.slot] = torch.from_numpy(valid.sum(2).astype(np.int32)).to(self.device_sel.device)
         s.trimmed_len = 0  # the next trim looks at every page
         return self.trim(seq_id)

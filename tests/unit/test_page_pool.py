@@ -429,6 +429,9 @@ def test_selection_device_table_follows_select_and_free():
     assert sel.shape == (2, 3, 3, 8) and lens.shape == (2, 3, 3)
     assert (lens[:, :2] == 0).all() and (sel[:, :2] == -1).all()  # padding slot and unselected sequence
     assert sel[0, 2, 1, :2].tolist() == [2, 30] and lens[0, 2, 1] == 2 and lens[1, 2, 0] == 1
+    pool.select(1, _sel_array(pool, {(1, 0): [7]}), plan="selected")  # a narrower set: the old columns go
+    sel, lens = pool.selection_tables(slots)
+    assert (sel[0, 2] == -1).all() and sel[1, 2, 0].tolist() == [7] + [-1] * 7 and lens[0, 2, 1] == 0
     slot = pool.slot(1)
     pool.free_sequence(1)
     assert (pool.device_sel[:, slot] == -1).all() and (pool.device_sel_lens[:, slot] == 0).all()
