@@ -345,7 +345,7 @@ class HeadSelection:
         arr = np.full((L, H, width), -1, np.int64)
         w = min(width, prev.shape[2])
         arr[retr, :w] = prev[retr, :w]
-        arr[ls, hs, :pos_sel.shape[1]] = np.where(np.arange(pos_sel.shape[1]) < lens[:, None], pos_sel, -1)[:, :width]
+        arr[ls, hs, :pos_sel.shape[1]] = pos_sel  # -1 padded past each head's length
         pool.select(s.seq_id, arr, plan=d.name)
         s.plan = d.name
         s.selection = arr.astype(np.int32)
@@ -353,6 +353,10 @@ class HeadSelection:
 
     @torch.inference_mode()
     def _update(self, s, kind: str, d: _Derived, q_rows: list, n: int) -> None:
+        """The sets from the queries ``q_rows`` (per layer [m, Hq, D], positions n-m..n-1), layer
+        by layer over every position of the context: the selection at the end of a prompt
+        (``kind="select"``), and the reference form of a budget check (``kind="check"``) that
+        ``_check`` is tested against."""
         eng = self.engine
         pool = eng.pool
         ps = pool.page_size
