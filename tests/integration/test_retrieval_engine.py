@@ -248,7 +248,7 @@ def test_batched_budget_check_equals_the_per_layer_form(tiny_checkpoint, plan):
         n = a.num_computed
         q = [torch.randn(1, cfg.num_attention_heads, cfg.head_dim, generator=gen) for _ in range(cfg.num_hidden_layers)]
         sel0, sel1 = (llm.engine.selection for llm in llms)
-        sel0._check(a, sel0.derived[plan], q, n)
+        sel0._check(sel0.derived[plan], [(a, q)], n)
         sel1._update(b, "check", sel1.derived[plan], q, n)
         np.testing.assert_array_equal(a.selection, b.selection)
         budgeted = torch.from_numpy(sel0.derived[plan].mode == 2)  # the only heads whose mass is read
@@ -261,6 +261,48 @@ def test_batched_budget_check_equals_the_per_layer_form(tiny_checkpoint, plan):
         llm.engine.abort(seq)
         llm.engine.clear_caches()
         assert llm.pool.num_free_pages == llm.pool.num_pages
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 30, 1])
+def test_checks_of_several_requests_at_once_equal_one_at_a_time(tiny_checkpoint, chunk_bytes):
+    """A step's checks at one length run together (stacked, or one request a chunk when the keys
+    exceed ``check_chunk_bytes``) and equal the per-layer form request by request."""
+    path = tiny_checkpoint("llama", num_hidden_layers=3, num_key_value_heads=4, num_attention_heads=8)
+    opts = dict(decode_kv_budget={"global": 48, "retrieval": 0.2}, decode_kv_window=8, retrieval_heads=True)
+    kw = dict(model=path, device="cpu", page_size=16, enable_prefix_caching=False, method="headsparse",
+              head_config=_head_config(0.6))
+    llms = [LLM(**kw, selection=SelectionOptions(**opts)) for _ in range(2)]
+    vocab = llms[0].config.vocab_size
+    prompts = [torch.randint(10, vocab, (300,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    batches = []
+    for llm in llms:  # the same three requests in both, 5 decode steps after their prompts
+        seqs = [llm.make_sequence(p, _greedy(30)) for p in prompts]
+        for seq in seqs:
+            llm.engine.add_request(seq)
+        while any(s.selection is None or len(s.output_token_ids) < 5 for s in seqs):
+            llm.engine.step()
+        batches.append(seqs)
+    assert len({s.num_computed for s in batches[0]}) == 1
+    sel0, sel1 = (llm.engine.selection for llm in llms)
+    sel0.check_chunk_bytes = chunk_bytes
+    d0, d1 = sel0.derived["headsparse"], sel1.derived["headsparse"]
+    cfg = llms[0].config
+    gen = torch.Generator().manual_seed(5)
+    checks = sel0.checks
+    for _ in range(2):
+        n = batches[0][0].num_computed
+        qs = [[torch.randn(1, cfg.num_attention_heads, cfg.head_dim, generator=gen) for _ in range(cfg.num_hidden_layers)]
+              for _ in prompts]
+        sel0._check(d0, list(zip(batches[0], qs)), n)
+        for seq, q in zip(batches[1], qs):
+            sel1._update(seq, "check", d1, q, n)
+        budgeted = torch.from_numpy(d0.mode == 2)
+        for a, b in zip(*batches):
+            np.testing.assert_array_equal(a.selection, b.selection)
+            torch.testing.assert_close(a.page_mass[budgeted], b.page_mass[budgeted], rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(llms[0].pool.table(a.seq_id) >= 0, llms[1].pool.table(b.seq_id) >= 0)
+    assert sel0.checks - checks == 6
+    assert len({a.selection.tobytes() for a in batches[0]}) == 3  # three different sets
 
 
 def test_budget_and_option_errors():
