@@ -186,10 +186,12 @@ def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None
 
 def answer_scores(text: str, rec: dict, reference: str | None = None) -> dict:
     """The scores read from the answer's text alone (what ``--rescore`` recomputes); with dense's
-    answer as ``reference``, also the answer's EM/F1 against it (answer agreement)."""
+    answer as ``reference``, also the answer's EM/F1 against it (answer agreement: conclusion
+    against conclusion, as gold scores read a reasoned answer)."""
+    ref = None if reference is None else final_answer(reference)
     return {"em": exact_match(text, rec["answers"]), "f1": f1_score(text, rec["answers"]),
-            "answer_em": None if reference is None else exact_match(text, [reference]),
-            "answer_f1": None if reference is None else f1_score(text, [reference]),
+            "answer_em": None if ref is None else exact_match(text, [ref]),
+            "answer_f1": None if ref is None else f1_score(text, [ref]),
             # reasoned answers only
             "bridge_em": bridge_match(text, (rec.get("meta") or {}).get("bridge"), restated_fact(rec)),
             "twin_em": twin_match(text, rec)}  # records with twins (testbed --meta) only

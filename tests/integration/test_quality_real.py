@@ -92,6 +92,10 @@ def test_answer_agreement_scores_against_dense():
     s = quality.answer_scores("Ilsa Torv", RECORDS[0], reference="the merchant Ilsa Torv")
     assert s["em"] == 1.0 and s["answer_em"] == 0.0 and s["answer_f1"] == pytest.approx(0.8)
     assert quality.answer_scores("x", RECORDS[0])["answer_f1"] is None  # no reference: not scored
+    # a reasoned answer agrees with itself: conclusion against conclusion
+    reasoned = "Kestrel Works => Ilsa Torv"
+    assert quality.answer_scores(reasoned, RECORDS[0], reference=reasoned)["answer_em"] == 1.0
+    assert quality.answer_scores("Ilsa Torv", RECORDS[0], reference=reasoned)["answer_em"] == 1.0
 
 
 def _args(**kw):
