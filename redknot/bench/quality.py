@@ -156,7 +156,8 @@ def split_variant(spec: str) -> tuple[str, dict]:
 _ROW_SALTS = itertools.count()
 
 
-def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None = None):
+def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None = None,
+              decode_kv_window: int = 128):
     """One record through one method (a spec, ``split_variant``): the greedy answer and its first-token
     logits, one prefill."""
     import dataclasses
@@ -167,7 +168,7 @@ def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None
     name, knobs = split_variant(method)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"], return_first_logits=True)
     engine = llm.engine
-    name, selection = selection_for(name, knobs.pop("decode_kv_budget", DEFAULT_DECODE_KV_BUDGET))
+    name, selection = selection_for(name, knobs.pop("decode_kv_budget", DEFAULT_DECODE_KV_BUDGET), decode_kv_window)
     reuse = engine.reuse
     saved = reuse.options, reuse.sparse, engine.selection
     options = {k: v for k, v in knobs.items() if k in {f.name for f in dataclasses.fields(saved[0])}}
@@ -249,8 +250,10 @@ def _aggregate(rows: list[dict]) -> dict:
 
 
 def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, progress: bool = True,
-             on_record=None, template: str | None = None, previous: list[dict] | None = None) -> dict:
+             on_record=None, template: str | None = None, previous: list[dict] | None = None,
+             decode_kv_window: int = 128) -> dict:
     """Run every record through every method; returns {"methods": {NAME: summary}, "records": [...]}.
+    ``decode_kv_window``: the recent window the budget rows keep inside their budget.
     ``on_record(result so far)`` is called after each record (run() saves it: a stopped run keeps
     what it measured). ``previous``: per-record entries of an earlier, stopped run of the same
     records and methods; they are kept and their records are not run again (``--resume``)."""
@@ -277,7 +280,8 @@ def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, prog
                 ref_out = _generate(llm, rec, REFERENCE, max_tokens, template)  # also the reference's own row
                 for m in methods:
                     bar.set_postfix_str(m)
-                    out = ref_out if m == REFERENCE else _generate(llm, rec, m, max_tokens, template)
+                    out = ref_out if m == REFERENCE else _generate(llm, rec, m, max_tokens, template,
+                                                                   decode_kv_window)
                     row = _score(llm, rec, m, out, ref_out)
                     rows[m].append({**row, "type": rec["type"]})
                     entry["predictions"][m] = row
@@ -321,6 +325,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "longbench for NAME:PATH public sets, plain for jsonl records")
     p.add_argument("--limit", type=int, default=None, help="first N records only")
     p.add_argument("--max-tokens", type=int, default=MAX_ANSWER_TOKENS)
+    p.add_argument("--decode-kv-window", type=int, default=128,
+                   help="the budget rows' recent window (inside the budget; a budget below window + sink "
+                        "keeps just those)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
 
@@ -431,7 +438,7 @@ def run(args) -> dict:
         tmp.replace(out)
 
     result = evaluate(llm, records, methods, args.max_tokens, on_record=lambda r: save(r, False), template=template,
-                      previous=previous)
+                      previous=previous, decode_kv_window=args.decode_kv_window)
     save(result, True)
     result.update(meta, n_records_done=len(records), complete=True)
     print(format_table(result))

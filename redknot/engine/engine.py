@@ -327,12 +327,28 @@ class Engine:
         need = self._local_heads * per_head
         return min(need, self.pool.num_pages // 8) if capped else need
 
+    def _admission_pages(self, seq: Sequence, budget: int | None = None) -> int:
+        """Free pages admission asks for a request's first step: its first prompt chunk under its
+        plan (the whole prompt for a recovery, the suffix for a chunk-reuse request, else what
+        the step's token ``budget`` takes), plus one page per head for the token after it."""
+        chunked = uses_chunks(seq.method) and not seq.reuse_done
+        if chunked and seq.method in RECOVERY_METHODS:
+            first = len(seq.token_ids)
+        elif chunked:
+            if seq.chunked_prompt is None:  # laid out later (check_fits before it): pages_for counts it
+                return 0
+            first = seq.chunked_prompt.suffix_start
+        else:
+            first = min(seq.num_pending, self.cfg.max_num_batched_tokens if budget is None else budget)
+        return self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
+
     def pool_pages_for(self, seq: Sequence) -> int:
         """The smallest pool that admits this request on its own (``check_fits`` on a pool of that
-        size): what a harness that runs one request at a time sizes its pool by (``resize_pool``).
-        The headroom grows with the pool (an eighth of it, up to its uncapped size)."""
+        size, and admission's first step in it): what a harness that runs one request at a time
+        sizes its pool by (``resize_pool``). The headroom grows with the pool (an eighth of it, up
+        to its uncapped size)."""
         steady, headroom = self._steady_pages(seq), self._headroom(capped=False)
-        pages = max(self.pages_for(seq), steady)
+        pages = max(self.pages_for(seq), steady, self._admission_pages(seq))
         while pages < steady + min(headroom, pages // 8):
             pages += 1
         return pages
@@ -445,11 +461,7 @@ class Engine:
             steady = self._steady_pages(seq)
             if self.cfg.reserve_full_length and self._committed + steady + self._headroom() > self.pool.num_pages:
                 break  # the running requests' full contexts leave no room for this one's yet
-            if recovers:  # the whole prompt at once, every head
-                need = self.pool.pages_needed(len(seq.token_ids), plan=seq.plan).peak + self._heads
-            else:
-                first = seq.chunked_prompt.suffix_start if chunked else min(seq.num_pending, budget)
-                need = self.pool.pages_needed(first, plan=seq.plan).peak + self._heads
+            need = self._admission_pages(seq, budget)
             keep, kept_pages, missing = set(), 0, 0
             if chunked:  # its cached chunks must stay, its missing chunks' prefills need pages too
                 specs = self._chunk_specs(seq)

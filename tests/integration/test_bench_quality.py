@@ -355,6 +355,12 @@ def test_selected_set_rows_run_and_bound_to_their_references(setup):
     for m in ("retrieval", "headsparse_h2o@0.05"):
         assert rows[m]["flops_fraction"] == pytest.approx(rows["headsparse"]["flops_fraction"])
         assert rows[m]["cached_tokens"] == 0
+    # the budget rows' window is the run's --decode-kv-window: a 16-token budget with a 4-token
+    # window keeps other pages than with the default 128
+    narrow = quality.run(_args(model=model, data=data, methods="dense,h2o@16", out=tmp / "sel4.json", max_tokens=3,
+                               device="cpu", dtype="float32", decode_kv_window=4))
+    assert narrow["args"]["decode_kv_window"] == 4
+    assert narrow["records"][0]["predictions"]["h2o@16"]["text"] != pred["h2o@16"]["text"]
     with pytest.raises(ValueError, match="decode_kv_budget"):
         quality.split_variant("h2o@1.5")
     with pytest.raises(ValueError, match="need --head-config"):

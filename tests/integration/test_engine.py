@@ -347,3 +347,26 @@ def test_an_abandoned_request_is_dropped_before_prefill(tiny_checkpoint):
     out = llm.engine.step()
     assert gone.finish_reason == "abort" and gone.num_computed == 0 and any(o.seq is gone for o in out)
     assert not llm.engine.has_unfinished() and llm.pool.num_free_pages == llm.pool.num_pages
+
+
+@pytest.mark.parametrize("method", ["dense", "headsparse"])
+def test_a_pool_sized_by_pool_pages_for_runs_the_request(tiny_checkpoint, method):
+    """pool_pages_for counts what admission asks for the first step too, so the pool it sizes runs
+    the request, at prompt lengths on both sides of a page boundary (a prompt that fills its
+    pages exactly got a pool it could never start in); one page less is a clear error."""
+    path = tiny_checkpoint("llama")
+    hc = HeadConfig([["global", "local"], ["local", "global"]], [[-1, 24], [24, -1]], [[0, 4], [4, 0]])
+    llm = LLM(model=path, device="cpu", page_size=16, head_config=hc if method == "headsparse" else None)
+    for n in (45, 47, 48, 49, 61):
+        ids = list(range(10, 10 + n))
+        seq = llm.make_sequence(ids, greedy(1), method=method)
+        seq.plan = "headsparse" if method == "headsparse" else "dense"
+        llm.engine.clear_caches()
+        llm.engine.resize_pool(llm.engine.pool_pages_for(seq))
+        out = llm.generate(ids, greedy(1), method=method)[0]
+        assert len(out.outputs[0].token_ids) == 1, n
+        smaller = llm.engine.pool.num_pages - 1
+        llm.engine.clear_caches()
+        llm.engine.resize_pool(smaller)
+        with pytest.raises(RequestTooLarge):
+            llm.generate(ids, greedy(1), method=method)
