@@ -304,16 +304,18 @@ class HeadSelection:
         page_bytes = pool.page_size * pool.k_pages.shape[-1] * pool.k_pages.element_size()
         chunk, held = [], 0
         for s, rows in items:  # a request's keys: its budgeted heads x the most pages one holds
-            need = len(ls) * max(1, int((pool.table(s.seq_id)[ls, hs] >= 0).sum(1).max(initial=0))) * page_bytes
+            table = pool.table(s.seq_id)  # [L, H, P]
+            need = len(ls) * max(1, int((table[ls, hs] >= 0).sum(1).max(initial=0))) * page_bytes
             if chunk and held + need > self.check_chunk_bytes:
                 self._check_chunk(d, chunk, n, ls, hs)
                 chunk, held = [], 0
-            chunk.append((s, rows))
+            chunk.append((s, rows, table))
             held += need
         if chunk:
             self._check_chunk(d, chunk, n, ls, hs)
 
     def _check_chunk(self, d: _Derived, items: list, n: int, ls: np.ndarray, hs: np.ndarray) -> None:
+        """``_check`` for one chunk of [(seq, q_rows, its block table)]."""
         eng = self.engine
         pool = eng.pool
         ps, dev = pool.page_size, eng.device
@@ -322,8 +324,8 @@ class HeadSelection:
         g = cfg.num_attention_heads // H
         R, C = len(ls), len(items)
         self.checks += C
-        tables = [pool.table(s.seq_id) for s, _ in items]  # [L, H, P_i]
-        prevs = [pool.selection(s.seq_id) for s, _ in items]
+        tables = [t for _, _, t in items]  # [L, H, P_i]
+        prevs = [pool.selection(s.seq_id) for s, _, _ in items]
         P = max(t.shape[2] for t in tables)
         tbl = np.full((C * R, P), -1, np.int64)  # the budgeted heads of every request, stacked
         for i, t in enumerate(tables):
@@ -350,27 +352,22 @@ class HeadSelection:
                & (visibility.visible(p, pos, window, sink) | chosen.gather(1, pos.clamp(max=n))))
         ls_t, hs_t = torch.from_numpy(ls).to(dev), torch.from_numpy(hs).to(dev)
         q = torch.cat([torch.stack([rows[l][0] for l in range(L)]).view(L, H, g, -1)[ls_t, hs_t]
-                       for _, rows in items])  # [C*R, g, D]
+                       for _, rows, _ in items])  # [C*R, g, D]
         # positions are in ``vis``; keys are compact, so the causal bound inside is always met
         mass = sel_ops.attention_mass(q, keys, torch.full((g,), keys.shape[1], device=dev), cfg.head_dim ** -0.5,
                                       vis[:, None, :].expand(-1, g, -1))
-        accs = []
-        for (s, _), t in zip(items, tables):
-            acc = getattr(s, "page_mass", None)
-            if acc is None:
-                acc = torch.zeros(L, H, t.shape[2], dtype=torch.float32, device=dev)
-            accs.append(acc)
+        # each request's page mass so far (set when it selected at the end of its prompt)
+        accs = [s.page_mass for s, _, _ in items]
         rows = torch.zeros(C * R, P, dtype=torch.float32, device=dev)
         for i, acc in enumerate(accs):
-            w = min(P, acc.shape[2])
-            rows[i * R:(i + 1) * R, :w] = acc[ls_t, hs_t, :w]
+            rows[i * R:(i + 1) * R, :acc.shape[2]] = acc[ls_t, hs_t]
         rows.scatter_add_(1, lp_t, mass.view(C * R, k_max, ps).sum(-1))  # padding rows added 0 (not visible)
         keep = self._budget_pages(rows, torch.from_numpy(tbl).to(dev), np.tile(d.window[ls, hs], C),
                                   np.tile(d.sink[ls, hs], C), np.tile(d.budget[ls, hs], C), n)
         pos_sel, lens = sel_ops.pages_to_positions(keep, ps)
         pos_sel, lens = pos_sel.cpu().numpy(), lens.cpu().numpy()
         retr = d.mode == 1  # retrieval heads keep the set chosen at prefill
-        for i, ((s, _), prev, acc) in enumerate(zip(items, prevs, accs)):
+        for i, ((s, _, _), prev, acc) in enumerate(zip(items, prevs, accs)):
             P_i = tables[i].shape[2]
             if acc.shape[2] < P_i:
                 acc = torch.cat([acc, acc.new_zeros(L, H, P_i - acc.shape[2])], 2)
