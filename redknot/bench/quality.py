@@ -20,7 +20,7 @@ Budgets: a method may carry one knob after ``@``: ``cacheblend@0.3`` (recompute 
 ``keep_fraction``: that share of chunk tokens through the FFN, instead of the mass tiers),
 ``h2o@0.05`` / ``headsparse_h2o@0.2`` (the decode KV budget, tokens or a fraction of the sequence,
 of every head of the all-global plan / of the head plan's global and retrieval heads: each keeps
-sink, a 128-token window and its heaviest distant pages within the budget from the end of the
+sink, a ``--decode-kv-window`` (128) window and its heaviest distant pages within the budget from the end of the
 prompt on); ``retrieval`` runs the head plan with its retrieval heads live (``retrieval_top_p``
 of the head config). Head-plan budgets are separate runs with other ``--head-config`` files
 (``redknot bench quality-report`` merges them).
