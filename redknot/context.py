@@ -32,6 +32,9 @@ class Context:
     rows: Any = None  # a recovery batch's per-layer row policy (engine.recovery_batch.RecoveryRows)
     sel_pos: torch.Tensor | None = None  # device int32 [L, B, Hkv, max_sel]: selected sets (sorted, -1 padded)
     sel_lens: torch.Tensor | None = None  # device int32 [L, B, Hkv]
+    # A decode graph of a plan with budget checks writes every layer's queries here (device
+    # [L, B, Hq, D]), so a check step replays the graph instead of running eagerly to record them.
+    q_record: torch.Tensor | None = None
     extras: dict[str, Any] = field(default_factory=dict)  # backend-owned per-batch metadata
 
     @property

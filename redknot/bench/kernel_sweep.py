@@ -1,8 +1,12 @@
-"""Block-size sweep of the SegPaged prefill kernel (GPU): which (BLOCK_M, BLOCK_N, warps, stages)
-and interior path is fastest at each benchmark shape, each variant checked against the exact
+"""Launch-choice sweeps of the SegPaged kernels (GPU), each variant checked against an exact
 reference first. Prints a table and writes JSON.
 
+Prefill: which (BLOCK_M, BLOCK_N, warps, stages) and interior path is fastest at each shape.
+Decode under H2O budgets (``--h2o``): which (BLOCK_N, warps, stages) and split layout (tiles a
+split reads) is fastest at the `bench kernel --h2o` shapes, against FA-2 dense in the same run.
+
     python -m redknot.bench.kernel_sweep --out sweep.json [--shapes prefill-8k,prefill-32k]
+    python -m redknot.bench.kernel_sweep --h2o --out sweep_h2o.json [--shapes h2o-8k,h2o-32k]
 """
 
 from __future__ import annotations
@@ -27,12 +31,85 @@ VARIANTS = [
 ]
 
 
+# decode: (BLOCK_N, num_warps, num_stages, tiles per split (None: built-in split count), min tiles)
+DECODE_VARIANTS = [
+    (64, 4, 1, None, None),
+    (64, 4, 2, None, None),
+    (64, 8, 1, None, None),
+    (64, 2, 1, None, None),
+    (128, 4, 1, None, None),
+    (128, 8, 1, None, None),
+    (128, 8, 2, None, None),
+    (64, 4, 1, None, 2),
+    (64, 4, 2, None, 4),
+    (64, 4, 3, None, 4),
+    (64, 4, 2, 4, None),
+    (64, 4, 3, 8, None),
+    (64, 4, 1, 2, None),
+    (128, 4, 2, 2, None),
+]
+
+
+def sweep_h2o(args) -> int:
+    """Decode variants at the H2O shapes, FA-2 dense timed in the same run."""
+    from ..kernels import segpaged
+    from . import kernel_h2o as kh
+
+    dev = torch.device("cuda")
+    timer = kb.Timer(dev, repeats=50, target_ms=500)
+    timer.graph = True
+    fa = kb.probe_fa(dev)
+    env = kb.Env(device=dev, timer=timer, fa=fa, kernels=None, kernel_error=None, methods=(), deadline=float("inf"))
+    names = args.shapes if args.shapes != "prefill-8k,prefill-32k,prefill-128k" else ",".join(kh.SHAPES)
+    results = []
+    for name in names.split(","):
+        shape = kh.SHAPES[name]
+        c = kh.make_h2o_case(shape, dev, seed=0)
+        B, L, H, D = shape.batch, shape.ctx, kb.HKV, kb.HEAD_DIM
+        fn, _ = kh._fa_or_sdpa(env, c["q"], c["k"].reshape(B * L, H, D), c["v"].reshape(B * L, H, D), L, B)
+        fa_ms = timer(fn)["ms"]
+        qd = c["q"].double().view(B, H, kb.GROUP, D)
+        sc = torch.einsum("bhgd,bhnd->bhgn", qd, c["k_sel"].double()) * c["scale"]
+        ref = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(sc, -1), c["v_sel"].double()).reshape(B, kb.HQ, D)
+        for bn, warps, stages, per_split, min_tiles in DECODE_VARIANTS:
+            cfg = segpaged.KernelConfig(decode=(bn, warps, stages), decode_tiles_per_split=per_split,
+                                        decode_min_tiles_per_split=min_tiles)
+            entry = {"shape": name, "block_n": bn, "warps": warps, "stages": stages, "tiles_per_split": per_split,
+                     "min_tiles": min_tiles, "fa_dense_ms": fa_ms}
+            try:
+                fn = lambda: segpaged.segpaged_attention(  # noqa: E731
+                    c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["cu_q"], c["seq_lens"], c["window"],
+                    c["sink"], c["scale"], 1, sel_pos=c["sel_pos"], sel_lens=c["sel_lens"], config=cfg)
+                entry["cos"] = kb.compare(fn().reshape(B, kb.HQ, D), ref)["cos"]
+                entry.update(timer(fn))
+                entry["x_fa_dense"] = fa_ms / entry["ms"]
+            except Exception as e:
+                entry["error"] = kb._err(e)
+            results.append(entry)
+            print(json.dumps(entry), flush=True)
+        del c
+        kb._free_memory(dev)
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), **kb._versions(), "argv": sys.argv,
+                   "results": results}, f, indent=1)
+    print(f"\n{'shape':<9} {'BN':>4} {'warps':>5} {'stages':>6} {'per split':>9} {'min':>4} {'ms':>8} {'x FA-2':>7} {'cos':>9}")
+    for e in results:
+        head = (f"{e['shape']:<9} {e['block_n']:>4} {e['warps']:>5} {e['stages']:>6} {str(e['tiles_per_split']):>9} "
+                f"{str(e['min_tiles']):>4}")
+        print(head + (f"  error: {e['error'][:60]}" if "error" in e
+                      else f" {e['ms']:>8.4f} {e['x_fa_dense']:>7.2f} {e['cos']:>9.6f}"))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", default="prefill-8k,prefill-32k,prefill-128k")
+    ap.add_argument("--h2o", action="store_true", help="sweep the decode kernel at the H2O shapes")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernel_sweep.json"))
     ap.add_argument("--rows", type=int, default=256)
     args = ap.parse_args(argv)
+    if args.h2o:
+        return sweep_h2o(args)
     from ..kernels import segpaged
 
     dev = torch.device("cuda")

@@ -51,7 +51,7 @@ class _Plan(NamedTuple):
 
 
 class _Seq:
-    __slots__ = ("table", "length", "plan", "slot", "trimmed_len", "shared_tail", "keep", "sel")
+    __slots__ = ("table", "length", "plan", "slot", "trimmed_len", "shared_tail", "keep", "sel", "by_page")
 
     def __init__(self, table: np.ndarray, plan: _Plan, slot: int):
         self.table = table  # int32 [L, Hkv, cap], -1 = not stored; cap >= ceil(length/page_size)
@@ -62,6 +62,7 @@ class _Seq:
         self.shared_tail = False  # the last, partial page may be shared (copy it before writing)
         self.keep = None  # bool [L, Hkv, n]: pages holding selected tokens (trim keeps them)
         self.sel = None  # int32 [L, Hkv, m]: selected positions, sorted, -1 padded
+        self.by_page = None  # bool [L, Hkv]: heads whose set is every position of their kept pages
 
 
 def _cdiv(a, b):
@@ -463,7 +464,10 @@ class PagePool:
         keep[l_idx, h_idx, lp] = True
         s.keep = keep
         old_width = 0 if s.sel is None else s.sel.shape[2]
+        if s.by_page is not None and s.by_page.any() and self.device_sel is not None:
+            old_width = self.device_sel.shape[3]  # select_pages wrote whole rows
         s.sel = sel.astype(np.int32)
+        s.by_page = None
         if plan is not None:
             s.plan = self._plans[plan]
         if s.slot and self.device_sel is not None:
@@ -475,10 +479,92 @@ class PagePool:
         s.trimmed_len = 0  # the next trim looks at every page
         return self.trim(seq_id)
 
+    def select_pages(self, seq_ids: list[int], layers: np.ndarray, heads: np.ndarray, keep: np.ndarray,
+                     sel_pos: torch.Tensor, sel_lens: torch.Tensor, plan: str | None = None) -> int:
+        """Give R heads (``layers``, ``heads`` [R]) of each of C sequences the set of every
+        position of some of their pages, and release what no head sees any more; the other heads
+        keep their sets. A decode budget's checks call it for all their requests at once: the
+        positions go to the device table from the device, and the host keeps pages only.
+
+        ``keep``: bool [C, R, P], the pages (below the sequence's length, stored) each head keeps;
+        ``sel_pos`` int32 [C * R, w] / ``sel_lens`` [C * R] on the device: those pages' positions
+        in order, -1 padded (``redknot.cache.selection.pages_to_positions``). ``plan`` as in
+        ``select``. Returns pages released."""
+        if plan is not None and plan not in self._plans:
+            raise ValueError(f"unknown head plan {plan!r} (registered: {', '.join(self._plans)})")
+        seqs = [self._seq(i) for i in seq_ids]
+        C, R = len(seqs), len(layers)
+        if keep.ndim != 3 or keep.shape[:2] != (C, R) or tuple(sel_pos.shape[:1]) != (C * R,):
+            raise ValueError(f"select_pages: keep must be [C={C}, R={R}, P] and sel_pos [C*R, w]; got "
+                             f"{keep.shape} and {tuple(sel_pos.shape)}")
+        if self.device_sel is not None and sel_pos.shape[1] > self.device_sel.shape[3]:
+            raise ValueError(f"select_pages: {sel_pos.shape[1]} selected positions in one head, the device table "
+                             f"holds {self.device_sel.shape[3]} (attach_selection's max_sel)")
+        P = keep.shape[2]
+        for i, s in enumerate(seqs):  # check everything before changing anything
+            n = _cdiv(s.length, self.page_size)
+            rows = np.zeros((R, P), bool)
+            w = min(n, P, s.table.shape[2])
+            rows[:, :w] = s.table[layers, heads, :w] >= 0
+            if (keep[i] & ~rows).any():
+                r, lp = np.argwhere(keep[i] & ~rows)[0]
+                raise ValueError(f"select_pages: page {int(lp)} of layer {int(layers[r])} KV head {int(heads[r])} "
+                                 f"is not stored (released, or past the sequence's length)")
+        for i, s in enumerate(seqs):
+            n_pages = max(P, _cdiv(s.length, self.page_size), 0 if s.keep is None else s.keep.shape[2])
+            k = np.zeros((self.num_layers, self.num_kv_heads, n_pages), dtype=bool)
+            if s.keep is not None:
+                k[:, :, :s.keep.shape[2]] = s.keep
+            k[layers, heads] = False
+            k[layers, heads, :P] = keep[i]
+            s.keep = k
+            if s.sel is None:
+                s.sel = np.full((self.num_layers, self.num_kv_heads, 1), -1, np.int32)
+            s.sel[layers, heads] = -1  # these heads' positions follow from their pages
+            if s.by_page is None:
+                s.by_page = np.zeros((self.num_layers, self.num_kv_heads), bool)
+            s.by_page[layers, heads] = True
+            if plan is not None:
+                s.plan = self._plans[plan]
+        if self.device_sel is not None and any(s.slot for s in seqs):
+            dev = self.device_sel.device
+            slots = torch.tensor([s.slot for s in seqs], device=dev).repeat_interleave(R)
+            ls = torch.from_numpy(np.tile(layers, C)).to(dev)
+            hs = torch.from_numpy(np.tile(heads, C)).to(dev)
+            ok = slots > 0  # a sequence without a slot has no device rows
+            rows = torch.full((C * R, self.device_sel.shape[3]), -1, dtype=torch.int32, device=dev)
+            rows[:, :sel_pos.shape[1]] = sel_pos
+            self.device_sel[ls[ok], slots[ok], hs[ok]] = rows[ok]
+            self.device_sel_lens[ls[ok], slots[ok], hs[ok]] = sel_lens.to(torch.int32)[ok]
+        released = 0
+        for i, s in zip(seq_ids, seqs):
+            s.trimmed_len = 0  # the next trim looks at every page
+            released += self.trim(i)
+        return released
+
+    def kept_pages(self, seq_id: int) -> np.ndarray | None:
+        """Copy of the pages holding the sequence's selected positions, bool [L, Hkv, n], or None."""
+        keep = self._seq(seq_id).keep
+        return None if keep is None else keep.copy()
+
     def selection(self, seq_id: int) -> np.ndarray | None:
         """Copy of the sequence's selected positions, int32 [L, Hkv, m] (-1 padded), or None."""
-        sel = self._seq(seq_id).sel
-        return None if sel is None else sel.copy()
+        s = self._seq(seq_id)
+        if s.sel is None:
+            return None
+        if s.by_page is None or not s.by_page.any():
+            return s.sel.copy()
+        ls, hs = np.nonzero(s.by_page)  # every position of those heads' kept pages, in order
+        pages = s.keep[ls, hs]
+        width = max(int((s.sel >= 0).sum(-1).max(initial=0)), int(pages.sum(1).max(initial=0)) * self.page_size, 1)
+        out = np.full((self.num_layers, self.num_kv_heads, width), -1, np.int32)
+        w = min(width, s.sel.shape[2])
+        out[:, :, :w] = s.sel[:, :, :w]
+        out[ls, hs] = -1
+        for l, h, row in zip(ls, hs, pages):
+            pos = (np.nonzero(row)[0][:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+            out[l, h, :len(pos)] = pos
+        return out
 
     def attach_selection(self, max_sel: int) -> None:
         """Keep every sequence's selected sets in a persistent device table, int32 [L, slots, Hkv,
@@ -492,9 +578,9 @@ class PagePool:
                                      device=self.device)
         self.device_sel_lens = torch.zeros((self.num_layers, slots, self.num_kv_heads), dtype=torch.int32,
                                            device=self.device)
-        for s in self._seqs.values():
+        for i, s in self._seqs.items():
             if s.sel is not None:
-                self.select(next(i for i, t in self._seqs.items() if t is s), s.sel)
+                self.select(i, self.selection(i))
 
     def selection_tables(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's selected sets gathered by slot on the device: sel_pos int32 [L, B, Hkv,

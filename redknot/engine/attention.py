@@ -37,6 +37,8 @@ class PagedAttention:
             return self._recovery_rows(layer, q, k, v, ctx)
         if self.capture is not None:
             self.capture.record(layer, q)
+        if ctx.q_record is not None:
+            ctx.q_record[layer, :q.shape[0]].copy_(q)
         if self.kernel == "torch" and ctx.max_q_len == 1:
             return self._decode_torch(layer, q, k, v, ctx)
         self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t)

@@ -215,7 +215,8 @@ class Engine:
         self._committed = 0  # pages admission has promised the running requests (their full lengths)
         self._heads = L * hkv
         self._local_heads = max(int((self.pool.window_sink(p)[0] < GLOBAL_WINDOW).sum()) for p in self.pool.plans)
-        self.timings = {"schedule": 0.0, "forward": 0.0, "sample": 0.0, "steps": 0}  # host seconds per phase
+        # host seconds per phase ("select": selected sets and budget checks after a forward)
+        self.timings = {"schedule": 0.0, "forward": 0.0, "select": 0.0, "sample": 0.0, "steps": 0}
         # per recovery method: the share of a dense prefill's row work its recoveries compute
         # (RecoveryRows measures it; each measurement weighs half of the mean; 1.0 until one is measured)
         self.recovery_share: dict[str, float] = {}
@@ -721,7 +722,9 @@ class Engine:
                 if s.flops is None and s.prefill_start is not None:
                     s.flops = self._prefill_flops(s)
         if self.selection is not None:
+            t0 = time.perf_counter()
             self.selection.end()
+            self.timings["select"] += time.perf_counter() - t0
         if not done:
             return
         rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device)]

@@ -40,6 +40,10 @@ class ModelRunner:
         self._graphs: dict[tuple[str, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
         self.selective_plans: set[str] = set()  # plans whose batches read the pool's selected sets
+        # Plans whose decode graphs also write every layer's queries into ``_q_record`` (budget
+        # checks read a step's queries), allocated when the first such graph is captured.
+        self.recording_plans: set[str] = set()
+        self._q_record: torch.Tensor | None = None
         self.last_graph: torch.cuda.CUDAGraph | None = None
         self.graph_events: list | None = None  # set to a list to collect (start, end) events of replays
         # Two pinned staging buffers used in turn; a buffer is rewritten only once its last copy
@@ -89,9 +93,13 @@ class ModelRunner:
         seq_lens = [s + n for s, n in zip(starts, q_lens)]
         slots = [self.pool.slot(i) for i in seq_ids]
         self.pool.sync_device_tables()
+        capture = self.attn.capture
         if (self.cuda_graphs and max(q_lens) == 1 and len(seq_ids) <= self.graph_sizes[-1]
-                and self.attn.capture is None):  # a graph cannot record queries
-            return self._replay(plan, token_ids if on_device else [t[0] for t in token_ids], starts, seq_lens, slots)
+                and (capture is None or plan in self.recording_plans)):  # other graphs do not record queries
+            logits = self._replay(plan, token_ids if on_device else [t[0] for t in token_ids], starts, seq_lens, slots)
+            if capture is not None:
+                capture.record_all(self._q_record[:, :len(seq_ids)], list(seq_ids))
+            return logits
         pages = -(-max(seq_lens) // self.pool.page_size)
         total = sum(q_lens)
         B = len(seq_ids)
@@ -219,6 +227,13 @@ class ModelRunner:
         ctx = self._context(plan, [1] * size, [1] * size, [0] * size, self._static_cu[:size + 1],
                             s[2].to(torch.int32), s[1], s[3], pages)
         ctx.seq_lens = None  # host lengths are not known at capture: the graph must not read them
+        if plan in self.recording_plans:
+            if self._q_record is None:
+                cfg = self.model.config
+                self._q_record = torch.zeros(cfg.num_hidden_layers, self.graph_sizes[-1], cfg.num_attention_heads,
+                                             cfg.head_dim, dtype=self.model.model.embed_tokens.weight.dtype,
+                                             device=self.device)
+            ctx.q_record = self._q_record[:, :size]
         set_context(ctx)
         try:
             return self.model.logits(self.model(s[0], s[1]))

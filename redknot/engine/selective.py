@@ -20,12 +20,14 @@ its last rows (the observation window), and right after it (``HeadSelection.end`
   windows and the selected sets (``sel_pos``), read by slot from a persistent device table, so
   captured decode graphs stay valid.
 
-Decode budgets (H2O): every ``page_size``-th decode step of a budgeted request runs eagerly with
-the step's queries recorded; their mass over what each budgeted head sees is added to the head's
-per-page accumulated mass, and the head again keeps its heaviest distant pages within budget. The
-pages that leave the window before the next check are kept until then (they are candidates), so
-between checks a head holds at most one page more than its budget; other decode steps replay the
-captured graphs. Accumulation is therefore sampled once per page of decode, not every step.
+Decode budgets (H2O): every ``page_size``-th decode step of a budgeted request records the step's
+queries (a budgeted plan's captured decode graphs write every layer's queries into a persistent
+buffer, so the step still replays its graph; it is only not launched ahead of the host). Their
+mass over what each budgeted head sees is added to the head's per-page accumulated mass, and the
+head again keeps its heaviest distant pages within budget. The pages that leave the window before
+the next check are kept until then (they are candidates), so between checks a head holds at most
+one page more than its budget. Accumulation is therefore sampled once per page of decode, not
+every step.
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ class HeadSelection:
         eng.pool.attach_selection(self.options.max_selected)  # a new table: graphs reading the old one go
         eng.runner.drop_graphs(set(self._by_name))
         eng.runner.selective_plans = set(self._by_name)
+        eng.runner.recording_plans = {d.name for d in self.derived.values() if d.budgeted}
 
     def base_plan(self, plan: str) -> str:
         """The plan a request prefills under again (after a preemption)."""
@@ -315,7 +318,9 @@ class HeadSelection:
             self._check_chunk(d, chunk, n, ls, hs)
 
     def _check_chunk(self, d: _Derived, items: list, n: int, ls: np.ndarray, hs: np.ndarray) -> None:
-        """``_check`` for one chunk of [(seq, q_rows, its block table)]."""
+        """``_check`` for one chunk of [(seq, q_rows, its block table)]. A budgeted head's set is
+        every position of its kept pages, so the host handles pages only: the positions are made
+        on the device and written to the pool's device table from there (``PagePool.select_pages``)."""
         eng = self.engine
         pool = eng.pool
         ps, dev = pool.page_size, eng.device
@@ -325,31 +330,29 @@ class HeadSelection:
         R, C = len(ls), len(items)
         self.checks += C
         tables = [t for _, _, t in items]  # [L, H, P_i]
-        prevs = [pool.selection(s.seq_id) for s, _, _ in items]
         P = max(t.shape[2] for t in tables)
         tbl = np.full((C * R, P), -1, np.int64)  # the budgeted heads of every request, stacked
-        for i, t in enumerate(tables):
+        kept = np.zeros((C * R, P), np.int64)  # the pages each head keeps now (its set)
+        for i, ((s, _, t), k) in enumerate(zip(items, (pool.kept_pages(s.seq_id) for s, _, _ in items))):
             tbl[i * R:(i + 1) * R, :t.shape[2]] = t[ls, hs]
+            if k is not None:
+                w = min(P, k.shape[2])
+                kept[i * R:(i + 1) * R, :w] = k[ls, hs, :w]
         stored = tbl >= 0
         k_max = max(1, int(stored.sum(1).max()))
         lp = np.argsort(~stored, axis=1, kind="stable")[:, :k_max]  # each head's stored pages first
         valid = np.take_along_axis(stored, lp, 1)
         phys = np.where(valid, np.take_along_axis(tbl, lp, 1), 0)
-        sel = np.full((C * R, max(p.shape[2] for p in prevs)), -1, np.int64)
-        for i, p in enumerate(prevs):
-            sel[i * R:(i + 1) * R, :p.shape[2]] = p[ls, hs]
-        sel = np.where((sel >= 0) & (sel < n), sel, n)
-        host = torch.from_numpy(np.concatenate([lp, phys, sel], 1)).to(dev)  # one copy to the device
-        lp_t, phys_t, sel_t = host[:, :k_max], host[:, k_max:2 * k_max], host[:, 2 * k_max:]
+        chosen = np.take_along_axis(kept, lp, 1)
+        host = torch.from_numpy(np.concatenate([lp, phys, chosen], 1)).to(dev)  # one copy to the device
+        lp_t, phys_t, chosen_t = host[:, :k_max], host[:, k_max:2 * k_max], host[:, 2 * k_max:] > 0
         keys = pool.k_pages[phys_t].flatten(1, 2)  # [C*R, k_max * ps, D]
         pos = (lp_t[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)
         window = torch.as_tensor(np.tile(d.window[ls, hs], C), device=dev)[:, None]
         sink = torch.as_tensor(np.tile(d.sink[ls, hs], C), device=dev)[:, None]
-        chosen = torch.zeros(C * R, n + 1, dtype=torch.bool, device=dev)
-        chosen.scatter_(1, sel_t, True)
         p = n - 1  # the checks' query
         vis = (torch.from_numpy(valid).to(dev).repeat_interleave(ps, 1) & (pos <= p)
-               & (visibility.visible(p, pos, window, sink) | chosen.gather(1, pos.clamp(max=n))))
+               & (visibility.visible(p, pos, window, sink) | chosen_t.repeat_interleave(ps, 1)))
         ls_t, hs_t = torch.from_numpy(ls).to(dev), torch.from_numpy(hs).to(dev)
         q = torch.cat([torch.stack([rows[l][0] for l in range(L)]).view(L, H, g, -1)[ls_t, hs_t]
                        for _, rows, _ in items])  # [C*R, g, D]
@@ -357,34 +360,23 @@ class HeadSelection:
         mass = sel_ops.attention_mass(q, keys, torch.full((g,), keys.shape[1], device=dev), cfg.head_dim ** -0.5,
                                       vis[:, None, :].expand(-1, g, -1))
         # each request's page mass so far (set when it selected at the end of its prompt)
-        accs = [s.page_mass for s, _, _ in items]
-        rows = torch.zeros(C * R, P, dtype=torch.float32, device=dev)
-        for i, acc in enumerate(accs):
-            rows[i * R:(i + 1) * R, :acc.shape[2]] = acc[ls_t, hs_t]
+        accs = [_grown(s.page_mass, P) for s, _, _ in items]
+        rows = torch.cat([acc[ls_t, hs_t, :P] for acc in accs])
         rows.scatter_add_(1, lp_t, mass.view(C * R, k_max, ps).sum(-1))  # padding rows added 0 (not visible)
         keep = self._budget_pages(rows, torch.from_numpy(tbl).to(dev), np.tile(d.window[ls, hs], C),
                                   np.tile(d.sink[ls, hs], C), np.tile(d.budget[ls, hs], C), n)
-        pos_sel, lens = sel_ops.pages_to_positions(keep, ps)
-        pos_sel, lens = pos_sel.cpu().numpy(), lens.cpu().numpy()
-        retr = d.mode == 1  # retrieval heads keep the set chosen at prefill
-        for i, ((s, _, _), prev, acc) in enumerate(zip(items, prevs, accs)):
-            P_i = tables[i].shape[2]
-            if acc.shape[2] < P_i:
-                acc = torch.cat([acc, acc.new_zeros(L, H, P_i - acc.shape[2])], 2)
-            acc[ls_t, hs_t] = rows[i * R:(i + 1) * R, :P_i]
-            mine, k = pos_sel[i * R:(i + 1) * R], lens[i * R:(i + 1) * R]
-            width = max(1, int(k.max(initial=0)), int((prev[retr] >= 0).sum(-1).max(initial=0)))
-            if width > self.options.max_selected:
-                raise ValueError(f"a decode budget of {width} selected tokens exceeds max_selected="
-                                 f"{self.options.max_selected}")
-            arr = np.full((L, H, width), -1, np.int64)
-            w = min(width, prev.shape[2])
-            arr[retr, :w] = prev[retr, :w]
-            arr[ls, hs, :min(width, mine.shape[1])] = mine[:, :width]  # -1 padded past each head's length
-            pool.select(s.seq_id, arr, plan=d.name)
-            s.plan = d.name
-            s.selection = arr.astype(np.int32)
+        keep_h = keep.cpu().numpy()
+        width = int(keep_h.sum(1).max(initial=0)) * ps
+        if width > self.options.max_selected:
+            raise ValueError(f"a decode budget of {width} selected tokens exceeds max_selected="
+                             f"{self.options.max_selected}")
+        pos_sel, lens = sel_ops.pages_to_positions(keep, ps, width=max(width, 1))
+        for i, ((s, _, _), acc) in enumerate(zip(items, accs)):
+            acc[ls_t, hs_t, :P] = rows[i * R:(i + 1) * R]
             s.page_mass = acc
+            s.plan = d.name
+        pool.select_pages([s.seq_id for s, _, _ in items], ls, hs, keep_h.reshape(C, R, P), pos_sel, lens,
+                          plan=d.name)
 
     @torch.inference_mode()
     def _update(self, s, kind: str, d: _Derived, q_rows: list, n: int) -> None:
@@ -407,8 +399,7 @@ class HeadSelection:
         acc = getattr(s, "page_mass", None)
         if kind == "select" or acc is None:
             acc = torch.zeros(L, H, P, dtype=torch.float32, device=eng.device)
-        elif acc.shape[2] < P:
-            acc = torch.cat([acc, acc.new_zeros(L, H, P - acc.shape[2])], 2)
+        acc = _grown(acc, P)
         for l in d.layers:
             heads = np.nonzero(d.mode[l])[0]
             q = q_rows[l]
@@ -423,7 +414,7 @@ class HeadSelection:
                 vis = vis & self._visible(prev[l, heads], d.window[l, heads], d.sink[l, heads], q_pos, n)
             mass = sel_ops.attention_mass(qq, keys, q_pos, scale, vis)  # [R, N]
             hs = torch.from_numpy(heads).to(eng.device)
-            acc[l, hs] += sel_ops.page_mass(mass, ps)[:, :P]
+            acc[l, hs, :P] += sel_ops.page_mass(mass, ps)[:, :P]
             retr = d.mode[l, heads] == 1
             if retr.any() and kind == "select":
                 idx = np.nonzero(retr)[0]
@@ -439,7 +430,7 @@ class HeadSelection:
             bud = d.mode[l, heads] == 2
             if bud.any():
                 idx = np.nonzero(bud)[0]
-                keep = self._budget_pages(acc[l, hs[idx]], tbl[idx], d.window[l, heads[idx]], d.sink[l, heads[idx]],
+                keep = self._budget_pages(acc[l, hs[idx], :P], tbl[idx], d.window[l, heads[idx]], d.sink[l, heads[idx]],
                                           d.budget[l, heads[idx]], n)
                 pos, lens = sel_ops.pages_to_positions(keep, ps)
                 pos, lens = pos.cpu().numpy(), lens.cpu().numpy()
@@ -458,7 +449,6 @@ class HeadSelection:
             arr[l, h, :len(v)] = v
         pool.select(s.seq_id, arr, plan=d.name)
         s.plan = d.name
-        s.selection = arr.astype(np.int32)
         s.page_mass = acc if d.budgeted else None
 
     def _budget_pages(self, acc: torch.Tensor, tbl: torch.Tensor, window: np.ndarray, sink: np.ndarray,
@@ -497,6 +487,14 @@ class HeadSelection:
         return vis | (chosen[:, None, :n] & (j <= q_pos[:, None]))
 
 
+def _grown(acc: torch.Tensor, pages: int) -> torch.Tensor:
+    """A page mass [L, Hkv, cap] with room for ``pages`` pages (geometric growth: a check each
+    page of decode does not copy the whole mass each time)."""
+    if acc.shape[2] >= pages:
+        return acc
+    return torch.cat([acc, acc.new_zeros(*acc.shape[:2], max(pages, 2 * acc.shape[2]) - acc.shape[2])], 2)
+
+
 class _Capture:
     """Queries of chosen rows, per layer, recorded by the attention layers during one forward."""
 
@@ -508,3 +506,9 @@ class _Capture:
         if get_context().seq_ids != self.seq_ids:  # another forward (a chunk prefill) after a failed one
             return
         self.q[layer] = q.index_select(0, self.rows)
+
+    def record_all(self, q: torch.Tensor, seq_ids: list[int]) -> None:
+        """Every layer's queries at once (``q`` [L, B, Hq, D], a decode graph's record of them)."""
+        if seq_ids != self.seq_ids:
+            return
+        self.q = list(q.index_select(1, self.rows).unbind(0))

@@ -47,7 +47,6 @@ class Sequence:
     # never share cached KV (prefix cache blocks, stored chunks). None: the shared namespace.
     cache_salt: str | None = None
     abandoned: bool = False  # its client has gone: nothing it computes is read any more
-    selection: object | None = None  # int32 [L, Hkv, m]: its heads' latest selected sets (retrieval/H2O)
     page_mass: torch.Tensor | None = None  # float32 [L, Hkv, pages]: budgeted heads' accumulated mass
 
     def __post_init__(self):

@@ -227,15 +227,29 @@ def test_fused_projections_equal_the_separate_ones(tiny_checkpoint, family, pack
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("method", ["dense", "headsparse"])
+@pytest.mark.parametrize("method", ["dense", "headsparse", "h2o"])
 def test_cuda_graph_decode_equals_eager_decode(tiny_checkpoint, method):
+    """Graph replays give the eager tokens. ``h2o``: dense under a decode KV budget, whose check
+    steps replay their graph too (it records every layer's queries for the check)."""
+    from redknot.engine.selective import SelectionOptions
+
     path = tiny_checkpoint("llama", num_key_value_heads=4, num_attention_heads=8)
     hc = HeadConfig.synthetic(2, 4, 0.5, window=32, sink=4)
+    selection = SelectionOptions(decode_kv_budget={"global": 48}, decode_kv_window=16) if method == "h2o" else None
+    method = "dense" if method == "h2o" else method
     prompts = [LONG[: 50 + 30 * i] for i in range(5)]
     outs = []
     for graphs in (True, False):
-        llm = LLM(model=path, device="cuda", dtype="float32", head_config=hc, method=method, cuda_graphs=graphs)
+        llm = LLM(model=path, device="cuda", dtype="float32", head_config=hc, method=method, cuda_graphs=graphs,
+                  page_size=16, kv_pages=4096, selection=selection)
+        recorded = []
+        if graphs:
+            runner = llm.engine.runner
+            replay = runner._replay
+            runner._replay = lambda *a: recorded.append(runner.attn.capture is not None) or replay(*a)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))])
+        if graphs and selection is not None:  # the checks ran, from replayed steps
+            assert llm.engine.selection.checks >= len(prompts) and True in recorded
     assert outs[0] == outs[1]
 
 

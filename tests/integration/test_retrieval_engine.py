@@ -28,16 +28,16 @@ def _head_config(top_p=0.6):
 
 
 def _run(llm, prompt, n):
-    """Generate through the engine, keeping the Sequence (its selected sets) and pages held after
-    the first decode step."""
+    """Generate through the engine, keeping the Sequence with its selected sets (``seq.sel``) and
+    the pages it held after the first decode step."""
     seq = llm.make_sequence(prompt, _greedy(n))
     eng = llm.engine
     eng.add_request(seq)
     held = None
     while eng.has_unfinished():
         eng.step()
-        if held is None and seq.selection is not None and not seq.finished:
-            held = llm.pool.table(seq.seq_id)
+        if held is None and seq.output_token_ids and not seq.finished:
+            held, seq.sel = llm.pool.table(seq.seq_id), llm.pool.selection(seq.seq_id)
     return seq, held
 
 
@@ -79,7 +79,7 @@ def test_retrieval_heads_equal_transformers_under_the_selected_mask(tiny_checkpo
               retrieval_heads=True)
     seq, held = _run(llm, PROMPT, 20)
     n = seq.num_prompt
-    sel = seq.selection
+    sel = seq.sel
     retrieval = np.array(hc.effective_classes()) == "retrieval"
     assert ((sel >= 0).sum(-1)[~retrieval] == 0).all()
     w_dec, s_dec = hc.visibility(selection=True)
@@ -160,7 +160,7 @@ def test_selection_does_not_depend_on_prefix_hits_or_chunk_boundaries(tiny_check
     chunked = LLM(**kw, enable_prefix_caching=False, max_num_batched_tokens=n - 1)
     cut, _ = _run(chunked, PROMPT, 4)
     for seq in (first, again, cut):
-        np.testing.assert_array_equal(seq.selection, ref.selection)
+        np.testing.assert_array_equal(seq.sel, ref.sel)
         assert seq.output_token_ids == ref.output_token_ids
     # a budget smaller than the window still completes (the window is then cut by the budget)
     tiny = LLM(**kw, enable_prefix_caching=False, max_num_batched_tokens=obs // 2)
@@ -179,10 +179,10 @@ def test_decode_budget_bounds_pages_and_equals_the_masked_reference(tiny_checkpo
     eng.add_request(seq)
     masks = []  # (length before the step, selection) for every decode step
     while eng.has_unfinished():
-        if seq.selection is not None and not seq.finished:
-            masks.append((seq.num_computed + 1, seq.selection.copy()))
+        if seq.output_token_ids and not seq.finished:
+            masks.append((seq.num_computed + 1, llm.pool.selection(seq.seq_id)))
         eng.step()
-        if seq.selection is not None and not seq.finished:
+        if seq.output_token_ids and not seq.finished:
             held = (llm.pool.table(seq.seq_id) >= 0).sum(-1)
             assert (held * ps <= budget + 2 * ps).all(), held
     assert seq.finish_reason == "length" and len(masks) == 39
@@ -236,25 +236,27 @@ def test_batched_budget_check_equals_the_per_layer_form(tiny_checkpoint, plan):
     for llm in llms:  # the same state in both: the prompt selected, 5 decode steps (no check yet)
         seq = llm.make_sequence(PROMPT * 2, _greedy(30))
         llm.engine.add_request(seq)
-        while seq.selection is None or len(seq.output_token_ids) < 5:
+        while len(seq.output_token_ids) < 5:
             llm.engine.step()
         seqs.append(seq)
     a, b = seqs
-    np.testing.assert_array_equal(a.selection, b.selection)
+    sets = lambda: [llm.pool.selection(seq.seq_id) for llm, seq in zip(llms, seqs)]  # noqa: E731
+    np.testing.assert_array_equal(*sets())
     cfg = llms[0].config
     gen = torch.Generator().manual_seed(3)
-    before = a.selection.copy()
+    before = sets()[0]
     for _ in range(3):  # three checks in a row: the mass accumulates
         n = a.num_computed
         q = [torch.randn(1, cfg.num_attention_heads, cfg.head_dim, generator=gen) for _ in range(cfg.num_hidden_layers)]
         sel0, sel1 = (llm.engine.selection for llm in llms)
         sel0._check(sel0.derived[plan], [(a, q)], n)
         sel1._update(b, "check", sel1.derived[plan], q, n)
-        np.testing.assert_array_equal(a.selection, b.selection)
+        np.testing.assert_array_equal(*sets())
         budgeted = torch.from_numpy(sel0.derived[plan].mode == 2)  # the only heads whose mass is read
         torch.testing.assert_close(a.page_mass[budgeted], b.page_mass[budgeted], rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(llms[0].pool.table(a.seq_id) >= 0, llms[1].pool.table(b.seq_id) >= 0)
-    assert before.shape != a.selection.shape or (before != a.selection).any()  # the checks chose other pages
+    after = sets()[0]
+    assert before.shape != after.shape or (before != after).any()  # the checks chose other pages
     d = sel0.derived[plan]
     assert (d.mode == 2).any() and ((d.mode == 1).any() == (plan == "headsparse"))
     for llm, seq in zip(llms, seqs):
@@ -279,7 +281,7 @@ def test_checks_of_several_requests_at_once_equal_one_at_a_time(tiny_checkpoint,
         seqs = [llm.make_sequence(p, _greedy(30)) for p in prompts]
         for seq in seqs:
             llm.engine.add_request(seq)
-        while any(s.selection is None or len(s.output_token_ids) < 5 for s in seqs):
+        while any(len(s.output_token_ids) < 5 for s in seqs):
             llm.engine.step()
         batches.append(seqs)
     assert len({s.num_computed for s in batches[0]}) == 1
@@ -298,11 +300,11 @@ def test_checks_of_several_requests_at_once_equal_one_at_a_time(tiny_checkpoint,
             sel1._update(seq, "check", d1, q, n)
         budgeted = torch.from_numpy(d0.mode == 2)
         for a, b in zip(*batches):
-            np.testing.assert_array_equal(a.selection, b.selection)
+            np.testing.assert_array_equal(llms[0].pool.selection(a.seq_id), llms[1].pool.selection(b.seq_id))
             torch.testing.assert_close(a.page_mass[budgeted], b.page_mass[budgeted], rtol=1e-5, atol=1e-6)
             np.testing.assert_array_equal(llms[0].pool.table(a.seq_id) >= 0, llms[1].pool.table(b.seq_id) >= 0)
     assert sel0.checks - checks == 6
-    assert len({a.selection.tobytes() for a in batches[0]}) == 3  # three different sets
+    assert len({llms[0].pool.selection(a.seq_id).tobytes() for a in batches[0]}) == 3  # three different sets
 
 
 def test_budget_and_option_errors():

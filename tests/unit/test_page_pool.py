@@ -386,6 +386,61 @@ def test_select_keeps_sink_window_and_selected_pages_and_frees_the_rest():
     assert pool.num_free_pages == pool.num_pages and (pool._ref == 0).all()
 
 
+def test_select_pages_equals_select_of_those_pages_positions():
+    """A decode budget's check gives some heads of several sequences every position of some
+    pages (the positions from the device): the same pages held, sets, device rows and
+    refcounts as ``select`` with those positions, other heads keep their sets; a page that is
+    not stored is refused before anything changes."""
+    from redknot.cache.selection import pages_to_positions
+
+    pools = []
+    for _ in range(2):
+        pool, W, S = _selection_pool()
+        pool.attach_device_tables(max_seqs=3, max_len=256)
+        pool.attach_selection(max_sel=32)
+        for sid in (0, 1):
+            pool.add_sequence(sid)
+            pool.ensure(sid, 61)
+            pool.select(sid, _sel_array(pool, {(0, 1): [5, 21, 40], (1, 0): [13 + sid]}), plan="selected")
+        pools.append(pool)
+    a, b = pools
+    ls, hs = np.array([1, 0]), np.array([0, 1])  # l1h0, l0h1 take whole pages; l0h2 keeps nothing
+    keep = np.zeros((2, 2, 16), bool)
+    keep[0, 0, [3, 13]] = keep[0, 1, [1, 5]] = keep[1, 0, [3]] = keep[1, 1, [10, 14]] = True
+    for sid in (0, 1):  # the reference: the pages' positions through select
+        sets = {(1, 0): [], (0, 1): []}
+        for r, key in enumerate([(1, 0), (0, 1)]):
+            sets[key] = [p * 4 + i for p in np.nonzero(keep[sid, r])[0] for i in range(4)]
+        a.select(sid, _sel_array(a, sets), plan="selected")
+    with pytest.raises(ValueError, match="page 9 of layer 0 KV head 1 is not stored"):
+        bad = keep.copy()
+        bad[1, 1, 9] = True  # released when the first select dropped it
+        pos, lens = pages_to_positions(torch.from_numpy(bad.reshape(4, 16)), 4)
+        b.select_pages([0, 1], ls, hs, bad, pos, lens)
+    pos, lens = pages_to_positions(torch.from_numpy(keep.reshape(4, 16)), 4)
+    released = b.select_pages([0, 1], ls, hs, keep, pos, lens, plan="selected")
+    assert released > 0
+    slots = torch.tensor([a.slot(0), a.slot(1)])
+    for sid in (0, 1):
+        np.testing.assert_array_equal(a.table(sid), b.table(sid))
+        np.testing.assert_array_equal(a.selection(sid), b.selection(sid))
+    for x, y in zip(a.selection_tables(slots), b.selection_tables(slots)):
+        torch.testing.assert_close(x, y)
+    np.testing.assert_array_equal(a._ref, b._ref)
+    _check_refs(b)
+    for n in range(62, 90):  # the kept pages stay while the windows move on
+        for pool in pools:
+            pool.ensure(0, n)
+            pool.trim(0)
+        np.testing.assert_array_equal(a.table(0), b.table(0))
+    b.select(1, _sel_array(b, {(1, 0): [13]}))  # select replaces the page sets, whole device rows too
+    sel, lens = b.selection_tables(torch.tensor([b.slot(1)]))
+    assert sel[1, 0, 0].tolist() == [13] + [-1] * 31 and (sel[0, 0] == -1).all() and lens.sum() == 1
+    for sid in (0, 1):
+        b.free_sequence(sid)
+    assert b.num_free_pages == b.num_pages
+
+
 def test_select_never_writes_or_frees_shared_pages():
     pool, W, S = _selection_pool()
     pool.k_pages.normal_()
