@@ -32,21 +32,23 @@ VARIANTS = [
 
 
 # decode: (BLOCK_N, num_warps, num_stages, tiles per split (None: built-in split count), min tiles)
+# decode: (BLOCK_N, num_warps, num_stages, tiles per split (None: built-in split count), min tiles,
+# max registers per thread (None: the compiler's choice))
 DECODE_VARIANTS = [
-    (64, 4, 1, None, None),
-    (64, 4, 2, None, None),
-    (64, 8, 1, None, None),
-    (64, 2, 1, None, None),
-    (128, 4, 1, None, None),
-    (128, 8, 1, None, None),
-    (128, 8, 2, None, None),
-    (64, 4, 1, None, 2),
-    (64, 4, 2, None, 4),
-    (64, 4, 3, None, 4),
-    (64, 4, 2, 4, None),
-    (64, 4, 3, 8, None),
-    (64, 4, 1, 2, None),
-    (128, 4, 2, 2, None),
+    (64, 4, 1, None, None, None),
+    (64, 2, 1, None, None, None),
+    (64, 4, 1, None, None, 128),
+    (64, 4, 1, None, None, 96),
+    (64, 4, 1, None, None, 80),
+    (64, 4, 2, None, None, 128),
+    (64, 4, 2, None, None, 96),
+    (32, 4, 1, None, None, None),
+    (32, 4, 2, None, None, None),
+    (32, 4, 2, None, None, 96),
+    (32, 4, 3, None, None, 80),
+    (32, 2, 2, None, None, None),
+    (64, 8, 1, None, None, 64),
+    (64, 4, 1, None, 2, 96),
 ]
 
 
@@ -71,11 +73,11 @@ def sweep_h2o(args) -> int:
         qd = c["q"].double().view(B, H, kb.GROUP, D)
         sc = torch.einsum("bhgd,bhnd->bhgn", qd, c["k_sel"].double()) * c["scale"]
         ref = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(sc, -1), c["v_sel"].double()).reshape(B, kb.HQ, D)
-        for bn, warps, stages, per_split, min_tiles in DECODE_VARIANTS:
+        for bn, warps, stages, per_split, min_tiles, maxnreg in DECODE_VARIANTS:
             cfg = segpaged.KernelConfig(decode=(bn, warps, stages), decode_tiles_per_split=per_split,
-                                        decode_min_tiles_per_split=min_tiles)
+                                        decode_min_tiles_per_split=min_tiles, decode_maxnreg=maxnreg)
             entry = {"shape": name, "block_n": bn, "warps": warps, "stages": stages, "tiles_per_split": per_split,
-                     "min_tiles": min_tiles, "fa_dense_ms": fa_ms}
+                     "min_tiles": min_tiles, "maxnreg": maxnreg, "fa_dense_ms": fa_ms}
             try:
                 fn = lambda: segpaged.segpaged_attention(  # noqa: E731
                     c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["cu_q"], c["seq_lens"], c["window"],
@@ -92,10 +94,11 @@ def sweep_h2o(args) -> int:
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), **kb._versions(), "argv": sys.argv,
                    "results": results}, f, indent=1)
-    print(f"\n{'shape':<9} {'BN':>4} {'warps':>5} {'stages':>6} {'per split':>9} {'min':>4} {'ms':>8} {'x FA-2':>7} {'cos':>9}")
+    print(f"\n{'shape':<9} {'BN':>4} {'warps':>5} {'stages':>6} {'per split':>9} {'min':>4} {'regs':>5} {'ms':>8} "
+          f"{'x FA-2':>7} {'cos':>9}")
     for e in results:
         head = (f"{e['shape']:<9} {e['block_n']:>4} {e['warps']:>5} {e['stages']:>6} {str(e['tiles_per_split']):>9} "
-                f"{str(e['min_tiles']):>4}")
+                f"{str(e['min_tiles']):>4} {str(e.get('maxnreg')):>5}")
         print(head + (f"  error: {e['error'][:60]}" if "error" in e
                       else f" {e['ms']:>8.4f} {e['x_fa_dense']:>7.2f} {e['cos']:>9.6f}"))
     return 0
