@@ -328,6 +328,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-kv-window", type=int, default=128,
                    help="the budget rows' recent window (inside the budget; a budget below window + sink "
                         "keeps just those)")
+    p.add_argument("--page-size", type=int, default=64,
+                   help="tokens a KV page holds (decode budgets keep whole pages: smaller pages, finer budgets)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
 
@@ -407,7 +409,7 @@ def run(args) -> dict:
     from ..reuse.methods import ReuseOptions
 
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
-              dtype=args.dtype, reuse_options=ReuseOptions(shallow_window=args.shallow_window))
+              dtype=args.dtype, page_size=args.page_size, reuse_options=ReuseOptions(shallow_window=args.shallow_window))
     # One request at a time: a page pool for the largest request (its context, and for chunk
     # methods the cached chunks it copies from), not the serving default share of GPU memory, so
     # harness processes can share a device.
@@ -465,6 +467,10 @@ def _resumable(path: Path, args, methods: list[str]) -> list[dict]:
         theirs = None if theirs is None else str(theirs)
         if key == "prompt" and theirs is None:
             theirs = "plain"
+        if mine != theirs:
+            raise ValueError(f"--resume: {path} was made with {key}={theirs!r}, this run has {mine!r}")
+    for key, default in (("page_size", 64), ("decode_kv_window", 128)):  # files before they were recorded: defaults
+        mine, theirs = getattr(args, key, default), old_args.get(key, default)
         if mine != theirs:
             raise ValueError(f"--resume: {path} was made with {key}={theirs!r}, this run has {mine!r}")
     if old_args.get("shallow_suffix", "local") != "local":  # files that record it: the question's shallow visibility

@@ -147,6 +147,10 @@ def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
         quality.run(_args(**{**common, "methods": "dense,cacheblend"}, resume=True))
     with pytest.raises(ValueError, match="max_tokens"):
         quality.run(_args(**{**common, "max_tokens": 4}, resume=True))
+    with pytest.raises(ValueError, match="page_size=64"):  # budgets keep whole pages: another measurement
+        quality.run(_args(**common, page_size=16, resume=True))
+    with pytest.raises(ValueError, match="decode_kv_window=128"):
+        quality.run(_args(**common, decode_kv_window=32, resume=True))
 
 
 def test_resume_refuses_a_file_whose_question_kept_its_head_plan(tmp_path):
@@ -154,7 +158,7 @@ def test_resume_refuses_a_file_whose_question_kept_its_head_plan(tmp_path):
     import argparse
 
     args = argparse.Namespace(model=None, head_config=None, data=None, sparse_ffn=None, shallow_window=None,
-                              max_tokens=None, dtype=None, prompt="plain")
+                              max_tokens=None, dtype=None, prompt="plain", page_size=64, decode_kv_window=128)
     path = tmp_path / "old.json"
     for suffix, ok in (("local", True), ("plan", False)):
         path.write_text(json.dumps({"model": None, "head_config": None, "methods": ["dense"], "records": [],
