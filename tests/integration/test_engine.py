@@ -354,7 +354,7 @@ def test_a_row_the_sampler_rejects_fails_only_its_own_request(tiny_checkpoint, m
 
 
 def test_an_abandoned_request_is_dropped_before_prefill(tiny_checkpoint):
-    llm = LLM(model=tiny_checkpoint("llama"), device=DEVICE, page_size=16)
+    llm = LLM(model=tiny_checkpoint("llama"), device=DEVICE, page_size=16, kv_pages=256)  # not sized from free memory
     gone = llm.make_sequence(LONG, greedy(4), None, "dense")
     llm.engine.add_request(gone)
     gone.abandoned = True
