@@ -13,7 +13,6 @@ import pytest
 import torch
 import transformers
 
-
 from redknot import LLM, SamplingParams
 from redknot.cli import main as cli_main
 from redknot.models import UnsupportedModelError, load_model, resolve_model
