@@ -298,6 +298,11 @@ class SparseFFNConfig:
     state never saw) or "chunk" ("cross" averaged over each chunk: whole chunks are kept or left
     out first, rows within the chunk on the boundary by their own "cross"); measured in
     docs/results/quality_testbed.md.
+
+    ``chunk_start_tokens``: each chunk's first N tokens always go through the FFN (under
+    ``keep_fraction`` they take the first places of its count). A chunk encoded alone gave its
+    first tokens the attention a sequence start gets, so their cached states are the furthest
+    from what the full context gives them (EPIC's observation).
     """
 
     dense_until: int = 4
@@ -308,9 +313,10 @@ class SparseFFNConfig:
     min_keep: int = 16
     importance: str = "attention"  # or "cross" (mass to other chunks), "chunk" (the same, per chunk)
     keep_fraction: float | None = None  # a fixed share of chunk tokens instead of the mass tiers
+    chunk_start_tokens: int = 0  # each chunk's first N tokens always kept
 
     def __post_init__(self):
-        for name in ("dense_until", "deep_layer_start", "recent_n", "min_keep"):
+        for name in ("dense_until", "deep_layer_start", "recent_n", "min_keep", "chunk_start_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise HeadConfigError(f"sparse FFN: {name}={v!r} must be an integer >= 0")

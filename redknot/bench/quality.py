@@ -133,12 +133,15 @@ def question_prompt(rec: dict, template: str | None = None) -> str:
 
 
 def split_variant(spec: str) -> tuple[str, dict]:
-    """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``; a plain name -> (name, {})."""
+    """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``; a plain name -> (name, {}).
+    ``redknot`` and ``redknot_kv`` take ``+sN`` after their keep fraction: each chunk's first N
+    tokens among the kept rows (``"redknot_kv@0.3+s16"``, ``SparseFFNConfig.chunk_start_tokens``)."""
     name, at, value = spec.partition("@")
     if not at:
         return name, {}
     if name not in VARIANT_KNOBS:
         raise ValueError(f"method {spec!r}: only {', '.join(VARIANT_KNOBS)} take a budget after '@'")
+    value, *extras = value.split("+")
     field, kind = VARIANT_KNOBS[name]
     try:
         v = kind(value)
@@ -150,7 +153,13 @@ def split_variant(spec: str) -> tuple[str, dict]:
         from ..engine.selective import parse_budget
 
         v = next(iter(parse_budget(v).values()))  # tokens (an integer >= 1) or a fraction in (0, 1)
-    return name, {field: v}
+    knobs = {field: v}
+    for extra in extras:
+        if field != "keep_fraction" or not extra.startswith("s") or not extra[1:].isdigit():
+            raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16'; redknot and "
+                             f"redknot_kv only)")
+        knobs["chunk_start_tokens"] = int(extra[1:])
+    return name, knobs
 
 
 _ROW_SALTS = itertools.count()

@@ -78,6 +78,7 @@ class RecoveryRows:
         if self.batched:
             pad = torch.nn.utils.rnn.pad_sequence
             self._is_chunk = pad([p.is_chunk.to(device) for p in policies], batch_first=True)  # [R, N]
+            self._chunk_start = pad([p.chunk_start.to(device) for p in policies], batch_first=True)
             self._cached = pad([r.cached for r in self.requests], batch_first=True)
             self._pad_rows()
 
@@ -248,7 +249,8 @@ class RecoveryRows:
             return None
         mass = torch.nn.utils.rnn.pad_sequence([r.info["mass"] for r in self.requests], batch_first=True)
         score = mass.gather(1, self._cur)
-        keep = RedKnot.rows_batch(policies, layer, self._lens, score, self._is_chunk.gather(1, self._cur))
+        keep = RedKnot.rows_batch(policies, layer, self._lens, score, self._is_chunk.gather(1, self._cur),
+                                  self._chunk_start.gather(1, self._cur))
         rows = keep.view(-1)[self._flat].nonzero().flatten()  # the layer's two syncs: its rows
         counts = keep.sum(-1).tolist()  # and their count per request
         for i, r in enumerate(self.requests):

@@ -99,6 +99,7 @@ class RedKnot(FixedSet):
         self.shallow = (shallow_window, shallow_sink)
         self.is_chunk, self.sparse, self.n_obs, self.keep_cached = is_chunk, sparse, observe, keep_cached
         self.chunk_id = chunk_id if chunk_id is not None else torch.where(is_chunk, 0, -1)  # per position
+        self.chunk_start = chunk_start_rows(self.chunk_id, sparse.chunk_start_tokens)  # always through the FFN
         self._rows = None
         self._n_keep = None  # keep_fraction: the chunk-token count fixed at the first sparse layer
 
@@ -143,23 +144,26 @@ class RedKnot(FixedSet):
         if score is None:  # keep_fraction 1: nothing to rank, every candidate is kept
             score = torch.zeros(cur.numel(), device=cur.device)
         lens = torch.tensor([cur.numel()], device=cur.device)
-        keep = RedKnot.rows_batch([self], layer, lens, score[None], self.is_chunk[cur][None])[0]
+        keep = RedKnot.rows_batch([self], layer, lens, score[None], self.is_chunk[cur][None],
+                                  self.chunk_start[cur][None])[0]
         self._rows = None if bool(keep.all()) else keep.nonzero().flatten()
         return self._rows
 
     @staticmethod
     def rows_batch(policies: list["RedKnot"], layer: int, lens: torch.Tensor, score: torch.Tensor,
-                   is_chunk: torch.Tensor) -> torch.Tensor:
+                   is_chunk: torch.Tensor, chunk_start: torch.Tensor) -> torch.Tensor:
         """The FFN rows of several requests' policies (one sparse config) at a sparse layer,
-        without a host sync: row r's computed rows are the first ``lens[r]`` of ``score`` and
-        ``is_chunk`` ([R, T], padded). Returns the bool keep mask [R, T] (False on padding).
-        Under keep_fraction each policy's count is fixed the first time it ranks."""
+        without a host sync: row r's computed rows are the first ``lens[r]`` of ``score``,
+        ``is_chunk`` and ``chunk_start`` ([R, T], padded; the rows among their chunk's first
+        ``chunk_start_tokens``, always kept). Returns the bool keep mask [R, T] (False on
+        padding). Under keep_fraction each policy's count is fixed the first time it ranks."""
         sp = policies[0].sparse
-        if sp.keep_fraction is None:
-            return select_tokens_batched(score, is_chunk, lens, sp.threshold(layer), sp.recent_n, sp.min_keep)
         t = score.shape[-1]
         idx = torch.arange(t, device=score.device)
         valid = idx < lens[:, None]
+        if sp.keep_fraction is None:
+            keep = select_tokens_batched(score, is_chunk, lens, sp.threshold(layer), sp.recent_n, sp.min_keep)
+            return keep | (chunk_start & valid)
         cand = is_chunk & valid & (idx < (lens - sp.recent_n)[:, None])  # chunk rows outside the last recent_n
         if any(p._n_keep is None for p in policies):
             n_keep = torch.ceil(sp.keep_fraction * cand.sum(-1).double()).long().clamp_min(sp.min_keep)
@@ -168,10 +172,24 @@ class RedKnot(FixedSet):
                     p._n_keep = n_keep[i]
         n_keep = torch.stack([torch.as_tensor(p._n_keep, device=score.device) for p in policies])
         s = torch.where(cand, score.float(), torch.full((), float("-inf"), device=score.device))
+        s = torch.where(cand & chunk_start, torch.full((), float("inf"), device=score.device), s)  # first places
         return valid & (~cand | (_rank_of(s) < n_keep[:, None]))
 
     def keep_rows(self, layer, cur, info):
         return self._rows if self.keep_cached else None
+
+
+def chunk_start_rows(chunk_id: torch.Tensor, n: int) -> torch.Tensor:
+    """bool per position: among the first ``n`` tokens of its chunk (``chunk_id`` per position,
+    -1 outside chunks; a chunk is a run of one id)."""
+    inside = chunk_id >= 0
+    if n <= 0:
+        return torch.zeros_like(inside)
+    pos = torch.arange(chunk_id.numel(), device=chunk_id.device)
+    first = torch.ones_like(inside)
+    first[1:] = chunk_id[1:] != chunk_id[:-1]
+    start = torch.where(first, pos, torch.zeros_like(pos)).cummax(0).values  # the run's first position
+    return inside & (pos - start < n)
 
 
 def chunk_ranked(cross: torch.Tensor, chunk_id: torch.Tensor) -> torch.Tensor:

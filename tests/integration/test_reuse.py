@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.cache import chunk_key
 from redknot.config import HeadConfigError, SparseFFNConfig
-from redknot.reuse.methods import RedKnot, chunk_ranked, rank_descending, select_tokens
+from redknot.reuse.methods import RedKnot, chunk_ranked, chunk_start_rows, rank_descending, select_tokens
 from redknot.reuse.prompt import build_prompt
 
 DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 2,
@@ -100,15 +100,15 @@ def test_batched_recovery_equals_the_recovery_oracle(llm, method):
     _assert_batch_equals_the_oracle(llm, questions, orders, method)
 
 
-@pytest.mark.parametrize("keep_fraction", [None, 0.3])
+@pytest.mark.parametrize("keep_fraction,starts", [(None, 0), (0.3, 0), (0.3, 3), (None, 3)])
 @pytest.mark.parametrize("method", ["redknot", "redknot_kv"])
-def test_rows_picked_for_a_batch_equal_each_request_alone(tiny_checkpoint, method, keep_fraction):
+def test_rows_picked_for_a_batch_equal_each_request_alone(tiny_checkpoint, method, keep_fraction, starts):
     """RedKnot policies ranking by attention mass pick their FFN rows for the whole batch at once
     (padded tensors, two host syncs per layer whatever the batch): four requests of different
     lengths in one step give the logits and FLOPs of the reference recovery forward, one request
-    at a time."""
+    at a time (with each chunk's first ``starts`` tokens forced in too)."""
     sparse = SparseFFNConfig(dense_until=1, mass_thresh=0.3, deep_layer_start=2, mass_thresh_deep=0.1,
-                             recent_n=6, min_keep=2, keep_fraction=keep_fraction)
+                             recent_n=6, min_keep=2, keep_fraction=keep_fraction, chunk_start_tokens=starts)
     llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=4), device="cpu", page_size=16, sparse_ffn=sparse,
               head_config=HeadConfig.synthetic(4, 2, 0.5, window=16, sink=4))
     orders = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0]], [DOCS[2], DOCS[0] * 2, DOCS[1]]]
@@ -501,6 +501,33 @@ def test_chunk_importance_keeps_whole_chunks_first():
         got[imp] = policy.ffn_rows(0, torch.arange(6), {"cross": cross}).tolist()
     assert got == {"cross": [0, 3, 4, 5], "chunk": [0, 1, 4, 5]}  # ceil(0.6 * 5) = 3 chunk rows + the suffix row
     assert SparseFFNConfig(importance="chunk").importance == "chunk"
+
+
+def test_chunk_start_tokens_are_kept_first():
+    """chunk_start_tokens: each chunk's first N rows go through the FFN; under keep_fraction they
+    take the first places of its count, the rest by score; under the mass tiers they are added."""
+    chunk_id = torch.tensor([-1, 0, 0, 0, 1, 1, 1, 1, 2, 2, -1, -1])
+    assert chunk_start_rows(chunk_id, 2).nonzero().flatten().tolist() == [1, 2, 4, 5, 8, 9]
+    assert chunk_start_rows(chunk_id, 0).sum() == 0
+    is_chunk = chunk_id >= 0
+    mass = torch.tensor([0.0, 0.0, 0.0, 0.9, 0.0, 0.0, 0.5, 0.8, 0.0, 0.0, 0.1, 0.1])
+    vis = torch.zeros(2, 1, dtype=torch.long)
+    pos = torch.arange(12)
+
+    def rows(**kw):
+        sp = SparseFFNConfig(dense_until=0, recent_n=0, min_keep=1, **kw)
+        policy = RedKnot(pos, vis, vis, vis, vis, is_chunk, sp, 0, keep_cached=True, chunk_id=chunk_id)
+        return policy.ffn_rows(0, pos, {"mass": mass}).tolist()
+
+    # ceil(0.5 * 9) = 5 chunk rows: by mass 3, 7, 6, then two of the zeros (ties: the later row first)
+    assert rows(keep_fraction=0.5) == [0, 3, 6, 7, 8, 9, 10, 11]
+    # each chunk's first row first (1, 4, 8), then the two heaviest (3, 7)
+    assert rows(keep_fraction=0.5, chunk_start_tokens=1) == [0, 1, 3, 4, 7, 8, 10, 11]
+    tiers = rows(mass_thresh=0.5)  # rows covering half the chunk mass: 3 (0.9 of 2.2) and 7
+    assert tiers == [0, 3, 7, 10, 11]
+    assert rows(mass_thresh=0.5, chunk_start_tokens=1) == [0, 1, 3, 4, 7, 8, 10, 11]
+    with pytest.raises(HeadConfigError, match="chunk_start_tokens"):
+        SparseFFNConfig(chunk_start_tokens=-1)
 
 
 def test_keep_fraction_picks_a_fixed_share_once(tiny_checkpoint):
