@@ -319,9 +319,8 @@ class HeadSelection:
 
     def _check_chunk(self, d: _Derived, items: list, n: int, ls: np.ndarray, hs: np.ndarray) -> None:
         """``_check`` for one chunk of [(seq, q_rows, its block table)]. A budgeted head's set is
-        every position of its kept pages, so the host handles pages only: the tables are read
-        from the pool's device copies, and the positions are made on the device and written to
-        the pool's device table from there (``PagePool.select_pages``)."""
+        every position of its kept pages, so the host handles pages only: the positions are made
+        on the device and written to the pool's device table from there (``PagePool.select_pages``)."""
         eng = self.engine
         pool = eng.pool
         ps, dev = pool.page_size, eng.device
@@ -330,31 +329,31 @@ class HeadSelection:
         g = cfg.num_attention_heads // H
         R, C = len(ls), len(items)
         self.checks += C
-        P = min(max(t.shape[2] for _, _, t in items), pool.device_tables.shape[3])  # pages past max_len: none stored
-        # The budgeted heads of every request, stacked [C*R, ...], read from the pool's device
-        # tables: block table rows and the pages holding each head's set (its kept pages).
-        pool.sync_device_tables()
-        ls_t, hs_t = torch.from_numpy(ls).to(dev), torch.from_numpy(hs).to(dev)
-        slots = torch.tensor([pool.slot(s.seq_id) for s, _, _ in items], device=dev).repeat_interleave(R)
-        lr, hr = ls_t.repeat(C), hs_t.repeat(C)
-        tbl = pool.device_tables[lr, slots, hr, :P].long()
+        tables = [t for _, _, t in items]  # [L, H, P_i]
+        P = max(t.shape[2] for t in tables)
+        tbl = np.full((C * R, P), -1, np.int64)  # the budgeted heads of every request, stacked
+        kept = np.zeros((C * R, P), np.int64)  # the pages each head keeps now (its set)
+        for i, ((s, _, t), k) in enumerate(zip(items, (pool.kept_pages(s.seq_id) for s, _, _ in items))):
+            tbl[i * R:(i + 1) * R, :t.shape[2]] = t[ls, hs]
+            if k is not None:
+                w = min(P, k.shape[2])
+                kept[i * R:(i + 1) * R, :w] = k[ls, hs, :w]
         stored = tbl >= 0
         k_max = max(1, int(stored.sum(1).max()))
-        lp_t = torch.sort((~stored).to(torch.uint8), dim=1, stable=True).indices[:, :k_max]  # stored pages first
-        valid = stored.gather(1, lp_t)
-        phys_t = torch.where(valid, tbl.gather(1, lp_t), 0)
-        w = max(1, int(pool.device_sel_lens[lr, slots, hr].max()))
-        sel = pool.device_sel[:, :, :, :w][lr, slots, hr].long()
-        kept = torch.zeros(C * R, P + 1, dtype=torch.bool, device=dev)
-        kept.scatter_(1, torch.where(sel >= 0, sel // ps, P).clamp(max=P), True)
-        chosen_t = kept[:, :P].gather(1, lp_t)
+        lp = np.argsort(~stored, axis=1, kind="stable")[:, :k_max]  # each head's stored pages first
+        valid = np.take_along_axis(stored, lp, 1)
+        phys = np.where(valid, np.take_along_axis(tbl, lp, 1), 0)
+        chosen = np.take_along_axis(kept, lp, 1)
+        host = torch.from_numpy(np.concatenate([lp, phys, chosen], 1)).to(dev)  # one copy to the device
+        lp_t, phys_t, chosen_t = host[:, :k_max], host[:, k_max:2 * k_max], host[:, 2 * k_max:] > 0
         keys = pool.k_pages[phys_t].flatten(1, 2)  # [C*R, k_max * ps, D]
         pos = (lp_t[:, :, None] * ps + torch.arange(ps, device=dev)).flatten(1)
         window = torch.as_tensor(np.tile(d.window[ls, hs], C), device=dev)[:, None]
         sink = torch.as_tensor(np.tile(d.sink[ls, hs], C), device=dev)[:, None]
         p = n - 1  # the checks' query
-        vis = (valid.repeat_interleave(ps, 1) & (pos <= p)
+        vis = (torch.from_numpy(valid).to(dev).repeat_interleave(ps, 1) & (pos <= p)
                & (visibility.visible(p, pos, window, sink) | chosen_t.repeat_interleave(ps, 1)))
+        ls_t, hs_t = torch.from_numpy(ls).to(dev), torch.from_numpy(hs).to(dev)
         q = torch.cat([torch.stack([rows[l][0] for l in range(L)]).view(L, H, g, -1)[ls_t, hs_t]
                        for _, rows, _ in items])  # [C*R, g, D]
         # positions are in ``vis``; keys are compact, so the causal bound inside is always met
@@ -364,7 +363,7 @@ class HeadSelection:
         accs = [_grown(s.page_mass, P) for s, _, _ in items]
         rows = torch.cat([acc[ls_t, hs_t, :P] for acc in accs])
         rows.scatter_add_(1, lp_t, mass.view(C * R, k_max, ps).sum(-1))  # padding rows added 0 (not visible)
-        keep = self._budget_pages(rows, tbl, np.tile(d.window[ls, hs], C),
+        keep = self._budget_pages(rows, torch.from_numpy(tbl).to(dev), np.tile(d.window[ls, hs], C),
                                   np.tile(d.sink[ls, hs], C), np.tile(d.budget[ls, hs], C), n)
         keep_h = keep.cpu().numpy()
         width = int(keep_h.sum(1).max(initial=0)) * ps
