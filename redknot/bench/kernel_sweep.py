@@ -52,6 +52,12 @@ DECODE_VARIANTS = [
 ]
 
 
+def _save(path: str, results: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), **kb._versions(), "argv": sys.argv,
+                   "results": results}, f, indent=1)
+
+
 def sweep_h2o(args) -> int:
     """Decode variants at the H2O shapes, FA-2 dense timed in the same run."""
     from ..kernels import segpaged
@@ -91,9 +97,7 @@ def sweep_h2o(args) -> int:
             print(json.dumps(entry), flush=True)
         del c
         kb._free_memory(dev)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), **kb._versions(), "argv": sys.argv,
-                   "results": results}, f, indent=1)
+    _save(args.out, results)
     print(f"\n{'shape':<9} {'BN':>4} {'warps':>5} {'stages':>6} {'per split':>9} {'min':>4} {'regs':>5} {'ms':>8} "
           f"{'x FA-2':>7} {'cos':>9}")
     for e in results:
@@ -143,9 +147,7 @@ def main(argv=None) -> int:
             print(json.dumps(entry), flush=True)
         del case
         kb._free_memory(dev)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), **kb._versions(), "argv": sys.argv,
-                   "results": results}, f, indent=1)
+    _save(args.out, results)
     print(f"\n{'shape':<13} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'fast':>5} {'merge':>5} {'ms':>9} {'TF/s':>6} "
           f"{'cos':>9}")
     for e in results:
