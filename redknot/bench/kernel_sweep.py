@@ -2,8 +2,8 @@
 reference first. Prints a table and writes JSON.
 
 Prefill: which (BLOCK_M, BLOCK_N, warps, stages) and interior path is fastest at each shape.
-Decode under H2O budgets (``--h2o``): which (BLOCK_N, warps, stages) and split layout (tiles a
-split reads) is fastest at the `bench kernel --h2o` shapes, against FA-2 dense in the same run.
+Decode under H2O budgets (``--h2o``): which (BLOCK_N, warps, stages), split layout (tiles a
+split reads) and register cap is fastest at the `bench kernel --h2o` shapes, against FA-2 dense in the same run.
 
     python -m redknot.bench.kernel_sweep --out sweep.json [--shapes prefill-8k,prefill-32k]
     python -m redknot.bench.kernel_sweep --h2o --out sweep_h2o.json [--shapes h2o-8k,h2o-32k]
@@ -31,7 +31,6 @@ VARIANTS = [
 ]
 
 
-# decode: (BLOCK_N, num_warps, num_stages, tiles per split (None: built-in split count), min tiles)
 # decode: (BLOCK_N, num_warps, num_stages, tiles per split (None: built-in split count), min tiles,
 # max registers per thread (None: the compiler's choice))
 DECODE_VARIANTS = [
@@ -68,7 +67,7 @@ def sweep_h2o(args) -> int:
     timer.graph = True
     fa = kb.probe_fa(dev)
     env = kb.Env(device=dev, timer=timer, fa=fa, kernels=None, kernel_error=None, methods=(), deadline=float("inf"))
-    names = args.shapes if args.shapes != "prefill-8k,prefill-32k,prefill-128k" else ",".join(kh.SHAPES)
+    names = args.shapes or ",".join(kh.SHAPES)
     results = []
     for name in names.split(","):
         shape = kh.SHAPES[name]
@@ -110,7 +109,8 @@ def sweep_h2o(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--shapes", default="prefill-8k,prefill-32k,prefill-128k")
+    ap.add_argument("--shapes", default=None,
+                    help="comma list (default: every prefill shape, or every H2O shape with --h2o)")
     ap.add_argument("--h2o", action="store_true", help="sweep the decode kernel at the H2O shapes")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "kernel_sweep.json"))
     ap.add_argument("--rows", type=int, default=256)
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     timer = kb.Timer(dev, repeats=30, target_ms=300)
     results = []
-    for name in args.shapes.split(","):
+    for name in (args.shapes or "prefill-8k,prefill-32k,prefill-128k").split(","):
         shape = kb.SHAPES[name]
         case = kb.make_case(shape, dev, seed=0, global_window=kb.GLOBAL_WINDOW)
         work = kb.work_model(case)
