@@ -135,7 +135,9 @@ def question_prompt(rec: dict, template: str | None = None) -> str:
 def split_variant(spec: str) -> tuple[str, dict]:
     """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``; a plain name -> (name, {}).
     ``redknot`` and ``redknot_kv`` take ``+sN`` after their keep fraction: each chunk's first N
-    tokens among the kept rows (``"redknot_kv@0.3+s16"``, ``SparseFFNConfig.chunk_start_tokens``)."""
+    tokens among the kept rows (``"redknot_kv@0.3+s16"``, ``SparseFFNConfig.chunk_start_tokens``);
+    without it none are (``"redknot_kv@0.3"`` keeps no chunk starts, whatever the model's
+    ``sparse_ffn.json`` says)."""
     name, at, value = spec.partition("@")
     if not at:
         return name, {}
@@ -154,6 +156,8 @@ def split_variant(spec: str) -> tuple[str, dict]:
 
         v = next(iter(parse_budget(v).values()))  # tokens (an integer >= 1) or a fraction in (0, 1)
     knobs = {field: v}
+    if field == "keep_fraction":  # the spec names every row setting: none from a sparse_ffn.json beside the model
+        knobs["chunk_start_tokens"] = 0
     for extra in extras:
         if field != "keep_fraction" or not extra.startswith("s") or not extra[1:].isdigit():
             raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16'; redknot and "

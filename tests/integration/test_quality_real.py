@@ -71,7 +71,8 @@ def test_budget_variants_parse_and_fail_clearly():
     assert split_variant("cacheblend@0.3") == ("cacheblend", {"cacheblend_ratio": 0.3})
     assert split_variant("epic@32") == ("epic", {"epic_tokens": 32})
     assert split_variant("redknot_kv") == ("redknot_kv", {})
-    assert split_variant("redknot_kv@0.5") == ("redknot_kv", {"keep_fraction": 0.5})
+    # without +sN no chunk starts, whatever a sparse_ffn.json beside the model sets
+    assert split_variant("redknot_kv@0.5") == ("redknot_kv", {"keep_fraction": 0.5, "chunk_start_tokens": 0})
     assert split_variant("redknot_kv@0.3+s16") == ("redknot_kv", {"keep_fraction": 0.3, "chunk_start_tokens": 16})
     for bad, msg in (("dense@1", "take a budget"), ("cacheblend@x", "not a float"), ("cacheblend@1.5", "range"),
                      ("cacheblend@0.3+s16", "chunk-start"), ("redknot_kv@0.3+16", "chunk-start")):
