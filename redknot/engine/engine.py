@@ -999,6 +999,8 @@ class Engine:
         self.reuse.store = self.reuse.prefix_store = self.chunk_cache
         if getattr(self, "selection", None) is not None:
             self.selection.attach()
+        if self.pool.device.type == "cuda":  # the old pool's memory back to the device, for other processes
+            torch.cuda.empty_cache()
 
     def stats(self) -> dict:
         occ = self.pool.occupancy()

@@ -4,8 +4,9 @@ dense          every token, every layer (the baseline, through the same forward)
 prefix         exact KV of the longest cached prefix ending at a chunk boundary; the rest dense
 full_reuse     prefix + relocated chunk KV as they are; only the suffix is computed
 epic           full_reuse, plus the first `epic_tokens` tokens of each chunk recomputed
-cacheblend     layer 0 recomputes every chunk token; the `cacheblend_ratio` with the largest
-               value deviation from their cached KV continue, the rest keep the cache
+cacheblend     layers up to `cacheblend_check_layer` (1) recompute every chunk token; the
+               `cacheblend_ratio` whose values there deviate most from their cached version
+               continue, the rest keep the cache
 redknot        one forward over chunks + suffix (the first chunk's cache is exact and stays): shallow
                layers (< dense_until) attend locally (every head, the suffix's included, within its
                sink + window) with a dense FFN; deeper layers give global
@@ -45,12 +46,17 @@ ENGINE_METHODS = REUSE_METHODS + ("headsparse",)
 class ReuseOptions:
     epic_tokens: int = 16
     cacheblend_ratio: float = 0.15
+    # The layer whose value deviation ranks CacheBlend's rows (LMCache's blend_check_layers). Not 0:
+    # layer 0's values depend on the token alone, so cached and recomputed ones agree to rounding there.
+    cacheblend_check_layer: int = 1
     observation_tokens: int = 16  # suffix tail whose attention mass ranks tokens for the sparse FFN
     shallow_window: int | None = None  # local-recovery window of global heads; None: widest local window
 
     def __post_init__(self):
         if self.shallow_window is not None and self.shallow_window < 1:
             raise ValueError(f"ReuseOptions.shallow_window={self.shallow_window!r}: use a window >= 1 or None")
+        if self.cacheblend_check_layer < 0:
+            raise ValueError(f"ReuseOptions.cacheblend_check_layer={self.cacheblend_check_layer!r}: use a layer >= 0")
 
 
 @dataclass
@@ -73,17 +79,23 @@ class FixedSet(Policy):
 
 
 class CacheBlend(FixedSet):
-    """Recompute everything at layer 0, keep the `ratio` most deviating chunk tokens after it."""
+    """Recompute every row up to the check layer; after it keep the `ratio` of chunk tokens whose
+    values there deviate most from their cached version (and every other row).
 
-    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, ratio: float):
+    The deviation is read at a layer past the first: layer 0's values are a projection of the
+    token's own embedding, equal to the cached ones up to rounding, so a ranking there orders
+    rounding noise (and differs between devices). From layer 1 on a value carries what the
+    token's layer-0 attention saw: the cross-chunk context the cache lacks."""
+
+    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, ratio: float, check_layer: int = 1):
         super().__init__(positions, window, sink)
-        self.is_chunk, self.ratio = is_chunk, ratio
+        self.is_chunk, self.ratio, self.check_layer = is_chunk, ratio, check_layer
 
     def needs_deviation(self, layer):
-        return layer == 0
+        return layer == self.check_layer
 
     def keep_rows(self, layer, cur, info):
-        if layer != 0:
+        if layer != self.check_layer:
             return None
         chunk_rows = self.is_chunk[cur].nonzero().flatten()
         n_keep = int(round(self.ratio * chunk_rows.numel()))
@@ -390,7 +402,8 @@ class ReuseEngine:
                      for c, at in zip(prompt.chunks, prompt.chunk_starts)]
             return FixedSet(torch.cat(heads + [suffix]), *self.global_vis)
         if method == "cacheblend":
-            return CacheBlend(body, *self.global_vis, is_chunk, o.cacheblend_ratio)
+            return CacheBlend(body, *self.global_vis, is_chunk, o.cacheblend_ratio,
+                              min(o.cacheblend_check_layer, self.cfg.num_hidden_layers - 1))
         if method == "redknot_exact":
             return RedKnot(body, *self.global_vis, *self.global_vis, is_chunk,
                            SparseFFNConfig(dense_until=self.cfg.num_hidden_layers,

@@ -214,7 +214,37 @@ def test_sparse_ffn_and_kv_reuse_execute_less(llm):
     assert flops["full_reuse"].tokens == [len(prompt.suffix)] * 3
     assert flops["epic"].tokens[0] == len(prompt.suffix) + sum(min(16, len(c)) for c in prompt.chunks)
     n_chunk = sum(len(c) for c in prompt.chunks)
-    assert flops["cacheblend"].tokens[1] == len(prompt.suffix) + round(0.15 * n_chunk)
+    assert flops["cacheblend"].tokens[:2] == [n_chunk + len(prompt.suffix)] * 2  # every row through the check layer
+    assert flops["cacheblend"].tokens[2] == len(prompt.suffix) + round(0.15 * n_chunk)
+
+
+def test_cacheblend_ranks_rows_by_value_deviation_at_its_check_layer(llm, monkeypatch):
+    """Layer 0's values depend on the token alone: cached and recomputed ones agree to rounding there,
+    so a ranking at layer 0 orders noise. CacheBlend reads the deviation at its check layer (1), where
+    the later chunks' values carry the cross-chunk context their cache lacked, and keeps the ratio of
+    chunk rows that deviate most there."""
+    from redknot.reuse.methods import CacheBlend
+
+    seen = {}
+    keep_rows = CacheBlend.keep_rows
+
+    def spy(self, layer, cur, info):
+        keep = keep_rows(self, layer, cur, info)
+        seen[layer] = (cur.clone(), info["v_deviation"].clone(), None if keep is None else cur[keep].clone())
+        return keep
+
+    monkeypatch.setattr(CacheBlend, "needs_deviation", lambda self, layer: True)  # read it at every layer
+    monkeypatch.setattr(CacheBlend, "keep_rows", spy)
+    prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    llm.reuse.prefill(prompt, "cacheblend")
+    (cur, dev0, keep0), (cur1, dev1, keep1) = seen[0], seen[1]
+    assert keep0 is None and keep1 is not None and torch.equal(cur, cur1)
+    chunk = (cur >= prompt.chunk_starts[0]) & (cur < prompt.suffix_start)
+    later = chunk & (cur >= prompt.chunk_starts[1])  # the first chunk's cache is exact (its own positions)
+    assert dev1[later].max() > 0 and dev0[later].max() < 1e-4 * dev1[later].max()
+    n_keep = round(0.15 * int(chunk.sum()))
+    top = cur[chunk][dev1[chunk].argsort(descending=True)[:n_keep]]
+    assert set(keep1[chunk[torch.isin(cur, keep1)]].tolist()) == set(top.tolist())
 
 
 def test_dense_flops_match_the_formula(llm):
