@@ -16,6 +16,7 @@ a run's plan), keeps one row per label, and writes:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 
@@ -36,7 +37,8 @@ def merge(paths: list[Path], labels: dict[str, str] | None = None) -> dict:
     results = []
     for p in paths:
         try:
-            results.append((Path(p), json.loads(Path(p).read_text())))
+            raw = Path(p).read_bytes()
+            results.append((Path(p), json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)))
         except (OSError, ValueError) as e:
             raise ValueError(f"{p}: not a results JSON ({e})") from e
     common = None
@@ -116,7 +118,7 @@ def plot(report: dict, path: str | Path, title: str | None = None) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("results", nargs="+", help="results JSONs of `redknot bench quality` on the same data")
+    p.add_argument("results", nargs="+", help="results JSONs of `redknot bench quality` on the same data (gzipped ones too)")
     p.add_argument("--label", action="append", default=[], metavar="FILE=NAME",
                    help="name of a run's head plan in the labels (default: the head config's file name)")
     p.add_argument("--plot", default=None, help="Pareto PNG to write")

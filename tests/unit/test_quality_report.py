@@ -46,3 +46,16 @@ def test_runs_without_common_records_fail_clearly(tmp_path):
     b = _run(tmp_path / "b.json", ["r2"], {"dense": lambda i: (1.0, 100)})
     with pytest.raises(ValueError, match="no finished record"):
         quality_report.merge([a, b])
+
+
+def test_gzipped_runs_read_like_plain_ones(tmp_path):
+    import gzip
+
+    a = _run(tmp_path / "a.json", ["r1", "r2"], {"dense": lambda i: (1.0, 100), "epic": lambda i: (0.0, 10)})
+    gz = tmp_path / "a.json.gz"
+    gz.write_bytes(gzip.compress(a.read_bytes()))
+    assert quality_report.markdown(quality_report.merge([gz])) == quality_report.markdown(quality_report.merge([a]))
+    bad = tmp_path / "bad.json.gz"
+    bad.write_bytes(b"\x1f\x8b" + b"not gzip")
+    with pytest.raises(ValueError, match="bad.json.gz: not a results JSON"):
+        quality_report.merge([bad])
