@@ -295,9 +295,11 @@ class SparseFFNConfig:
     ``importance`` ranks them: "attention" (the mass the suffix's last tokens give them), "cross"
     (the attention mass a token's own query
     gives to keys of *other* chunks, in the layer's full-context heads: the context its cached
-    state never saw) or "chunk" ("cross" averaged over each chunk: whole chunks are kept or left
-    out first, rows within the chunk on the boundary by their own "cross"); measured in
-    docs/results/quality_testbed.md.
+    state never saw), "chunk" ("cross" averaged over each chunk: whole chunks are kept or left
+    out first, rows within the chunk on the boundary by their own "cross"; measured in
+    docs/results/quality_testbed.md) or "deviation" (how far the row's recomputed values at that
+    layer are from its cached ones: CacheBlend's signal, read where the dense layers left it;
+    keep_fraction only).
 
     ``chunk_start_tokens``: each chunk's first N tokens always go through the FFN (under
     ``keep_fraction`` they take the first places of its count). A chunk encoded alone gave its
@@ -311,7 +313,7 @@ class SparseFFNConfig:
     mass_thresh_deep: float = 0.05
     recent_n: int = 128
     min_keep: int = 16
-    importance: str = "attention"  # or "cross" (mass to other chunks), "chunk" (the same, per chunk)
+    importance: str = "attention"  # or "cross" (mass to other chunks), "chunk" (the same, per chunk), "deviation"
     keep_fraction: float | None = None  # a fixed share of chunk tokens instead of the mass tiers
     chunk_start_tokens: int = 0  # each chunk's first N tokens always kept
 
@@ -324,13 +326,16 @@ class SparseFFNConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise HeadConfigError(f"sparse FFN: {name}={v!r} must be in [0, 1)")
-        if self.importance not in ("attention", "cross", "chunk"):
-            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention', 'cross' "
-                                  f"or 'chunk'")
+        if self.importance not in ("attention", "cross", "chunk", "deviation"):
+            raise HeadConfigError(f"sparse FFN: importance={self.importance!r} must be 'attention', 'cross', "
+                                  f"'chunk' or 'deviation'")
         if self.keep_fraction is not None and (isinstance(self.keep_fraction, bool)
                                                or not isinstance(self.keep_fraction, (int, float))
                                                or not 0 < self.keep_fraction <= 1):
             raise HeadConfigError(f"sparse FFN: keep_fraction={self.keep_fraction!r} must be in (0, 1] or null")
+        if self.importance == "deviation" and self.keep_fraction is None:
+            raise HeadConfigError("sparse FFN: importance='deviation' ranks rows for a keep_fraction: set one "
+                                  "(the mass tiers read attention masses)")
 
     @classmethod
     def from_json(cls, path: str | Path) -> "SparseFFNConfig":

@@ -124,6 +124,10 @@ class RedKnot(FixedSet):
         sparse = self.sparse.threshold(layer) is not None and self.sparse.importance == "attention"
         return self.n_obs if sparse and not self._selected else 0
 
+    def needs_deviation(self, layer):
+        return (self.sparse.importance == "deviation" and self.sparse.threshold(layer) is not None
+                and not self._selected)
+
     @property
     def _selected(self) -> bool:
         """redknot_kv under keep_fraction after its one selection: the rows left are exactly those
@@ -150,7 +154,7 @@ class RedKnot(FixedSet):
             self._rows = None
             return None
         imp = self.sparse.importance
-        score = info["mass"][cur] if imp == "attention" else info.get("cross")
+        score = info["mass"][cur] if imp == "attention" else info.get("v_deviation" if imp == "deviation" else "cross")
         if imp == "chunk" and score is not None:
             score = chunk_ranked(score, self.chunk_id[cur])
         if score is None:  # keep_fraction 1: nothing to rank, every candidate is kept

@@ -1,5 +1,6 @@
 """Chunk reuse: every method through the recovery forward, exactness gates, caching, accounting."""
 
+import math
 import os
 import time
 
@@ -114,6 +115,41 @@ def test_rows_picked_for_a_batch_equal_each_request_alone(tiny_checkpoint, metho
     orders = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0]], [DOCS[2], DOCS[0] * 2, DOCS[1]]]
     questions = [QUESTION, "Question: what jumps over the dog?", "Who?", QUESTION]
     _assert_batch_equals_the_oracle(llm, questions, orders, method)
+
+
+@pytest.mark.parametrize("starts", [0, 3])
+def test_deviation_ranked_rows_equal_the_oracle_and_are_the_most_deviating(tiny_checkpoint, monkeypatch, starts):
+    """importance="deviation": redknot_kv keeps, at its first sparse layer, each chunk's first
+    ``starts`` tokens and then the chunk rows whose recomputed values there are furthest from their
+    cached ones; a batch of requests gives the reference recovery forward's logits and FLOPs."""
+    sparse = SparseFFNConfig(dense_until=1, deep_layer_start=2, recent_n=6, min_keep=2, keep_fraction=0.3,
+                             chunk_start_tokens=starts, importance="deviation")
+    llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=4), device="cpu", page_size=16, sparse_ffn=sparse,
+              head_config=HeadConfig.all_global(4, 2))
+    _assert_batch_equals_the_oracle(llm, [QUESTION, "Who?"], [DOCS, DOCS[::-1]], "redknot_kv")
+    seen = {}
+    ffn_rows = RedKnot.ffn_rows
+
+    def spy(self, layer, cur, info):
+        rows = ffn_rows(self, layer, cur, info)
+        if layer == 1:
+            seen.update(cur=cur.clone(), dev=info["v_deviation"].clone(), rows=rows, starts=self.chunk_start[cur])
+        return rows
+
+    monkeypatch.setattr(RedKnot, "ffn_rows", spy)
+    prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    llm.reuse.prefill(prompt, "redknot_kv")
+    cur, dev, rows, first = seen["cur"], seen["dev"], seen["rows"], seen["starts"]
+    cand = (cur >= prompt.chunk_starts[0]) & (cur < len(prompt) - 6)  # chunk rows outside the last recent_n
+    cand &= cur < prompt.suffix_start
+    n_keep = math.ceil(0.3 * int(cand.sum()))
+    forced = cand & first
+    rest = cand & ~first
+    top = rest.nonzero().flatten()[dev[rest].argsort(descending=True)[:n_keep - int(forced.sum())]]
+    want = (~cand).nonzero().flatten().tolist() + forced.nonzero().flatten().tolist() + top.tolist()
+    assert sorted(rows.tolist()) == sorted(want) and dev[rest].max() > 0
+    with pytest.raises(HeadConfigError, match="deviation.*keep_fraction"):
+        SparseFFNConfig(importance="deviation")
 
 
 @pytest.mark.parametrize("cap", [None, 2])
