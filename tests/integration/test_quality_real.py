@@ -118,11 +118,12 @@ def setup(tiny_checkpoint, tmp_path_factory):
     import redknot
 
     heads = tmp / "heads.json"
-    redknot.HeadConfig.synthetic(2, 2, 0.5, window=16, sink=4).to_json(heads)
+    # three layers: CacheBlend recomputes layers 0..1 whole, so only layer 2 shows its ratio
+    redknot.HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4).to_json(heads)
     # every layer sparse, no always-kept rows: the keep fraction alone decides the FFN rows
     (tmp / "sparse.json").write_text(json.dumps({"dense_until": 0, "deep_layer_start": 0, "recent_n": 0,
                                                  "min_keep": 1}))
-    return tiny_checkpoint("llama", num_hidden_layers=2), data, tmp, heads
+    return tiny_checkpoint("llama", num_hidden_layers=3), data, tmp, heads
 
 
 def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
