@@ -3,8 +3,9 @@
 Each run measures dense and some methods at one head plan (and any ``cacheblend@R`` / ``epic@N``
 budgets); budgets of the head-plan methods are separate runs with other ``--head-config`` files.
 The report keeps the records every run finished (so each row averages the same records),
-labels a head-plan method with its plan (``redknot_kv [profiled_g25]``; ``--label FILE=NAME`` names
-a run's plan), keeps one row per label, and writes:
+labels a head-plan method with its plan and the run's other settings (``redknot_kv [profiled_g25]``,
+``redknot_kv [all_global, shallow W 8192]``; ``--label FILE=NAME`` names a run's plan), keeps one row
+per label, and writes:
 
 - a markdown table: EM / F1 against gold, F1 ÷ dense, answer EM / F1 against dense's answer,
   first-token top-1 / top-10 / KL against dense, prefill FLOPs ÷ dense;
@@ -24,10 +25,17 @@ from .quality import NEEDS_HEAD_CONFIG, REFERENCE, _aggregate, split_variant
 
 
 def _plan_name(result: dict, path: Path, labels: dict[str, str]) -> str:
+    """The run's head plan, and the run-wide settings that make its rows another measurement."""
     if str(path) in labels:
         return labels[str(path)]
     hc = result.get("head_config")
-    return Path(hc).stem if hc else path.stem
+    name = Path(hc).stem if hc else path.stem
+    args = result.get("args") or {}
+    if args.get("sparse_ffn"):
+        name += f", {Path(args['sparse_ffn']).stem}"
+    if args.get("shallow_window"):
+        name += f", shallow W {args['shallow_window']}"
+    return name
 
 
 def merge(paths: list[Path], labels: dict[str, str] | None = None) -> dict:

@@ -13,11 +13,11 @@ def _row(top1, flops, f1=0.5, aF1=1.0):
             "cached_tokens": 10, "flops": flops, "dense_flops": 100}
 
 
-def _run(path, ids, methods, head_config=None):
+def _run(path, ids, methods, head_config=None, args=None):
     recs = [{"id": i, "type": "bridge", "answers": ["a"],
              "predictions": {m: _row(*methods[m](i)) for m in methods}} for i in ids]
     path.write_text(json.dumps({"methods": {m: {} for m in methods}, "records": recs, "head_config": head_config,
-                                "model": "/m/smol", "data": "hotpotqa:x"}))
+                                "args": args or {}, "model": "/m/smol", "data": "hotpotqa:x"}))
     return path
 
 
@@ -59,3 +59,13 @@ def test_gzipped_runs_read_like_plain_ones(tmp_path):
     bad.write_bytes(b"\x1f\x8b" + b"not gzip")
     with pytest.raises(ValueError, match="bad.json.gz: not a results JSON"):
         quality_report.merge([bad])
+
+
+def test_runs_with_another_shallow_window_or_sparse_ffn_file_get_their_own_rows(tmp_path):
+    common = {"dense": lambda i: (1.0, 100), "redknot_kv@0.3": lambda i: (1.0, 40)}
+    a = _run(tmp_path / "a.json", ["r1"], common, head_config="plans/all.json")
+    b = _run(tmp_path / "b.json", ["r1"], {**common, "redknot_kv@0.3": lambda i: (0.0, 45)},
+             head_config="plans/all.json", args={"shallow_window": 8192, "sparse_ffn": "sparse/dev_k30.json"})
+    by = {x["label"]: x for x in quality_report.merge([a, b])["rows"]}
+    assert list(by) == ["dense", "redknot_kv@0.3 [all]", "redknot_kv@0.3 [all, dev_k30, shallow W 8192]"]
+    assert by["redknot_kv@0.3 [all, dev_k30, shallow W 8192]"]["top1_agreement"] == 0.0
