@@ -77,8 +77,9 @@ SHELF: dict[str, ShelfModel] = {m.name: m for m in (
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         arch="llama, 30 layers, 9 q / 3 KV heads, head_dim 64, 8K context", license="Apache-2.0",
         # docs/results/quality_real.md: every head global, 20% of the chunk rows through the FFN with each
-        # chunk's first 16 tokens among them (0.35x dense FLOPs): top-1 0.905, answer F1 0.72, KL 0.060 on
-        # 105 HotpotQA records against CacheBlend@0.3's 0.876 / 0.70 / 0.086 at 0.38x; 0.927 top-1 on MuSiQue
+        # chunk's first 16 tokens among them (0.35x dense FLOPs): top-1 0.885, answer F1 0.71, KL 0.065 on
+        # all 200 HotpotQA records against CacheBlend@0.3's 0.850 / 0.67 / 0.093 at 0.38x; on all 150
+        # MuSiQue records 0.927 / 0.77 / 0.055 at 0.31x against 0.853 / 0.73 / 0.112 at 0.37x
         reuse={"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2, "chunk_start_tokens": 16}}),
     ShelfModel(
         name="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M)",
@@ -86,8 +87,9 @@ SHELF: dict[str, ShelfModel] = {m.name: m for m in (
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         arch="qwen2, 24 layers, 14 q / 2 KV heads, head_dim 64, 32K context", license="Apache-2.0",
         # docs/results/quality_real.md: CacheBlend (value deviation at layer 1) keeps this model's answers
-        # better than redknot_kv at fewer FLOPs (33 HotpotQA records: top-1 0.88 / answer F1 0.76 at 0.38x
-        # against 0.85 / 0.70 at 0.42x): no reuse defaults, so serve defaults to cacheblend
+        # better than redknot_kv at fewer FLOPs (42 HotpotQA records: top-1 0.83 / answer F1 0.71 at 0.38x
+        # against 0.79 / 0.64 at 0.42x; CacheBlend's 2 dense layers or deviation ranking inside redknot_kv
+        # do not close it): no reuse defaults, so serve defaults to cacheblend
         ),
     ShelfModel(
         name="qwen2.5-coder-1.5b", title="Qwen2.5-Coder-1.5B-Instruct",
