@@ -419,7 +419,7 @@ def run(args) -> dict:
     previous = None
     if args.resume and Path(args.out).is_file():
         previous = _resumable(Path(args.out), args, methods)
-    from ..reuse.methods import ReuseOptions
+    from ..reuse.options import ReuseOptions
 
     llm = LLM(model=args.model, head_config=args.head_config, sparse_ffn=args.sparse_ffn, device=args.device,
               dtype=args.dtype, page_size=args.page_size, reuse_options=ReuseOptions(shallow_window=args.shallow_window))

@@ -13,14 +13,15 @@ from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolv
 from ..models.resolve import bundled_model_path
 from ..models.tokenizer import make_tokenizer
 from ..models.fingerprint import model_fingerprint
-from ..reuse.methods import ReuseOptions
+from ..reuse.options import ReuseOptions
 from ..reuse.prompt import build_prompt, is_conversation
-from .engine import METHODS, Engine, EngineConfig, prefills_through_reuse, uses_chunks
+from ..reuse.registry import METHOD_NAMES as METHODS, get_method
+from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
 from .selective import SelectionOptions
 from .sequence import Sequence
 
-__all__ = ["LLM", "METHODS", "CompletionOutput", "RequestOutput", "prefills_through_reuse"]
+__all__ = ["LLM", "METHODS", "CompletionOutput", "RequestOutput"]
 
 
 @dataclass
@@ -111,7 +112,6 @@ class LLM:
                                  reserve_full_length=reserve_full_length, kernel=kernel,
                                  reuse_options=reuse_options, selection=selection))
         self.max_model_len = self.engine.max_model_len
-        self.reuse = self.engine.reuse
         self.method = self.check_method(method)
 
     @property
@@ -130,7 +130,7 @@ class LLM:
         ``cache_salt`` names the cache namespace the request's content belongs to (``Sequence.cache_salt``)."""
         method = self.check_method(method or self.method)
         cp = None
-        if documents is None and not is_conversation(prompt) and not uses_chunks(method):
+        if documents is None and not is_conversation(prompt) and not get_method(method).reads_chunks:
             ids = self._encode(prompt)
         else:  # the reuse engine needs the prompt's layout: prefix, documents, suffix
             cp = build_prompt(self.tokenizer, prompt, documents)
@@ -197,43 +197,22 @@ class LLM:
     def context_limits(self, method: str | None = None) -> tuple[int, int]:
         """(most tokens of prompt + max_tokens, most prompt tokens) one request of ``method`` can
         ever hold, documents aside: the model's max_model_len, or less where the page pool is
-        smaller than that under the method's head plan. The first is what ``Engine.check_fits``
-        accepts; the second what admission can find pages for in the empty pool (its first
-        prefill's pages, plus one page per head; for full_reuse and epic, whose first prefill stops
-        at the question, the whole prompt counts, an upper bound)."""
-        from .engine import PLAN_OF, RequestTooLarge
-
+        smaller than that under the method's head plan. Both come from the scheduler's admission
+        arithmetic (``Scheduler.check_fits``)."""
         method = self.check_method(method or self.method)
-        plan, engine = PLAN_OF[method], self.engine
-        pool, chunk = engine.pool, engine.cfg.max_num_batched_tokens
-        heads = self.config.num_hidden_layers * self.config.num_key_value_heads
 
-        def fits(n: int) -> bool:
-            seq = Sequence([0] * max(n - 1, 1), SamplingParams(max_tokens=1), method=method)
-            seq.plan = plan
-            try:
-                engine.check_fits(seq)
-            except RequestTooLarge:
-                return False
-            return True
+        def make_seq(n: int) -> Sequence:
+            seq = Sequence([0] * n, SamplingParams(max_tokens=1), method=method)
+            self.engine.prepare_plan(seq)
+            return seq
 
-        def admissible(n: int) -> bool:  # as Engine._admit: a recovery method holds the whole prompt for
-            if prefills_through_reuse(method):  # every head at once, full_reuse/epic up to the question,
-                return pool.pages_needed(n, plan=plan).peak + heads <= pool.num_pages  # the others one budget
-            first = n if uses_chunks(method) else min(n, chunk)
-            return pool.pages_needed(first, plan=plan).peak + heads <= pool.num_pages
+        return self.engine.scheduler.context_limits(get_method(method), make_seq)
 
-        def largest(ok) -> int:  # ok turns false once, as the length grows: bisect where
-            if ok(engine.max_model_len):
-                return engine.max_model_len
-            lo, hi = 0, engine.max_model_len
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-            return lo
-
-        total = largest(fits)
-        return total, min(largest(admissible), total)
+    def max_new_tokens(self, seq: Sequence) -> int:
+        """The most tokens a prepared-to-be request can generate (its prompt and method fixed): what a
+        request that leaves max_tokens unset gets. The same arithmetic admits it."""
+        self.engine.prepare_plan(seq)
+        return self.engine.scheduler.max_new_tokens(seq)
 
     def max_context(self, method: str | None = None) -> int:
         """The most tokens (prompt + max_tokens) any request of ``method`` can hold, however they split."""

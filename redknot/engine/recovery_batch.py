@@ -22,7 +22,7 @@ import torch
 from ..context import Context
 from ..models.config import ModelConfig
 from ..reuse.flops import FlopReport
-from ..reuse.methods import RedKnot
+from ..reuse.policies import RedKnot
 from ..reuse.recovery import Policy, cross_chunk_mass, observation_mass, observation_mass_batched
 from ..visibility import visible_pairs_batched, visible_pairs_per_kv_head
 

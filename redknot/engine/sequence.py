@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -12,14 +13,31 @@ from .sampling import SamplingParams
 _ids = itertools.count()
 
 
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"  # queued (also after a preemption)
+    RUNNING = "running"  # admitted: holds pages, prefills or decodes
+    FINISHED = "finished"  # finish_reason says why
+
+
+@dataclass(eq=False)
+class ReuseState:
+    """What a request that reads document KV carries between admission and its recovery."""
+    prompt: object  # the ChunkedPrompt (prefix, documents, question)
+    done: bool = False  # its chunks are placed (or skipped after a preemption: it re-prefills in the pool)
+    fresh_chunk_tokens: int = 0  # chunk and prefix tokens computed for this request (not cache hits)
+    recomputed: list[int] = field(default_factory=list)  # positions recomputed in place before its prefill (epic)
+    recovery: tuple | None = None  # recovery methods before their recovery forward: (Policy, cached bool [N])
+
+
 @dataclass(eq=False)
 class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
-    method: str = "dense"
-    chunked_prompt: object | None = None  # reuse methods: the ChunkedPrompt (prefix, documents, suffix)
+    method: str = "dense"  # a registry name (reuse.registry)
+    chunked_prompt: object | None = None  # methods reading document KV: the ChunkedPrompt (prefix, documents, suffix)
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
     num_computed: int = 0  # tokens whose KV is in the pool
     plan: str = "dense"  # the head plan its pages live under (set by the engine from the method)
     prepared: bool = False  # Engine.prepare checked it (plan set, fits the pool and the context)
@@ -32,14 +50,10 @@ class Sequence:
     first_token_time: float | None = None  # time.perf_counter() when the first output token was sampled
     first_logits: torch.Tensor | None = None  # float32 [V], with params.return_first_logits
     cached_tokens: int = 0  # prompt tokens whose KV came from a cache
-    flops: dict | None = None  # executed prefill FLOPs (reuse methods)
-    reuse_done: bool = False  # the reuse prefill ran (or is skipped after a preemption)
+    flops: dict | None = None  # executed prefill FLOPs
     exact_kv: bool = True  # its KV is what a prefill under its plan computes (prefix-cacheable)
-    fresh_chunk_tokens: int = 0  # chunk and prefix tokens computed for this request (not cache hits)
     prefill_start: int | None = None  # first prompt position the pool prefill computes
-    recomputed: list[int] = field(default_factory=list)  # positions recomputed before it (epic)
-    # Recovery methods between admission and their recovery forward: (Policy, cached bool [N]).
-    recovery: tuple | None = None
+    reuse: ReuseState | None = None  # set by Engine.prepare where the method reads document KV
     num_preemptions: int = 0
     committed_pages: int = 0  # pages admission reserved for it while it runs
     pages_at_finish: int = 0  # pool pages it held when its pages were last freed
@@ -51,6 +65,19 @@ class Sequence:
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
+
+    def finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.status = SequenceStatus.FINISHED
+
+    @property
+    def needs_documents(self) -> bool:
+        """Its document KV is still to be placed (a method reading chunks, not yet admitted)."""
+        return self.reuse is not None and not self.reuse.done
+
+    @property
+    def recovery(self):
+        return self.reuse.recovery if self.reuse is not None else None
 
     @property
     def num_prompt(self) -> int:

@@ -279,7 +279,7 @@ def ablation_kl(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK, 
     per head and sample, so it is opt-in (``ablation_weight``)."""
     from tqdm.auto import tqdm
 
-    from ..reuse.methods import FixedSet
+    from ..reuse.policies import FixedSet
     from ..reuse.recovery import recover
 
     dev = next(model.parameters()).device

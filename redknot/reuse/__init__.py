@@ -1,6 +1,8 @@
-"""Position-independent chunk reuse: prompt layout, recovery forward, methods, FLOPs accounting."""
+"""Position-independent chunk reuse: prompt layout, the method registry, recovery policies, FLOPs accounting."""
 
-from .methods import CHUNK_METHODS, REUSE_METHODS, ReuseEngine, ReuseOptions
+from .options import ReuseOptions
 from .prompt import ChunkedPrompt, build_prompt
+from .registry import CHUNK_METHODS, METHOD_NAMES, METHODS, MethodSpec, canonical_name, get_method
 
-__all__ = ["CHUNK_METHODS", "REUSE_METHODS", "ChunkedPrompt", "ReuseEngine", "ReuseOptions", "build_prompt"]
+__all__ = ["CHUNK_METHODS", "METHOD_NAMES", "METHODS", "ChunkedPrompt", "MethodSpec", "ReuseOptions", "build_prompt",
+           "canonical_name", "get_method"]

@@ -50,3 +50,19 @@ class FlopReport:
                           [a + b for a, b in zip(self.tokens, other.tokens)],
                           [a + b for a, b in zip(self.ffn_tokens, other.ffn_tokens)],
                           self.lm_head + other.lm_head)
+
+
+def prefill_flops(cfg: ModelConfig, positions, window, sink) -> dict:
+    """Totals of a prefill that computed ``positions`` (every layer, every row through the FFN)
+    under a plan's ``window``/``sink`` [L, Hkv]."""
+    import torch
+
+    window, sink = torch.as_tensor(window), torch.as_tensor(sink)
+    q_pos = torch.as_tensor(positions, dtype=torch.int64)
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    report = FlopReport()
+    for layer in range(cfg.num_hidden_layers):
+        pairs = visible_pairs(q_pos, window[layer], sink[layer], group)
+        report.add_layer(cfg, q_pos.numel(), pairs, q_pos.numel())
+    report.add_lm_head(cfg)
+    return report.totals()

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.cache import chunk_key
 from redknot.config import HeadConfigError, SparseFFNConfig
-from redknot.reuse.methods import RedKnot, chunk_ranked, chunk_start_rows, rank_descending, select_tokens
+from redknot.reuse.policies import RedKnot, chunk_ranked, chunk_start_rows, rank_descending, select_tokens
 from redknot.reuse.prompt import build_prompt
 
 DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 2,
@@ -259,7 +259,7 @@ def test_cacheblend_ranks_rows_by_value_deviation_at_its_check_layer(llm, monkey
     so a ranking at layer 0 orders noise. CacheBlend reads the deviation at its check layer (1), where
     the later chunks' values carry the cross-chunk context their cache lacked, and keeps the ratio of
     chunk rows that deviate most there."""
-    from redknot.reuse.methods import CacheBlend
+    from redknot.reuse.policies import CacheBlend
 
     seen = {}
     keep_rows = CacheBlend.keep_rows
@@ -437,7 +437,7 @@ def test_suffix_keeps_its_head_plan_where_chunks_recover_locally(llm):
     """A query split (chunk rows local, suffix rows under their own visibility) equals two passes:
     every position under the local visibility, then the suffix alone under its own over that K/V
     (``Policy.query_split``, which the batched recovery also honours)."""
-    from redknot.reuse.methods import FixedSet
+    from redknot.reuse.policies import FixedSet
     from redknot.reuse.recovery import recover
 
     cp = build_prompt(llm.tokenizer, QUESTION, DOCS)
@@ -463,7 +463,7 @@ def test_suffix_keeps_its_head_plan_where_chunks_recover_locally(llm):
 
 
 def test_reuse_options_refuse_a_zero_shallow_window():
-    from redknot.reuse.methods import ReuseOptions
+    from redknot.reuse.options import ReuseOptions
 
     with pytest.raises(ValueError, match="shallow_window"):
         ReuseOptions(shallow_window=0)  # 0 would silently mean the default window

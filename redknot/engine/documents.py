@@ -1,0 +1,211 @@
+"""Document KV: chunk keys, computing missing chunks, relocating and placing cached ones.
+
+A prompt that names documents is ``[prefix][chunk 1]…[chunk n][question]``. Each chunk's KV is
+computed once at its canonical position (right after the prefix, under the all-global plan) and
+kept in the chunk cache; a request copies every chunk it names into its own pages with keys rotated
+to where the chunk sits. What the method then does with them (prefill the question, recompute each
+chunk's first tokens, or recover) is the method's spec (``reuse.registry``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..cache import PoolExhausted
+from ..cache.chunk_cache import ChunkCache, ChunkPages
+from ..cache.chunk_store import chunk_key
+from ..reuse.options import ReuseOptions
+from ..reuse.registry import PolicyInputs, get_method
+from .scheduler import DocumentNeeds
+from .sequence import Sequence
+
+# Pool sequences set aside for prefilling missing chunks (beside max_num_seqs requests).
+CHUNK_SLOTS = 32
+
+
+def pages_of(entries: dict) -> np.ndarray:
+    """Every page id of a set of chunk entries (one entry per reference)."""
+    return np.concatenate([e.pages.ravel() for e in entries.values()] + [np.zeros(0, np.int32)])
+
+
+class DocumentKV:
+    def __init__(self, model, config, fingerprint: str, head_config, sparse, options: ReuseOptions | None,
+                 device: torch.device, max_batched_tokens: int):
+        self.model, self.config, self.fingerprint, self.device = model, config, fingerprint, device
+        self.head_config, self.sparse = head_config, sparse
+        self.options = options or ReuseOptions()
+        self.max_batched_tokens = max_batched_tokens
+        self._chunk_seq_ids = iter(range(-1, -(1 << 62), -1))  # pool ids of chunk prefills
+        self.attach(None, None, None, None, lambda pages, keep=(): 0)
+
+    def attach(self, pool, runner, chunk_cache: ChunkCache | None, prefix_cache, reclaim) -> None:
+        """The pool, runner and caches it works with (again after the pool is rebuilt);
+        ``reclaim(pages, keep)`` evicts cached pages when a chunk prefill runs short."""
+        self.pool, self.runner, self.chunk_cache, self.prefix_cache = pool, runner, chunk_cache, prefix_cache
+        self.reclaim = reclaim
+        self.heads = 0 if pool is None else int(pool.window.size)
+
+    def next_pool_id(self) -> int:
+        return next(self._chunk_seq_ids)
+
+    # ------------------------------------------------------------------ keys
+
+    def specs(self, seq: Sequence) -> list[tuple[str, tuple, int]]:
+        """(key, canonical tokens, start) of the prompt prefix (computed alone) and of each chunk
+        (computed after the prefix, at its canonical position)."""
+        cp = seq.chunked_prompt
+        prefix = tuple(cp.prefix)
+        ns = self.fingerprint if seq.cache_salt is None else f"{self.fingerprint}\x1fsalt:{seq.cache_salt}"
+        specs = [(chunk_key(ns, (), prefix), prefix, 0)] if prefix else []
+        specs += [(chunk_key(ns, prefix, ids), prefix + tuple(ids), len(prefix)) for ids in cp.chunks]
+        return specs
+
+    def needs(self, seq: Sequence) -> DocumentNeeds:
+        """Which of the request's chunks are cached (and their pages), and the pages the prefills of
+        the missing ones hold at most (every head of each, prefix included). Looks, never computes."""
+        hits, hit_pages, missing, seen = set(), 0, 0, set()
+        for key, tokens, _ in self.specs(seq):
+            if key in seen:
+                continue
+            seen.add(key)
+            entry = self.chunk_cache.peek(key)
+            if entry is None:
+                missing += self.heads * -(-len(tokens) // self.pool.page_size)
+            else:
+                hits.add(key)
+                hit_pages += entry.pages.size
+        return DocumentNeeds(frozenset(hits), hit_pages, missing)
+
+    # ------------------------------------------------------------------ compute
+
+    def ensure(self, seq: Sequence, reserve: int) -> tuple[dict, int]:
+        """Put every chunk the request names into the chunk cache, prefilling the missing ones in
+        batches; the entries' pages are pinned (one reference each) until ``release``. ``reserve``
+        pages must stay free for the request itself. Returns (key -> entry, tokens computed).
+        Raises PoolExhausted, keeping what it cached, when pages run short."""
+        entries, missing = {}, {}
+        for key, tokens, start in self.specs(seq):
+            if key in entries or key in missing:
+                continue
+            entry = self.chunk_cache.lookup(key)
+            if entry is None:
+                missing[key] = (tokens, start)
+            else:
+                entries[key] = entry
+        self.pool.retain(pages_of(entries))
+        try:
+            computed = self._prefill(list(missing.items()), reserve, entries, seq.cache_salt)
+        except BaseException:
+            self.pool.release(pages_of(entries))
+            raise
+        seq.reuse.fresh_chunk_tokens = sum(len(t) - s for t, s in missing.values())
+        return entries, computed
+
+    def release(self, entries: dict) -> None:
+        self.pool.release(pages_of(entries))
+
+    def _prefill(self, missing: list, reserve: int, entries: dict, salt: str | None) -> int:
+        """Prefill chunks at their canonical positions as short-lived dense pool sequences (from
+        any cached prefix), CHUNK_SLOTS and one token budget at a time; the chunk cache keeps
+        their pages. Adds each pinned entry to ``entries``; returns tokens computed."""
+        computed = 0
+        while missing:
+            group, tokens = [], 0
+            while missing and len(group) < CHUNK_SLOTS and (not group or tokens + len(missing[0][1][0])
+                                                            <= self.max_batched_tokens):
+                group.append(missing.pop(0))
+                tokens += len(group[-1][1][0])
+            ids = []
+            try:
+                cached = [self._start_chunk(toks, reserve, entries, salt, ids) for _, (toks, _) in group]
+                self.runner.forward("dense", ids, [g[1][0][m:] for g, m in zip(group, cached)], cached)
+                computed += sum(len(g[1][0]) - m for g, m in zip(group, cached))
+                for sid, (key, (toks, start)) in zip(ids, group):
+                    self._keep_chunk(sid, key, toks, start, entries, salt)
+            finally:
+                for sid in ids:
+                    self.pool.free_sequence(sid)
+        return computed
+
+    def _start_chunk(self, toks, reserve: int, entries: dict, salt, ids: list) -> int:
+        """A pool sequence for one chunk prefill, from any cached prefix of it; returns the tokens
+        that prefix covers."""
+        sid = self.next_pool_id()
+        self.pool.add_sequence(sid, "dense")
+        ids.append(sid)
+        m = 0
+        if self.prefix_cache is not None:
+            m, table = self.prefix_cache.match("dense", toks, len(toks) - 1, salt)
+            if m:
+                self.pool.share(sid, table, m)
+        need = self.pool.pages_needed(len(toks), m).peak + reserve
+        if need > self.pool.num_free_pages:
+            self.reclaim(need - self.pool.num_free_pages, entries)
+        if need > self.pool.num_free_pages:
+            raise PoolExhausted(f"a chunk prefill needs {need} pages, {self.pool.num_free_pages} are free")
+        self.pool.ensure(sid, len(toks))
+        return m
+
+    def _keep_chunk(self, sid: int, key: str, toks, start: int, entries: dict, salt) -> None:
+        ps = self.pool.page_size
+        table = self.pool.table(sid)
+        if self.prefix_cache is not None:
+            self.prefix_cache.insert("dense", toks, table, salt)
+        pages = table[:, :, start // ps:-(-len(toks) // ps)]
+        self.chunk_cache.insert(key, toks[start:], start, pages, start % ps)
+        # pinned for this request (also when the cache is capped below its size)
+        entries[key] = self.chunk_cache.peek(key) or ChunkPages(tuple(toks[start:]), start, pages.copy(), start % ps)
+        self.pool.retain(entries[key].pages)
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self, seq: Sequence, entries: dict) -> None:
+        """Copy the prompt prefix's and every chunk's cached KV into the request's own pages, keys
+        rotated from the chunk's canonical position to where it sits (one store per piece, all
+        layers at once). A placed-chunk method then prefills from the question (``epic`` first
+        recomputes each chunk's first tokens in place); a recovery method holds pages for its whole
+        prompt and gets its recovery policy, run by the next forward."""
+        spec, cp, r = get_method(seq.method), seq.chunked_prompt, seq.reuse
+        end = len(seq.token_ids) if spec.recovers else cp.suffix_start
+        self.pool.ensure(seq.seq_id, end)
+        self._copy_in(seq, entries)
+        r.done = True
+        seq.exact_kv = False  # reused chunk KV: never offered to the prefix cache
+        if spec.recovers:
+            inputs = PolicyInputs(cp, self.config, self.head_config, self.sparse, self.options, self.device)
+            r.recovery = spec.build_policy(inputs)
+            cached = len(cp.prefix) if spec.cached_from == "prefix" else cp.suffix_start
+            seq.cached_tokens = max(0, cached - r.fresh_chunk_tokens)
+            return
+        r.recomputed = []
+        if spec.recompute_chunk_heads:
+            e = self.options.epic_tokens
+            spans = [(s, min(e, len(c))) for c, s in zip(cp.chunks, cp.chunk_starts)]
+            if spans:
+                self.runner.forward("dense", [seq.seq_id] * len(spans),
+                                    [seq.token_ids[s:s + n] for s, n in spans], [s for s, _ in spans])
+                r.recomputed = [p for s, n in spans for p in range(s, s + n)]
+        seq.num_computed = end
+        seq.cached_tokens = end - r.fresh_chunk_tokens
+
+    def _copy_in(self, seq: Sequence, entries: dict) -> None:
+        cp = seq.chunked_prompt
+        self.pool.sync_device_tables()
+        slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
+        tables = self.pool.device_tables.index_select(1, slot)[:, 0]
+        rope = self.model.model.rotary_emb
+        L = self.config.num_hidden_layers
+        positions = [0] * bool(cp.prefix) + list(cp.chunk_starts)
+        with torch.inference_mode():
+            for (key, _, start), pos in zip(self.specs(seq), positions):
+                entry = entries[key]
+                k, v = self.chunk_cache.gather(entry)
+                n = entry.num_tokens
+                if pos != start:
+                    h, d = k.shape[2:]
+                    k = rope.relocate(k.reshape(L * n, h, d), pos - start).view(L, n, h, d)
+                cu = torch.arange(0, (L + 1) * n, n, dtype=torch.int32, device=self.device)
+                lens = torch.full((L,), pos + n, dtype=torch.int32, device=self.device)
+                self.runner.attn.store(k.reshape(L * n, *k.shape[2:]), v.reshape(L * n, *v.shape[2:]),
+                                       tables, cu, lens)

@@ -1,0 +1,72 @@
+"""Running a step's forwards: recovery batches and one forward per head plan.
+
+The scheduler has laid out the batch and ensured its pages; this runs it through the model runner
+and does what follows a forward on the pool side (trim to the plan, offer exact prompt KV to the
+prefix cache, count executed FLOPs, the head selection around the forward). Sampling is the
+engine's postprocess.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..reuse.flops import prefill_flops
+from .recovery_batch import RecoveryRows
+from .sequence import Sequence
+
+
+class Executor:
+    def __init__(self, runner, pool, config, prefix_cache, timings: dict, recovery_share: dict):
+        self.runner, self.pool, self.config, self.prefix_cache = runner, pool, config, prefix_cache
+        self.timings, self.recovery_share = timings, recovery_share
+        self.selection = None  # HeadSelection: records queries around a forward, selects after it
+
+    def recover(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One batched recovery forward for requests of one method (their chunks already in their
+        pages); each request's pages are then trimmed to its plan. Returns their logits."""
+        t0 = time.perf_counter()
+        prompts = [s.token_ids[:s.num_prompt] for s in seqs]
+        rows = RecoveryRows(self.config, [s.recovery[0] for s in seqs], [len(p) for p in prompts],
+                            [s.recovery[1] for s in seqs], self.pool.device)
+        logits = self.runner.recover([s.seq_id for s in seqs], prompts, rows)
+        self.timings["forward"] += time.perf_counter() - t0
+        for s, report, r in zip(seqs, rows.flops(), rows.requests):
+            prev = self.recovery_share.get(s.method)
+            self.recovery_share[s.method] = r.row_share if prev is None else (prev + r.row_share) / 2
+            s.reuse.recovery = None
+            s.num_computed = s.num_prompt
+            s.flops = report.totals()
+            self.pool.trim(s.seq_id)
+        return logits
+
+    def forward(self, plan: str, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
+        """One forward of a plan's batch ((request, new tokens) each). Returns the requests whose
+        prompt it completed (or that decoded) and their logits rows."""
+        t0 = time.perf_counter()
+        if self.selection is not None:
+            self.selection.begin(plan, items)
+        logits = self.runner.forward(plan, [s.seq_id for s, _ in items],
+                                     [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items],
+                                     [s.num_computed for s, _ in items])
+        self.timings["forward"] += time.perf_counter() - t0
+        done = []
+        for i, (s, n) in enumerate(items):
+            s.num_computed += n
+            self.pool.trim(s.seq_id)
+            if n > 1 and self.prefix_cache is not None and s.exact_kv:
+                m = min(s.num_computed, s.num_prompt)
+                self.prefix_cache.insert(plan, s.token_ids[:m], self.pool.table(s.seq_id), s.cache_salt)
+            if s.num_pending == 0:
+                done.append(i)
+                if s.flops is None and s.prefill_start is not None:
+                    recomputed = s.reuse.recomputed if s.reuse is not None else []
+                    s.flops = prefill_flops(self.config, recomputed + list(range(s.prefill_start, s.num_prompt)),
+                                            *self.pool.window_sink(s.plan))
+        if self.selection is not None:
+            t0 = time.perf_counter()
+            self.selection.end()
+            self.timings["select"] += time.perf_counter() - t0
+        rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device, dtype=torch.long)]
+        return [items[i][0] for i in done], rows

@@ -1,0 +1,312 @@
+"""The scheduler: who waits, who runs, what each step computes, and the page arithmetic behind it.
+
+Pure bookkeeping over the page pool and the caches' page counts: it runs no model. Admission is
+FIFO: the head of the queue starts when sequence slots, the token budget and pages allow (cached
+prefixes and chunks are evicted for it; a request whose documents are cached keeps them). Each
+admitted request is committed the pages it holds at its full length under its head plan
+(``reserve_full_length``), so running requests do not outgrow the pool; when they still do (shared
+pages, optimistic admission), the newest running request is preempted (recompute: its pages go back
+and it re-queues first).
+
+Every number a front needs about what fits (``check_fits``, ``context_limits``, ``max_new_tokens``)
+comes from the same functions admission uses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..cache import PagePool, PoolExhausted
+from ..config import GLOBAL_WINDOW
+from ..reuse.registry import MethodSpec, get_method
+from .engine_config import EngineConfig
+from .sequence import Sequence, SequenceStatus
+
+
+class RequestTooLarge(ValueError):
+    """The request can never fit the pool or the context, whatever else is running."""
+
+
+@dataclass
+class DocumentNeeds:
+    """What admitting a request that reads documents asks of the pool beyond its own pages."""
+    keep: frozenset = frozenset()  # keys of its cached chunks: they must not be evicted for it
+    kept_pages: int = 0  # the pages those chunks hold
+    missing_pages: int = 0  # pages the prefills of its missing chunks hold at most
+
+
+@dataclass
+class Admission:
+    seq: Sequence
+    pages: int  # free pages its first step needs (documents' prefills included)
+    steady: int  # pages committed to it while it runs
+    documents: DocumentNeeds | None = None
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, cfg: EngineConfig, max_model_len: int, caches=()):
+        """``caches``: the prefix and chunk caches (``num_pages()`` and ``evict(pages, keep)``), in
+        the order they are evicted from."""
+        self.pool, self.cfg, self.max_model_len = pool, cfg, max_model_len
+        self.caches = [c for c in caches if c is not None]
+        self.max_num_seqs = cfg.max_num_seqs  # a front may lower it (never above the slots)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.committed = 0  # pages promised to the running requests (their full lengths)
+        self.num_preemptions = 0
+        L, hkv = pool.window.shape
+        self.heads = L * hkv
+        self.local_heads = max(int((pool.window_sink(p)[0] < GLOBAL_WINDOW).sum()) for p in pool.plans)
+
+    # ------------------------------------------------------------------ page arithmetic
+
+    def pages_for(self, seq: Sequence) -> int:
+        """Pages the request needs at its largest: its whole context under its plan, and while a
+        prompt chunk is stored, that chunk's pages for every head; a request reading documents also
+        holds its chunks' cached pages (and one chunk prefill's prefix pages) while they are copied in."""
+        spec = get_method(seq.method)
+        total = len(seq.token_ids) + seq.params.max_tokens
+        chunk = len(seq.token_ids) if spec.recovers else self.cfg.max_num_batched_tokens
+        need = self.pool.peak_pages(total, chunk, seq.plan)
+        if spec.reads_chunks and seq.chunked_prompt is not None:
+            ps, cp = self.pool.page_size, seq.chunked_prompt
+            p = len(cp.prefix)
+            per_head = sum(-(-(p % ps + len(c)) // ps) for c in cp.chunks) + 2 * (-(-p // ps)) + 1
+            need += per_head * self.heads
+        return need
+
+    def steady_pages(self, seq: Sequence) -> int:
+        """Pages the request holds at its full length (prompt + max_tokens, at most
+        reserve_decode_tokens of them) once decoding under its plan: what admission commits."""
+        decode = min(seq.params.max_tokens, self.cfg.reserve_decode_tokens)
+        return self.pool.peak_pages(len(seq.token_ids) + decode, 1, seq.plan)
+
+    def headroom(self, capped: bool = True) -> int:
+        """Pages kept out of the commitments for what prefill holds only for a while: local heads'
+        pages of one token budget, stored before trim drops them (at most an eighth of the pool)."""
+        per_head = -(-self.cfg.max_num_batched_tokens // self.pool.page_size) + 1
+        need = self.local_heads * per_head
+        return min(need, self.pool.num_pages // 8) if capped else need
+
+    def admission_pages(self, seq: Sequence, budget: int | None = None) -> int:
+        """Free pages admission asks for a request's first step: its first prompt chunk under its
+        plan (the whole prompt for a recovery, the question's start for a placed-chunk request,
+        else what the step's token ``budget`` takes), plus one page per head for the token after it."""
+        spec = get_method(seq.method)
+        if seq.needs_documents and spec.recovers:
+            first = len(seq.token_ids)
+        elif seq.needs_documents:  # the question's start (no layout: the whole prompt, an upper bound)
+            first = len(seq.token_ids) if seq.chunked_prompt is None else seq.chunked_prompt.suffix_start
+        else:
+            first = min(seq.num_pending, self.cfg.max_num_batched_tokens if budget is None else budget)
+        return self.pool.pages_needed(first, plan=seq.plan).peak + self.heads
+
+    def pool_pages_for(self, seq: Sequence) -> int:
+        """The smallest pool that admits this request on its own: what a harness that runs one
+        request at a time sizes its pool by. The headroom grows with the pool (an eighth of it)."""
+        steady, headroom = self.steady_pages(seq), self.headroom(capped=False)
+        pages = max(self.pages_for(seq), steady, self.admission_pages(seq))
+        while pages < steady + min(headroom, pages // 8):
+            pages += 1
+        return pages
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raises RequestTooLarge when the request can never run, whatever else is running."""
+        n = len(seq.token_ids)
+        if n + seq.params.max_tokens > self.max_model_len:
+            raise RequestTooLarge(f"prompt ({n} tokens) + max_tokens ({seq.params.max_tokens}) exceeds the "
+                                  f"model's {self.max_model_len} (max_model_len)")
+        need = max(self.pages_for(seq), self.steady_pages(seq) + self.headroom())
+        if need > self.pool.num_pages:
+            raise RequestTooLarge(f"the request needs {need} KV pages ({need * self.pool.bytes_per_page} bytes) "
+                                  f"under plan {seq.plan!r}; the pool has {self.pool.num_pages}")
+        if self.admission_pages(seq) > self.pool.num_pages:
+            raise RequestTooLarge(f"the prompt's first step needs {self.admission_pages(seq)} KV pages under plan "
+                                  f"{seq.plan!r}; the pool has {self.pool.num_pages}")
+
+    def fits(self, seq: Sequence) -> bool:
+        try:
+            self.check_fits(seq)
+        except RequestTooLarge:
+            return False
+        return True
+
+    def max_new_tokens(self, seq: Sequence) -> int:
+        """The most tokens the request can generate: the largest max_tokens ``check_fits`` accepts
+        for its prompt (0 when even one does not fit). What a request that leaves max_tokens unset gets."""
+        saved = seq.params.max_tokens
+        try:
+            lo, hi = 0, self.max_model_len - len(seq.token_ids)
+            while lo < hi:  # fits turns false once as max_tokens grows: bisect where
+                mid = (lo + hi + 1) // 2
+                seq.params.max_tokens = mid
+                lo, hi = (mid, hi) if self.fits(seq) else (lo, mid - 1)
+            return lo
+        finally:
+            seq.params.max_tokens = saved
+
+    def context_limits(self, spec: MethodSpec, make_seq) -> tuple[int, int]:
+        """(most tokens of prompt + max_tokens, most prompt tokens) one request of ``spec`` can ever
+        hold, documents aside. ``make_seq(n)`` builds a request of an n-token prompt and one output
+        token under the method."""
+        def largest(ok) -> int:  # ok turns false once, as the length grows: bisect where
+            if ok(self.max_model_len):
+                return self.max_model_len
+            lo, hi = 0, self.max_model_len
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+            return lo
+
+        total = largest(lambda n: self.fits(make_seq(max(n - 1, 1))))
+        return total, min(largest(lambda n: self.fits(make_seq(n))), total)
+
+    # ------------------------------------------------------------------ queues
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def split_running(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(decoding: one pending token after their prompt, prefilling: the rest)."""
+        decode, prefill = [], []
+        for s in self.running:
+            (decode if s.num_pending == 1 and s.num_computed > 0 else prefill).append(s)
+        return decode, prefill
+
+    def cached_pages(self) -> int:
+        """Pages the caches reference (an upper bound on what evicting frees)."""
+        return sum(c.num_pages() for c in self.caches)
+
+    def reclaim(self, pages: int, keep=()) -> int:
+        """Free up to ``pages`` pages from the caches, in order, keeping the chunks keyed in ``keep``."""
+        freed = 0
+        for cache in self.caches:
+            if freed >= pages:
+                break
+            freed += cache.evict(pages - freed, keep)
+        return freed
+
+    # ------------------------------------------------------------------ admission
+
+    def next_admission(self, budget: int, recovery_rows: int, needs=None) -> Admission | None:
+        """The head of the queue, if it can start now (caches evicted to make room for it), else
+        None. ``needs(seq)``: a request's DocumentNeeds (its documents' cache state). Pages are not
+        taken here: the caller starts the request (``start``) or leaves it queued."""
+        if not self.waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        if seq.abandoned:
+            return Admission(seq, 0, 0)
+        if (seq.needs_documents and get_method(seq.method).recovers and recovery_rows
+                and recovery_rows + len(seq.token_ids) > self.cfg.recovery_rows):
+            return None  # its layer-0 rows would push the recovery forward past its activation size
+        steady = self.steady_pages(seq)
+        if self.cfg.reserve_full_length and self.committed + steady + self.headroom() > self.pool.num_pages:
+            return None  # the running requests' full contexts leave no room for this one's yet
+        docs = needs(seq) if seq.needs_documents and needs is not None else DocumentNeeds()
+        need = self.admission_pages(seq, budget) + docs.missing_pages
+        if need > self.pool.num_free_pages + self.cached_pages() - docs.kept_pages:
+            return None  # even emptying the caches would not make room: keep them and wait
+        if need > self.pool.num_free_pages:
+            self.reclaim(need - self.pool.num_free_pages, docs.keep)
+        if need > self.pool.num_free_pages:
+            return None
+        return Admission(seq, need, steady, docs if seq.needs_documents else None)
+
+    def stuck(self) -> bool:
+        """Nothing runs and the caches hold nothing to give back: the head of the queue will never
+        find its pages (``check_fits`` refuses such requests up front; this keeps the engine from
+        waiting forever should one slip through). Evicts what the caches hold first."""
+        return not self.running and not self.reclaim(self.pool.num_pages)
+
+    def start(self, adm: Admission) -> None:
+        """The admitted request leaves the queue, gets its pool sequence and its commitment."""
+        seq = self.waiting.popleft()
+        assert seq is adm.seq
+        self.pool.add_sequence(seq.seq_id, seq.plan)
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        seq.committed_pages = adm.steady
+        self.committed += adm.steady
+
+    def drop_head(self) -> Sequence:
+        return self.waiting.popleft()
+
+    # ------------------------------------------------------------------ the step's tokens
+
+    def prompt_chunks(self, prefill: list[Sequence], budget: int, tail_rows) -> list[tuple[Sequence, int]]:
+        """Prompt chunks of prefilling requests under the token ``budget``. ``tail_rows(seq)``: rows
+        the forward completing its prompt must compute together (a selection's observation window)."""
+        chunks = []
+        for s in prefill:
+            if budget <= 0:
+                break
+            n = min(s.num_pending, budget)
+            tail = min(tail_rows(s), self.cfg.max_num_batched_tokens)  # a budget that fits it
+            if n < s.num_pending < n + tail:  # the last chunk keeps the selection's rows
+                n = s.num_pending - tail
+                if n <= 0:
+                    continue  # all of it in one later step, with more budget
+            chunks.append((s, n))
+            budget -= n
+        return chunks
+
+    def make_room(self, batch: list[tuple[Sequence, int]], preempt) -> list[tuple[Sequence, int]]:
+        """Ensure pages for every scheduled token; evict cached prefixes and chunks, then preempt the
+        newest running requests (``preempt(seq)``), while the pool is short. Returns the part of
+        the batch that runs."""
+        out = []
+        for s, n in batch:
+            while s.seq_id in self.pool:  # else preempted to make room for an earlier one
+                try:
+                    self.pool.ensure(s.seq_id, s.num_computed + n)
+                    out.append((s, n))
+                    break
+                except PoolExhausted:
+                    need = self.pool.pages_needed(s.num_computed + n, self.pool.length(s.seq_id), s.plan).peak
+                    if self.reclaim(need):
+                        continue
+                    victim = next((v for v in reversed(self.running) if v is not s), None)
+                    if victim is None:
+                        if n > 1:  # a prompt chunk: try a smaller one next step
+                            break
+                        raise
+                    preempt(victim)
+                    out = [(v, m) for v, m in out if v is not victim]
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: its pages go back, it re-queues first and re-prefills its prompt
+        and what it generated (in the pool, from whatever prefix is still cached)."""
+        self.free(seq)
+        seq.num_computed = 0
+        if seq.reuse is not None:
+            seq.reuse.recovery = None
+            seq.reuse.done = True  # its re-prefill runs in the pool: exact KV under its plan
+        seq.exact_kv = True
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Its pages and its commitment go back; it leaves the running list."""
+        self.committed -= seq.committed_pages
+        seq.committed_pages = 0
+        if seq.seq_id in self.pool:
+            seq.pages_at_finish = self.pool.pages_held(seq.seq_id)
+            self.pool.free_sequence(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free(seq)
+        if seq.finish_reason is None:
+            seq.finish("abort")

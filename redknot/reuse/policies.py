@@ -1,0 +1,216 @@
+"""The recovery policies: what each layer of a reuse method's prefill recomputes.
+
+A policy decides, per layer, which positions are computed (the rest keep cached, relocated K/V),
+what each head sees, and which rows go through the FFN. ``registry.py`` builds one per request
+from the method's spec; the engine's recovery forward (``engine/recovery_batch.py``) runs it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import SparseFFNConfig
+from .recovery import Policy
+
+class FixedSet(Policy):
+    def __init__(self, positions: torch.Tensor, window: torch.Tensor, sink: torch.Tensor):
+        self.positions, self.window, self.sink = positions, window, sink
+
+    def initial(self):
+        return self.positions
+
+    def visibility(self, layer):
+        return self.window[layer], self.sink[layer]
+
+
+class CacheBlend(FixedSet):
+    """Recompute every row up to the check layer; after it keep the `ratio` of chunk tokens whose
+    values there deviate most from their cached version (and every other row).
+
+    The deviation is read at a layer past the first: layer 0's values are a projection of the
+    token's own embedding, equal to the cached ones up to rounding, so a ranking there orders
+    rounding noise (and differs between devices). From layer 1 on a value carries what the
+    token's layer-0 attention saw: the cross-chunk context the cache lacks."""
+
+    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, ratio: float, check_layer: int = 1):
+        super().__init__(positions, window, sink)
+        self.is_chunk, self.ratio, self.check_layer = is_chunk, ratio, check_layer
+
+    def needs_deviation(self, layer):
+        return layer == self.check_layer
+
+    def keep_rows(self, layer, cur, info):
+        if layer != self.check_layer:
+            return None
+        chunk_rows = self.is_chunk[cur].nonzero().flatten()
+        n_keep = int(round(self.ratio * chunk_rows.numel()))
+        top = chunk_rows[rank_descending(info["v_deviation"][chunk_rows])[:n_keep]]
+        rest = (~self.is_chunk[cur]).nonzero().flatten()
+        return torch.cat([top, rest]).sort().values
+
+
+class RedKnot(FixedSet):
+    def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
+                 sparse: SparseFFNConfig, observe: int, keep_cached: bool, chunk_id: torch.Tensor | None = None):
+        super().__init__(positions, window, sink)
+        self.shallow = (shallow_window, shallow_sink)
+        self.is_chunk, self.sparse, self.n_obs, self.keep_cached = is_chunk, sparse, observe, keep_cached
+        self.chunk_id = chunk_id if chunk_id is not None else torch.where(is_chunk, 0, -1)  # per position
+        self.chunk_start = chunk_start_rows(self.chunk_id, sparse.chunk_start_tokens)  # always through the FFN
+        self._rows = None
+        self._n_keep = None  # keep_fraction: the chunk-token count fixed at the first sparse layer
+
+    def visibility(self, layer):
+        if layer < self.sparse.dense_until:  # local recovery: every head within sink + window
+            return self.shallow[0][layer], self.shallow[1][layer]
+        return super().visibility(layer)
+
+    def observe(self, layer):
+        sparse = self.sparse.threshold(layer) is not None and self.sparse.importance == "attention"
+        return self.n_obs if sparse and not self._selected else 0
+
+    def needs_deviation(self, layer):
+        return (self.sparse.importance == "deviation" and self.sparse.threshold(layer) is not None
+                and not self._selected)
+
+    @property
+    def _selected(self) -> bool:
+        """redknot_kv under keep_fraction after its one selection: the rows left are exactly those
+        kept, so no later layer ranks (or observes) anything."""
+        return self.keep_cached and self.sparse.keep_fraction is not None and self._n_keep is not None
+
+    def cross_chunks(self, layer, cur):
+        if self.sparse.threshold(layer) is None or self.sparse.importance not in ("cross", "chunk"):
+            return None
+        if self.sparse.keep_fraction == 1:
+            return None  # every candidate is kept: nothing to rank
+        if self._selected:
+            return None
+        return self.chunk_id
+
+    def batchable(self) -> bool:
+        """Whether ``rows_batch`` decides this policy's FFN rows (attention-mass ranking, one
+        visibility for every query)."""
+        return self.sparse.importance == "attention"
+
+    def ffn_rows(self, layer, cur, info):
+        thr = self.sparse.threshold(layer)
+        if thr is None or (self.sparse.keep_fraction is not None and self._selected):
+            self._rows = None
+            return None
+        imp = self.sparse.importance
+        score = info["mass"][cur] if imp == "attention" else info.get("v_deviation" if imp == "deviation" else "cross")
+        if imp == "chunk" and score is not None:
+            score = chunk_ranked(score, self.chunk_id[cur])
+        if score is None:  # keep_fraction 1: nothing to rank, every candidate is kept
+            score = torch.zeros(cur.numel(), device=cur.device)
+        lens = torch.tensor([cur.numel()], device=cur.device)
+        keep = RedKnot.rows_batch([self], layer, lens, score[None], self.is_chunk[cur][None],
+                                  self.chunk_start[cur][None])[0]
+        self._rows = None if bool(keep.all()) else keep.nonzero().flatten()
+        return self._rows
+
+    @staticmethod
+    def rows_batch(policies: list["RedKnot"], layer: int, lens: torch.Tensor, score: torch.Tensor,
+                   is_chunk: torch.Tensor, chunk_start: torch.Tensor) -> torch.Tensor:
+        """The FFN rows of several requests' policies (one sparse config) at a sparse layer,
+        without a host sync: row r's computed rows are the first ``lens[r]`` of ``score``,
+        ``is_chunk`` and ``chunk_start`` ([R, T], padded; the rows among their chunk's first
+        ``chunk_start_tokens``, always kept). Returns the bool keep mask [R, T] (False on
+        padding). Under keep_fraction each policy's count is fixed the first time it ranks."""
+        sp = policies[0].sparse
+        t = score.shape[-1]
+        idx = torch.arange(t, device=score.device)
+        valid = idx < lens[:, None]
+        if sp.keep_fraction is None:
+            keep = select_tokens_batched(score, is_chunk, lens, sp.threshold(layer), sp.recent_n, sp.min_keep)
+            return keep | (chunk_start & valid)
+        cand = is_chunk & valid & (idx < (lens - sp.recent_n)[:, None])  # chunk rows outside the last recent_n
+        if any(p._n_keep is None for p in policies):
+            n_keep = torch.ceil(sp.keep_fraction * cand.sum(-1).double()).long().clamp_min(sp.min_keep)
+            for i, p in enumerate(policies):
+                if p._n_keep is None:
+                    p._n_keep = n_keep[i]
+        n_keep = torch.stack([torch.as_tensor(p._n_keep, device=score.device) for p in policies])
+        s = torch.where(cand, score.float(), torch.full((), float("-inf"), device=score.device))
+        s = torch.where(cand & chunk_start, torch.full((), float("inf"), device=score.device), s)  # first places
+        return valid & (~cand | (_rank_of(s) < n_keep[:, None]))
+
+    def keep_rows(self, layer, cur, info):
+        return self._rows if self.keep_cached else None
+
+
+def chunk_start_rows(chunk_id: torch.Tensor, n: int) -> torch.Tensor:
+    """bool per position: among the first ``n`` tokens of its chunk (``chunk_id`` per position,
+    -1 outside chunks; a chunk is a run of one id)."""
+    inside = chunk_id >= 0
+    if n <= 0:
+        return torch.zeros_like(inside)
+    pos = torch.arange(chunk_id.numel(), device=chunk_id.device)
+    first = torch.ones_like(inside)
+    first[1:] = chunk_id[1:] != chunk_id[:-1]
+    start = torch.where(first, pos, torch.zeros_like(pos)).cummax(0).values  # the run's first position
+    return inside & (pos - start < n)
+
+
+def chunk_ranked(cross: torch.Tensor, chunk_id: torch.Tensor) -> torch.Tensor:
+    """Scores that rank rows chunk by chunk: a chunk with a higher mean cross-chunk mass outranks
+    every row of a lower one; within a chunk rows keep their own order. A continuation whose only
+    link to an earlier document is a pronoun leans on that document as a whole, while its answer
+    token may give the other chunk little mass itself: so the share kept is decided per chunk."""
+    cross = cross.float()
+    ids = chunk_id.clamp_min(0)
+    inside = chunk_id >= 0
+    n = int(ids.max()) + 1
+    total = torch.zeros(n, device=cross.device).index_add_(0, ids[inside], cross[inside])
+    count = torch.zeros(n, device=cross.device).index_add_(0, ids[inside], torch.ones_like(cross[inside]))
+    mean = total / count.clamp_min(1)
+    order = torch.empty(n, dtype=torch.float32, device=cross.device)  # a chunk's rank, 0 = lowest mean
+    order[rank_descending(mean).flip(0)] = torch.arange(n, dtype=torch.float32, device=cross.device)
+    # cross is a mass in [0, 1]: a step of 2 between chunks keeps them apart whatever the rows' own scores
+    return torch.where(inside, 2 * order[ids] + cross, cross)
+
+
+def rank_descending(score: torch.Tensor) -> torch.Tensor:
+    """Indices of a score along its last dimension, highest first; equal scores rank the later row
+    first. topk and an unstable argsort leave ties in an order that differs between devices and
+    kernels, and a keep threshold can fall among ties (a row that sees no other chunk scores exactly
+    0): a fixed rule keeps the same rows everywhere, and the later of two equal rows is the nearer
+    the question."""
+    n = score.shape[-1]
+    return (n - 1) - score.flip(-1).sort(dim=-1, descending=True, stable=True).indices
+
+
+def _rank_of(score: torch.Tensor) -> torch.Tensor:
+    """Each entry's place in ``rank_descending`` order (0: highest), along the last dimension."""
+    order = rank_descending(score)
+    places = torch.arange(score.shape[-1], device=score.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, places)
+
+
+def select_tokens(score: torch.Tensor, candidate: torch.Tensor, drop_share: float, recent_n: int,
+                  min_keep: int) -> torch.Tensor:
+    """Rows kept: every non-candidate, the last recent_n rows, and the fewest candidates (highest
+    score first) that cover 1 - drop_share of the candidates' score; at least min_keep rows."""
+    lens = torch.tensor([score.numel()], device=score.device)
+    return select_tokens_batched(score[None], candidate[None], lens, drop_share, recent_n, min_keep)[0].nonzero().flatten()
+
+
+def select_tokens_batched(score: torch.Tensor, candidate: torch.Tensor, lens: torch.Tensor, drop_share: float,
+                          recent_n: int, min_keep: int) -> torch.Tensor:
+    """``select_tokens`` for R rows at once, without a host sync: row r's entries are the first
+    ``lens[r]`` of score/candidate [R, T]. Returns the bool keep mask [R, T] (False on padding)."""
+    t = score.shape[-1]
+    idx = torch.arange(t, device=score.device)
+    valid = idx < lens[:, None]
+    keep = valid & (~candidate | (idx >= (lens - recent_n)[:, None]))
+    rows = candidate & valid & ~keep
+    s = torch.where(rows, score.float().clamp_min(0), torch.zeros((), device=score.device))
+    place = _rank_of(torch.where(rows, s, torch.full((), -1.0, device=score.device)))  # rows first
+    total = s.sum(-1, dtype=torch.float64)
+    # the share the best candidates cover, in float64 so that the cut does not move with the sum's order
+    share = torch.zeros_like(s, dtype=torch.float64).scatter_(-1, place, s.double()).cumsum(-1) / total[:, None]
+    n_take = torch.where(total > 0, (share < 1 - drop_share).sum(-1) + 1, torch.zeros_like(total, dtype=torch.long))
+    n_take = torch.minimum(rows.sum(-1), torch.maximum(n_take, min_keep - keep.sum(-1)))
+    return keep | (rows & (place < n_take[:, None]))
+

@@ -1,0 +1,185 @@
+"""The methods as values: one registry that the engine, the fronts and the benchmarks ask.
+
+A method says which head plan its KV lives under, how it uses document (chunk) KV, and, for the
+recovery methods, the policy that decides what each layer recomputes. Everything that used to sort
+methods by name asks its ``MethodSpec`` instead.
+
+dense          every token, every layer, every head global (the baseline)
+headsparse     every token, each head only its visible set (the head config), no reuse
+prefix         exact KV of the longest cached prefix (the prefix cache), the rest dense
+full_reuse     relocated chunk KV as it is; only the question is computed
+epic           full_reuse, plus each chunk's first ``epic_tokens`` tokens recomputed
+cacheblend     layers up to ``cacheblend_check_layer`` recompute every chunk token; the
+               ``cacheblend_ratio`` of them whose values deviate most continue
+redknot        what redknot serves: one recovery over chunks + question under the head plan (shallow
+               layers local, dense FFN; deep layers global heads see everything, local heads their
+               window), the FFN only on the tokens the question attends to most; a token left out
+               of a layer's FFN stops there and later layers use its cached, relocated KV
+               (alias: ``redknot_kv``)
+redknot_paper  the paper's form: as redknot, but a token left out of the FFN keeps its residual and
+               goes on through every later layer's projections and attention
+redknot_exact  the redknot code path with every head global, dense FFN, every chunk recomputed:
+               equals dense (the correctness gate)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable
+
+import torch
+
+from ..config import DEFAULT_SINK, HeadConfig, SparseFFNConfig
+from ..models.config import ModelConfig
+from .options import ReuseOptions
+from .policies import CacheBlend, FixedSet, RedKnot
+from .prompt import ChunkedPrompt
+from .recovery import Policy
+
+
+class ChunkUse(str, Enum):
+    """How a method uses document KV."""
+    NONE = "none"  # prefills the whole prompt (the prefix cache may still supply a prefix)
+    PLACED = "placed"  # relocated chunk KV is copied in; the rest of the prompt prefills in the pool
+    RECOVERED = "recovered"  # relocated chunk KV is copied in, then partly recomputed by a policy
+
+
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What a recovery policy is built from: one prompt's layout and the model's plan and knobs."""
+    prompt: ChunkedPrompt
+    config: ModelConfig
+    head_config: HeadConfig | None
+    sparse: SparseFFNConfig
+    options: ReuseOptions
+    device: torch.device
+
+    def global_visibility(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        plan = HeadConfig.all_global(cfg.num_hidden_layers, cfg.num_key_value_heads)
+        return _tensors(plan.visibility(cfg.sliding_windows))
+
+    def plan_visibility(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _tensors(self.head_config.visibility(self.config.sliding_windows))
+
+    def chunk_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(is_chunk bool [N], chunk_id long [N], -1 outside chunks)."""
+        n, dev = len(self.prompt), self.device
+        is_chunk = torch.zeros(n, dtype=torch.bool, device=dev)
+        chunk_id = torch.full((n,), -1, dtype=torch.long, device=dev)
+        for i, (ids, at) in enumerate(zip(self.prompt.chunks, self.prompt.chunk_starts)):
+            chunk_id[at:at + len(ids)] = i
+            is_chunk[at:at + len(ids)] = True
+        return is_chunk, chunk_id
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    plan: str  # the head plan its KV lives under in the pool: "dense" or "headsparse"
+    chunks: ChunkUse
+    policy: Callable[[PolicyInputs], Policy] | None = None  # RECOVERED methods: what each layer recomputes
+    recompute_chunk_heads: bool = False  # epic: each chunk's first tokens are recomputed after placement
+    # Prompt tokens a recovery counts as served from a cache: "chunks" (prefix and chunks) or "prefix"
+    cached_from: str = "chunks"
+
+    @property
+    def reads_chunks(self) -> bool:
+        return self.chunks is not ChunkUse.NONE
+
+    @property
+    def recovers(self) -> bool:
+        return self.chunks is ChunkUse.RECOVERED
+
+    @property
+    def needs_head_config(self) -> bool:
+        return self.plan == "headsparse"
+
+    def build_policy(self, inputs: PolicyInputs) -> tuple[Policy, torch.Tensor]:
+        """The recovery policy over ``inputs.prompt`` and the positions whose K/V it takes from the
+        cache (bool [N]: the prompt prefix and every chunk, relocated)."""
+        if self.policy is None:
+            raise ValueError(f"method {self.name!r} does not recover")
+        is_chunk, _ = inputs.chunk_layout()
+        cached = is_chunk.clone()
+        cached[:len(inputs.prompt.prefix)] = True
+        return self.policy(inputs), cached
+
+
+# ---------------------------------------------------------------- policies by method
+
+def _cacheblend(x: PolicyInputs) -> Policy:
+    body = torch.arange(len(x.prompt.prefix), len(x.prompt), device=x.device)  # chunks + question
+    is_chunk, _ = x.chunk_layout()
+    o = x.options
+    return CacheBlend(body, *x.global_visibility(), is_chunk, o.cacheblend_ratio,
+                      min(o.cacheblend_check_layer, x.config.num_hidden_layers - 1))
+
+
+def _redknot_exact(x: PolicyInputs) -> Policy:
+    body = torch.arange(len(x.prompt.prefix), len(x.prompt), device=x.device)
+    is_chunk, _ = x.chunk_layout()
+    L = x.config.num_hidden_layers
+    vis = x.global_visibility()
+    return RedKnot(body, *vis, *vis, is_chunk, SparseFFNConfig(dense_until=L, deep_layer_start=L), 0, False)
+
+
+def _redknot(keep_cached: bool) -> Callable[[PolicyInputs], Policy]:
+    def build(x: PolicyInputs) -> Policy:
+        window, sink = x.plan_visibility()
+        shallow_w, shallow_s = _shallow(window, sink, x.options.shallow_window)
+        p = x.prompt
+        # The first chunk was encoded right after the prefix, where it sits now: its cached K/V are
+        # what dense prefill computes, so recomputing it only costs FLOPs and moves it away from
+        # exact. Recovery starts at the second chunk.
+        first = p.chunk_starts[1] if len(p.chunks) > 1 else p.suffix_start
+        body = torch.arange(first, len(p), device=x.device)
+        is_chunk, chunk_id = x.chunk_layout()
+        return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, x.sparse,
+                       min(x.options.observation_tokens, len(p.suffix)), keep_cached=keep_cached, chunk_id=chunk_id)
+    return build
+
+
+def _shallow(window: torch.Tensor, sink: torch.Tensor, shallow_window: int | None):
+    """Local recovery: global heads get the widest local window (or ``shallow_window``) and a sink."""
+    local = window[window < window.max()]
+    w = shallow_window or (int(local.max()) if local.numel() else 1024)
+    is_global = window > w
+    return torch.where(is_global, w, window), torch.where(is_global, DEFAULT_SINK, sink)
+
+
+def _tensors(vis) -> tuple[torch.Tensor, torch.Tensor]:
+    window, sink = vis
+    return torch.as_tensor(window, dtype=torch.int64), torch.as_tensor(sink, dtype=torch.int64)
+
+
+_SPECS = (
+    MethodSpec("dense", "dense", ChunkUse.NONE),
+    MethodSpec("headsparse", "headsparse", ChunkUse.NONE),
+    MethodSpec("prefix", "dense", ChunkUse.NONE),
+    MethodSpec("full_reuse", "dense", ChunkUse.PLACED),
+    MethodSpec("epic", "dense", ChunkUse.PLACED, recompute_chunk_heads=True),
+    MethodSpec("cacheblend", "dense", ChunkUse.RECOVERED, _cacheblend),
+    MethodSpec("redknot", "headsparse", ChunkUse.RECOVERED, _redknot(keep_cached=True)),
+    MethodSpec("redknot_paper", "headsparse", ChunkUse.RECOVERED, _redknot(keep_cached=False)),
+    MethodSpec("redknot_exact", "dense", ChunkUse.RECOVERED, _redknot_exact, cached_from="prefix"),
+)
+METHODS: dict[str, MethodSpec] = {s.name: s for s in _SPECS}
+ALIASES = {"redknot_kv": "redknot"}
+METHOD_NAMES = tuple(METHODS)
+# Names benchmarks and evaluations also run that are not engine methods: a plan with selected sets.
+CHUNK_METHODS = tuple(s.name for s in _SPECS if s.reads_chunks)
+
+
+def canonical_name(name: str) -> str:
+    """The registry name of ``name`` (aliases resolved); raises ValueError for an unknown one."""
+    name = ALIASES.get(name, name)
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r} (available: {', '.join(METHOD_NAMES)}; "
+                         f"aliases: {', '.join(f'{a}={b}' for a, b in ALIASES.items())})")
+    return name
+
+
+def get_method(name: str) -> MethodSpec:
+    return METHODS[canonical_name(name)]
