@@ -291,7 +291,7 @@ class SparseFFNConfig:
     go through the FFN.
 
     ``keep_fraction`` replaces the mass tiers by a count: each sparse layer keeps that share of the
-    chunk tokens computed at the first sparse layer (so ``redknot_kv`` picks its set there once).
+    chunk tokens computed at the first sparse layer (so ``redknot`` picks its set there once).
     ``importance`` ranks them: "attention" (the mass the suffix's last tokens give them), "cross"
     (the attention mass a token's own query
     gives to keys of *other* chunks, in the layer's full-context heads: the context its cached

@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-METHODS = ("dense", "headsparse", "prefix", "full_reuse", "epic", "cacheblend", "redknot", "redknot_kv",
+METHODS = ("dense", "headsparse", "prefix", "full_reuse", "epic", "cacheblend", "redknot_paper", "redknot",
            "redknot_exact")
 CONTEXT_TOKENS = 640  # documents per request: big enough to hold several documents, small enough for 2 cores
 
@@ -80,7 +80,7 @@ def run(args) -> int:
     for i, (rec, _) in enumerate(requests):
         a = answers[i]
         print(f"  [{rec['type']}] {rec['question']}\n      {rec['answers'][0]} | {a['dense']} | {a['full_reuse']} | "
-              f"{a['redknot']}")
+              f"{a['redknot_paper']}")
     print("\nCPU times of the torch reference path; GPU numbers and the quality tables are in docs/results/.")
     return 0
 

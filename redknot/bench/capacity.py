@@ -29,13 +29,13 @@ import torch
 from ..models.config import ModelConfig
 from .common import ARCHS, head_config, parse_names
 
-METHODS = ("dense", "headsparse", "full_reuse", "redknot_kv")
+METHODS = ("dense", "headsparse", "full_reuse", "redknot")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--archs", default="mistral-7b", help=f"comma list of: {', '.join(sorted(ARCHS))}")
     p.add_argument("--contexts", default="32768", help="comma list of prompt lengths in tokens")
-    p.add_argument("--methods", default="dense,redknot_kv", help=f"comma list of: {', '.join(METHODS)}")
+    p.add_argument("--methods", default="dense,redknot", help=f"comma list of: {', '.join(METHODS)}")
     p.add_argument("--head-configs", default="g15-w1024",
                    help="head plans of the head-aware methods: g15-w1024, g15-w4096, anchor")
     p.add_argument("--anchor-head-config", default=None)
@@ -138,7 +138,7 @@ def run(args) -> dict:
         cfg = ModelConfig.from_dict(spec)
         # the dense rows on a pool without a head plan, the others per plan
         builds = [(None, [m for m in methods if m in ("dense", "full_reuse")])]
-        builds += [(p, [m for m in methods if m in ("headsparse", "redknot_kv")]) for p in plans]
+        builds += [(p, [m for m in methods if m in ("headsparse", "redknot")]) for p in plans]
         for plan_name, ms in builds:
             if not ms:
                 continue

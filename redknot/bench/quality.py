@@ -16,7 +16,7 @@ documents stay separate chunks in both (the template's instruction joins the pre
 part the suffix; ``redknot.reuse.prompt.DOCUMENTS_SLOT``).
 
 Budgets: a method may carry one knob after ``@``: ``cacheblend@0.3`` (recompute ratio),
-``epic@32`` (tokens recomputed per chunk), ``redknot_kv@0.5`` / ``redknot@0.5`` (the sparse FFN's
+``epic@32`` (tokens recomputed per chunk), ``redknot@0.5`` / ``redknot_paper@0.5`` (the sparse FFN's
 ``keep_fraction``: that share of chunk tokens through the FFN, instead of the mass tiers),
 ``h2o@0.05`` / ``headsparse_h2o@0.2`` (the decode KV budget, tokens or a fraction of the sequence,
 of every head of the all-global plan / of the head plan's global and retrieval heads: each keeps
@@ -45,13 +45,14 @@ from pathlib import Path
 from ..qa.answers import (ANSWER_MARK, MAX_ANSWER_TOKENS, bridge_match, exact_match, f1_score,  # noqa: F401
                           final_answer, normalize_answer, restated_fact, twin_match)
 from ..qa.records import read_jsonl
+from ..reuse.registry import ALIASES
 
 import torch
 
 REFERENCE = "dense"
 TOPK = 10
 # Methods that cannot run without a per-head plan; checked before the (slow) model load.
-NEEDS_HEAD_CONFIG = ("headsparse", "redknot", "redknot_kv", "headsparse_h2o", "retrieval")
+NEEDS_HEAD_CONFIG = ("headsparse", "redknot_paper", "redknot", "headsparse_h2o", "retrieval")
 # Per-record quantities that are averaged, overall and per question type.
 SCORES = ("em", "f1", "answer_em", "answer_f1", "top1_agreement", "top10_overlap", "logit_cos", "kl")
 # LongBench's multi-document QA prompt (its hotpotqa/2wikimqa/musique template), the documents as chunks.
@@ -62,7 +63,7 @@ LONGBENCH_QA = ("Answer the question based on the given passages. Only give me t
 PROMPTS = {"plain": None, "longbench": LONGBENCH_QA}
 # Method knobs a spec may set after "@" (budgets): method -> (ReuseOptions / SparseFFNConfig field, type).
 VARIANT_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
-                 "redknot": ("keep_fraction", float), "redknot_kv": ("keep_fraction", float),
+                 "redknot_paper": ("keep_fraction", float), "redknot": ("keep_fraction", float),
                  "h2o": ("decode_kv_budget", float), "headsparse_h2o": ("decode_kv_budget", float)}
 # Selected-set rows (redknot.engine.selective.SELECTED_METHODS): a full prefill under their base
 # plan, then the heads keep what their selection keeps; the budget rows default to 10%.
@@ -134,11 +135,12 @@ def question_prompt(rec: dict, template: str | None = None) -> str:
 
 def split_variant(spec: str) -> tuple[str, dict]:
     """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``; a plain name -> (name, {}).
-    ``redknot`` and ``redknot_kv`` take ``+sN`` after their keep fraction: each chunk's first N
-    tokens among the kept rows (``"redknot_kv@0.3+s16"``, ``SparseFFNConfig.chunk_start_tokens``);
-    without it none are (``"redknot_kv@0.3"`` keeps no chunk starts, whatever the model's
+    ``redknot`` and ``redknot_paper`` take ``+sN`` after their keep fraction: each chunk's first N
+    tokens among the kept rows (``"redknot@0.3+s16"``, ``SparseFFNConfig.chunk_start_tokens``);
+    without it none are (``"redknot@0.3"`` keeps no chunk starts, whatever the model's
     ``sparse_ffn.json`` says)."""
     name, at, value = spec.partition("@")
+    name = ALIASES.get(name, name)
     if not at:
         return name, {}
     if name not in VARIANT_KNOBS:
@@ -161,7 +163,7 @@ def split_variant(spec: str) -> tuple[str, dict]:
     for extra in extras:
         if field != "keep_fraction" or not extra.startswith("s") or not extra[1:].isdigit():
             raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16'; redknot and "
-                             f"redknot_kv only)")
+                             f"redknot_paper only)")
         knobs["chunk_start_tokens"] = int(extra[1:])
     return name, knobs
 
@@ -182,7 +184,7 @@ def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None
     params = SamplingParams(max_tokens=max_tokens, temperature=0, stop=["\n"], return_first_logits=True)
     engine = llm.engine
     name, selection = selection_for(name, knobs.pop("decode_kv_budget", DEFAULT_DECODE_KV_BUDGET), decode_kv_window)
-    reuse = engine.reuse
+    reuse = engine.documents  # the reuse knobs every request's policy is built with
     saved = reuse.options, reuse.sparse, engine.selection
     options = {k: v for k, v in knobs.items() if k in {f.name for f in dataclasses.fields(saved[0])}}
     reuse.options = dataclasses.replace(saved[0], **options)  # this request's budget only

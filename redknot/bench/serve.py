@@ -29,7 +29,7 @@ WORDS = ("amber river city founded merchant salt trade north harbour tower bridg
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="mistral-7b", help="random-weight architecture (see bench ttft) or 'tiny'")
     p.add_argument("--model", default=None, help="HF checkpoint directory instead of random weights")
-    p.add_argument("--methods", default="dense,redknot_kv,redknot,full_reuse")
+    p.add_argument("--methods", default="dense,redknot,redknot_paper,full_reuse")
     p.add_argument("--head-config", default="g15-w1024", help="JSON file or synthetic spec gRATIO-wWINDOW")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--requests", type=int, default=64, help="requests per method, spread over the clients")

@@ -1,10 +1,13 @@
-"""`redknot bench ttft`: time to first token of every method on RAG layouts (GPU, random weights).
+"""`redknot bench ttft`: time to first token of every method, through the engine users run (GPU, random weights).
 
 Real architectures (Mistral-7B, Qwen3-8B shapes) with random bf16 weights: timings do not depend
 on weight values. A prompt is a 16-token prefix, n documents of L tokens and a 64-token question.
-Chunks are pre-cached (their one-off cost is reported as `offline_s`); TTFT is the median of
-warm prefills, synchronised, in one run with dense and HF transformers dense, so ratios compare
-like with like. Executed FLOPs come from what each method ran (redknot.reuse.flops).
+Each method's TTFT is ``LLM.generate(max_tokens=1)`` with its documents warm and in another order
+than they were first computed in (a cold call first computes and caches them: ``cold_s``); every
+timed call uses a different order, so no prefix cache covers a whole prompt. A step prefills the
+whole prompt (``--max-num-batched-tokens``, default the longest prompt). Two peers run in the same
+process: ``forward``, one unchunked forward of the prompt through the same model runner (the
+engine's floor), and ``hf_dense``, HF transformers. Executed FLOPs are what each method ran.
 """
 
 from __future__ import annotations
@@ -21,16 +24,14 @@ import time
 
 import torch
 
-from ..cache import ChunkStore
 from ..config import SparseFFNConfig
 from ..models.config import ModelConfig
-from ..models.loader import build_model
-from ..reuse.methods import ReuseEngine
 from ..reuse.prompt import ChunkedPrompt
 from .common import ARCHS, head_config, hf_model, parse_names, sync
 
 LAYOUTS = {"8x1k": (8, 1024), "8x4k": (8, 4096), "16x4k": (16, 4096), "32x4k": (32, 4096), "4x64": (4, 64)}
-METHODS = ("hf_dense", "dense", "headsparse", "full_reuse", "epic", "cacheblend", "redknot", "redknot_kv")
+METHODS = ("hf_dense", "forward", "dense", "headsparse", "full_reuse", "epic", "cacheblend", "redknot_paper",
+           "redknot")
 PREFIX_TOKENS, SUFFIX_TOKENS = 16, 64
 
 
@@ -43,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchor-head-config", default=None, help="upstream head config JSON (Mistral-7B)")
     p.add_argument("--sparse-ffn", default=None, help="upstream sparse FFN JSON (default: built-in tiers)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="the engine's token budget per step (default: the longest prompt, one step per prefill)")
     p.add_argument("--time-budget-s", type=float, default=500)
     p.add_argument("--device", default=None)
     p.add_argument("--plot", default=None, help="PNG: TTFT against context length per method")
@@ -78,13 +81,71 @@ def _profile_row(row: dict, call, dev, folder: str) -> None:
     print(f"{name}: {format_summary(summary)}", flush=True)
 
 
-def _prompt(n_docs: int, doc_len: int, vocab: int, seed: int) -> ChunkedPrompt:
+def _prompt(n_docs: int, doc_len: int, vocab: int, seed: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """(prefix ids, document ids, question ids)."""
     g = torch.Generator().manual_seed(seed)
 
     def ids(n):
-        return tuple(torch.randint(10, vocab, (n,), generator=g).tolist())
+        return torch.randint(10, vocab, (n,), generator=g).tolist()
 
-    return ChunkedPrompt(ids(PREFIX_TOKENS), tuple(ids(doc_len) for _ in range(n_docs)), ids(SUFFIX_TOKENS))
+    return ids(PREFIX_TOKENS), [ids(doc_len) for _ in range(n_docs)], ids(SUFFIX_TOKENS)
+
+
+def _engine_llm(cfg, head, sparse, dev, dtype, tokens: int):
+    from ..engine import LLM
+
+    return LLM(model=cfg, head_config=head, sparse_ffn=sparse, device=dev, dtype=dtype,
+               max_num_batched_tokens=tokens, max_recovery_rows=tokens, max_num_seqs=8)
+
+
+def _time_method(llm, method: str, prompt, dev, reps: int, row: dict):
+    """Cold call (documents computed), then ``reps`` timed calls, each with the documents in
+    another order. Returns the call the profiler reruns."""
+    from ..engine import SamplingParams
+
+    prefix, docs, question = prompt
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    orders = [docs[k % len(docs):] + docs[:k % len(docs)] for k in range(1, reps + 3)]
+
+    def call(order):
+        return llm.generate(ChunkedPrompt(tuple(prefix), tuple(map(tuple, order)), tuple(question)), params,
+                            method=method)[0]
+
+    t0 = time.perf_counter()
+    call(docs)
+    sync(dev)
+    row["cold_s"] = time.perf_counter() - t0
+    ts, out = [], None
+    for order in orders[:reps]:
+        sync(dev)
+        t0 = time.perf_counter()
+        out = call(order)
+        sync(dev)
+        ts.append(time.perf_counter() - t0)
+    row["ttft_s"] = statistics.median(ts)
+    row["flops"] = out.metrics["flops"]
+    row["cached_tokens"] = out.metrics["cached_tokens"]
+    spare = orders[reps]
+    return lambda: call(spare)
+
+
+def _time_forward(llm, prompt, dev, reps: int, row: dict):
+    """One unchunked forward of the whole prompt through the engine's model runner (a pool
+    sequence of its own, freed after each call): what a step cannot go below."""
+    prefix, docs, question = prompt
+    ids = prefix + [t for d in docs for t in d] + question
+    pool, runner = llm.engine.pool, llm.engine.runner
+
+    def call():
+        sid = llm.engine.documents.next_pool_id()
+        pool.add_sequence(sid, "dense")
+        try:
+            pool.ensure(sid, len(ids))
+            runner.forward("dense", [sid], [ids], [0])
+        finally:
+            pool.free_sequence(sid)
+    row["ttft_s"] = _timed(call, dev, reps)
+    return call
 
 
 def run(args) -> dict:
@@ -103,88 +164,89 @@ def run(args) -> dict:
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "torch": torch.__version__, "argv": ["redknot", "bench", "ttft"] + sys.argv[3:],
               "sparse_ffn": vars(sparse), "rows": []}
+    longest = max(LAYOUTS[x][0] * LAYOUTS[x][1] for x in layouts) + PREFIX_TOKENS + SUFFIX_TOKENS
+    tokens = args.max_num_batched_tokens or longest
+    result["max_num_batched_tokens"] = tokens
     for arch_name in arch_names:
         arch = ARCHS[arch_name]
         cfg = ModelConfig.from_dict(arch)
-        torch.manual_seed(0)
-        model = build_model(cfg, dtype, dev)
         hf = hf_model(arch, dev, dtype) if "hf_dense" in methods else None
         for hc_name in head_names:
             if hc_name == "anchor" and arch_name != "mistral-7b":
                 continue
-            head = head_config(hc_name, cfg, args.anchor_head_config)
-            store = ChunkStore(f"bench-{arch_name}", 100 << 30, 0, dev)
-            engine = ReuseEngine(model, cfg, f"bench-{arch_name}", head, sparse, store,
-                                 ChunkStore(f"bench-{arch_name}", 1 << 30, 0, dev), dev)
+            torch.manual_seed(0)  # the same random weights under every head config
+            llm = _engine_llm(cfg, head_config(hc_name, cfg, args.anchor_head_config), sparse, dev, dtype, tokens)
             for layout in layouts:
-                n_docs, doc_len = LAYOUTS[layout]
-                prompt = _prompt(n_docs, doc_len, cfg.vocab_size, seed=n_docs * doc_len)
-                n = len(prompt)
-                dense_row = None
-                for m in methods:
-                    if m == "hf_dense" and hc_name != head_names[0]:
-                        continue  # head config does not affect HF: once per layout
-                    if time.perf_counter() > deadline:
-                        result.setdefault("skipped", []).append(f"{arch_name}/{hc_name}/{layout}/{m}: time budget")
-                        continue
-                    row = {"arch": arch_name, "head_config": hc_name, "layout": layout, "tokens": n, "method": m}
-                    reps = args.repeats if n <= 40000 else 1
-                    try:
-                        if m == "hf_dense":
-                            ids = torch.tensor([prompt.token_ids], device=dev)
-
-                            def call():
-                                with torch.inference_mode():
-                                    hf(ids, logits_to_keep=1, use_cache=True)
-                            row["ttft_s"] = _timed(call, dev, reps)
-                        else:
-                            t0 = time.perf_counter()
-                            engine.prefill(prompt, m)  # cold: computes and caches the chunks
-                            sync(dev)
-                            row["cold_s"] = time.perf_counter() - t0
-                            res = {}
-
-                            def call():
-                                res.update(r=engine.prefill(prompt, m))
-                            row["ttft_s"] = _timed(call, dev, reps)
-                            r = res["r"]
-                            row["flops"] = r.recovered.flops.totals()
-                            row["tokens_computed_layer0"] = r.recovered.flops.tokens[0]
-                            row["cached_tokens"] = r.cached_tokens
-                            res.clear()  # the result's buffers go; `call` stays for --profile
-                            del r
-                        if args.profile:
-                            _profile_row(row, call, dev, args.profile)
-                    except Exception as e:  # OOM or a baseline failing must not end the run
-                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    if m == "dense" and "ttft_s" in row:
-                        dense_row = row
-                    result["rows"].append(row)
-                    gc.collect()
-                    if dev.type == "cuda":
-                        torch.cuda.empty_cache()
-                    print(json.dumps(row), flush=True)
-                    with open(out, "w") as f:
-                        json.dump(result, f, indent=1)
-                if dense_row:
-                    for row in result["rows"]:
-                        if (row["arch"], row["head_config"], row["layout"]) == (arch_name, hc_name, layout) \
-                                and "ttft_s" in row:
-                            row["speedup_vs_dense"] = dense_row["ttft_s"] / row["ttft_s"]
-                            if "flops" in row:
-                                row["flop_reduction"] = dense_row["flops"]["total"] / row["flops"]["total"]
-                                row["speedup_over_flop_reduction"] = row["speedup_vs_dense"] / row["flop_reduction"]
-            del engine, store
-        del model, hf
-        gc.collect()
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+                _run_layout(result, llm, hf, arch_name, hc_name, layout, methods, head_names, args, dev, deadline, out)
+            del llm
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        del hf
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print_table(result)
     if args.plot:
         plot(result, args.plot)
     return result
+
+
+def _run_layout(result, llm, hf, arch_name, hc_name, layout, methods, head_names, args, dev, deadline, out):
+    n_docs, doc_len = LAYOUTS[layout]
+    prompt = _prompt(n_docs, doc_len, llm.config.vocab_size, seed=n_docs * doc_len)
+    n = PREFIX_TOKENS + n_docs * doc_len + SUFFIX_TOKENS
+    rows = []
+    for m in methods:
+        if m in ("hf_dense", "forward") and hc_name != head_names[0]:
+            continue  # the head config does not change them: once per layout
+        if time.perf_counter() > deadline:
+            result.setdefault("skipped", []).append(f"{arch_name}/{hc_name}/{layout}/{m}: time budget")
+            continue
+        row = {"arch": arch_name, "head_config": hc_name, "layout": layout, "tokens": n, "method": m}
+        reps = args.repeats if n <= 40000 else 1
+        try:
+            if m == "hf_dense":
+                ids = torch.tensor([prompt[0] + [t for d in prompt[1] for t in d] + prompt[2]], device=dev)
+
+                def call():
+                    with torch.inference_mode():
+                        hf(ids, logits_to_keep=1, use_cache=True)
+                row["ttft_s"] = _timed(call, dev, reps)
+            elif m == "forward":
+                call = _time_forward(llm, prompt, dev, reps, row)
+            else:
+                call = _time_method(llm, m, prompt, dev, reps, row)
+            if args.profile:
+                _profile_row(row, call, dev, args.profile)
+        except Exception as e:  # OOM or a baseline failing must not end the run
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        result["rows"].append(row)
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        print(json.dumps(row), flush=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    _ratios([r for r in result["rows"] if (r["arch"], r["layout"]) == (arch_name, layout)
+             and r["head_config"] in (hc_name, head_names[0])], rows)
+
+
+def _ratios(layout_rows: list[dict], rows: list[dict]) -> None:
+    """Each row's speedup against the engine's dense and the FLOPs it saved; dense against its floor."""
+    dense = next((r for r in layout_rows if r["method"] == "dense" and "ttft_s" in r), None)
+    floor = next((r for r in layout_rows if r["method"] == "forward" and "ttft_s" in r), None)
+    if dense is None:
+        return
+    for row in rows:
+        if "ttft_s" not in row:
+            continue
+        row["speedup_vs_dense"] = dense["ttft_s"] / row["ttft_s"]
+        if "flops" in row and row["flops"]:
+            row["flop_reduction"] = dense["flops"]["total"] / row["flops"]["total"]
+            row["speedup_over_flop_reduction"] = row["speedup_vs_dense"] / row["flop_reduction"]
+    if floor is not None:
+        dense["over_forward"] = dense["ttft_s"] / floor["ttft_s"]
 
 
 def print_table(result: dict) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from .llm import LLM
+from .output import streamable_text
 from .sampling import SamplingParams
 from .sequence import Sequence
 
@@ -195,14 +196,10 @@ class AsyncLLMEngine:
             self.reused_tokens += seq.cached_tokens
         n_new = len(seq.output_token_ids) - req.sent_tokens
         self.generated_tokens += n_new
-        text = seq.text
-        if not seq.finished:
-            # hold back a trailing partial character and what could still become a stop string
-            keep = len(text.rstrip("\ufffd"))
-            if seq.params.stop:
-                keep = min(keep, len(text) - max(len(s) for s in seq.params.stop) + 1)
-            text = text[: max(len(req.sent_text), keep)]
-        else:
+        text = streamable_text(seq)
+        if len(text) < len(req.sent_text):  # what was sent stays sent
+            text = seq.text[:len(req.sent_text)]
+        if seq.finished:
             self._live.pop(seq.seq_id, None)
             self.requests_finished += 1
         delta = StreamDelta(seq.output_token_ids[req.sent_tokens:], text[len(req.sent_text):], seq.finish_reason,

@@ -61,11 +61,11 @@ class Engine:
         # measurement weighs half of the mean; 1.0 until one is measured): what admission charges
         self.recovery_share: dict[str, float] = {}
         self._ahead: Ahead | None = None
-        self.selection = None
+        self._selection = None
         self._build(pages)
         self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
         if cfg.selection is not None and cfg.selection.active:
-            self.selection = self.executor.selection = HeadSelection(self, cfg.selection)
+            self.selection = HeadSelection(self, cfg.selection)
         if profile:
             pages, memory = profile_pages(self)
             self.resize_pool(pages)
@@ -86,9 +86,9 @@ class Engine:
         self.executor = Executor(self.runner, self.pool, self.config, self.prefix_cache, self.timings,
                                  self.recovery_share)
         self.memory = {"kv_pages": self.pool.num_pages, "kv_bytes": self.pool.num_pages * self.pool.bytes_per_page}
-        if self.selection is not None:
-            self.selection.attach()
-            self.executor.selection = self.selection
+        self.executor.selection = self._selection
+        if self._selection is not None:
+            self._selection.attach()
 
     # ------------------------------------------------------------------ requests
 
@@ -295,6 +295,15 @@ class Engine:
         seq.finish("error")
         self.scheduler.free(seq)
         outputs.append(StepOutput(seq))
+
+    @property
+    def selection(self) -> HeadSelection | None:
+        """Selected sets of retrieval heads and decode budgets, run around each forward (None: off)."""
+        return self._selection
+
+    @selection.setter
+    def selection(self, value: HeadSelection | None) -> None:
+        self._selection = self.executor.selection = value
 
     # the scheduler's queues, as the fronts read them
     waiting = property(lambda self: self.scheduler.waiting)

@@ -14,7 +14,7 @@ from ..models.resolve import bundled_model_path
 from ..models.tokenizer import make_tokenizer
 from ..models.fingerprint import model_fingerprint
 from ..reuse.options import ReuseOptions
-from ..reuse.prompt import build_prompt, is_conversation
+from ..reuse.prompt import ChunkedPrompt, build_prompt, is_conversation
 from ..reuse.registry import METHOD_NAMES as METHODS, get_method
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
@@ -130,7 +130,11 @@ class LLM:
         ``cache_salt`` names the cache namespace the request's content belongs to (``Sequence.cache_salt``)."""
         method = self.check_method(method or self.method)
         cp = None
-        if documents is None and not is_conversation(prompt) and not get_method(method).reads_chunks:
+        if isinstance(prompt, ChunkedPrompt):  # the layout given: prefix, documents and question as token ids
+            if documents is not None:
+                raise ValueError("a ChunkedPrompt carries its documents: pass documents=None")
+            cp, ids = prompt, self._check_ids(prompt.token_ids)
+        elif documents is None and not is_conversation(prompt) and not get_method(method).reads_chunks:
             ids = self._encode(prompt)
         else:  # the reuse engine needs the prompt's layout: prefix, documents, suffix
             cp = build_prompt(self.tokenizer, prompt, documents)
@@ -146,7 +150,7 @@ class LLM:
         """``documents``: one list of documents (strings or token-id lists) per prompt, or None.
         ``cache_salt``: the cache namespace of these requests (``make_sequence``); a fresh salt
         keeps them from reusing, or being reused by, any other request's cached prefix."""
-        single = (isinstance(prompts, str) or is_conversation(prompts)
+        single = (isinstance(prompts, (str, ChunkedPrompt)) or is_conversation(prompts)
                   or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)))
         prompts = [prompts] if single else list(prompts)
         if documents is not None and single and (not documents or not isinstance(documents[0], list)

@@ -1,6 +1,6 @@
 """The reuse recovery as a per-layer row policy inside the model's own batched forward.
 
-A recovery method (cacheblend, redknot, redknot_kv, redknot_exact) computes, at each layer, only
+A recovery method (cacheblend, redknot, redknot_paper, redknot_exact) computes, at each layer, only
 some positions of each prompt; the others keep the relocated chunk K/V already copied into the
 request's pages. ``RecoveryRows`` drives one packed forward over several such requests: each
 request's ``Policy`` (``redknot.reuse.methods``) decides its rows per layer exactly as in the

@@ -53,7 +53,7 @@ class ShelfModel:
     # Measured reuse defaults written beside the converted checkpoint (``install_reuse_defaults``):
     # "heads": "all_global" (heads.json, every head global) and "sparse_ffn": SparseFFNConfig fields
     # (sparse_ffn.json). LLM and ``redknot serve`` read both from there, so the server's default method
-    # becomes redknot_kv under them. Empty: nothing written (serve defaults to cacheblend).
+    # becomes redknot under them. Empty: nothing written (serve defaults to cacheblend).
     reuse: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -87,8 +87,8 @@ SHELF: dict[str, ShelfModel] = {m.name: m for m in (
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         arch="qwen2, 24 layers, 14 q / 2 KV heads, head_dim 64, 32K context", license="Apache-2.0",
         # docs/results/quality_real.md: CacheBlend (value deviation at layer 1) keeps this model's answers
-        # better than redknot_kv at fewer FLOPs (42 HotpotQA records: top-1 0.83 / answer F1 0.71 at 0.38x
-        # against 0.79 / 0.64 at 0.42x; CacheBlend's 2 dense layers or deviation ranking inside redknot_kv
+        # better than redknot at fewer FLOPs (42 HotpotQA records: top-1 0.83 / answer F1 0.71 at 0.38x
+        # against 0.79 / 0.64 at 0.42x; CacheBlend's 2 dense layers or deviation ranking inside redknot
         # do not close it): no reuse defaults, so serve defaults to cacheblend
         ),
     ShelfModel(

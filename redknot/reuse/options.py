@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
+@dataclass
 class ReuseOptions:
     epic_tokens: int = 16
     cacheblend_ratio: float = 0.15

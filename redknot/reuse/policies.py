@@ -75,7 +75,7 @@ class RedKnot(FixedSet):
 
     @property
     def _selected(self) -> bool:
-        """redknot_kv under keep_fraction after its one selection: the rows left are exactly those
+        """redknot under keep_fraction after its one selection: the rows left are exactly those
         kept, so no later layer ranks (or observes) anything."""
         return self.keep_cached and self.sparse.keep_fraction is not None and self._n_keep is not None
 

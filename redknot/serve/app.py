@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncLLMEngine, EngineOverloaded, RequestFailed, StreamDelta
-from ..engine.engine import RequestTooLarge
+from ..engine.scheduler import RequestTooLarge
 from ..engine.sampling import SamplingParams
 from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
                        ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
@@ -223,16 +223,13 @@ class _Server:
             seq = self.llm.make_sequence(prompt, params, documents, req.method, cache_salt=salt)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="method" if "method" in str(e) else param) from None
-        total, most_prompt = self.llm.context_limits(seq.method)
-        if seq.num_prompt > most_prompt:  # it could never be admitted: 400, with the numbers
-            raise APIError(400, f"prompt has {seq.num_prompt} tokens; a {seq.method} request's prompt can have at "
-                                f"most {most_prompt} (KV pages and context)", param=param)
-        if req.max_tokens is None:  # whatever the context has left, as vLLM does
-            if seq.num_prompt >= total:
-                raise APIError(400, f"prompt has {seq.num_prompt} tokens; a {seq.method} request holds at most "
-                                    f"{total} tokens (KV pages and context) with room for at least one generated "
-                                    f"token", param=param)
-            seq.params = replace(params, max_tokens=total - seq.num_prompt)
+        if req.max_tokens is None:  # what the context and the pool leave it, as vLLM does
+            most = self.llm.max_new_tokens(seq)  # the arithmetic that admits it: never a 400 for its default
+            if most < 1:
+                raise APIError(400, f"prompt has {seq.num_prompt} tokens: a {seq.method} request of it does not fit "
+                                    f"with room for one generated token (KV pages and context: at most "
+                                    f"{self.llm.context_limits(seq.method)[1]} prompt tokens)", param=param)
+            seq.params = replace(params, max_tokens=most)
         return seq
 
     async def tokenize(self, request: Request, req, prompt=None, documents=None):

@@ -10,7 +10,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
     p.add_argument("--head-config", default=None, help="head config JSON (needed by headsparse and redknot*)")
     p.add_argument("--method", default="auto",
-                   help="default method of requests that name none (auto: redknot_kv with a head config, "
+                   help="default method of requests that name none (auto: redknot with a head config, "
                         "else cacheblend: documents are reused out of the box)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens one engine step computes at most; smaller prompt chunks let decoding requests "
                         "run between the chunks of a long dense prefill")
     p.add_argument("--max-recovery-rows", type=int, default=None,
-                   help="prompt rows one recovery forward (cacheblend, redknot_kv, ...) starts with at most "
+                   help="prompt rows one recovery forward (cacheblend, redknot, ...) starts with at most "
                         "(the memory profile sizes the activations for it; default 4 x max-num-batched-tokens)")
     p.add_argument("--chunk-cache-bytes", type=int, default=None,
                    help="pool bytes cached document KV may hold at most (default: as much as the pool has free)")
@@ -151,9 +151,9 @@ def capacity_summary(engine) -> str:
 
 
 def default_method(llm) -> str:
-    """The best-quality reuse method the model can run (docs/results/quality_testbed.md): redknot_kv
+    """The best-quality reuse method the model can run (docs/results/quality_testbed.md): redknot
     needs a head config; without one, cacheblend is the strongest head-agnostic reuse."""
-    return "redknot_kv" if llm.head_config is not None else "cacheblend"
+    return "redknot" if llm.head_config is not None else "cacheblend"
 
 
 def set_default_method(llm, method: str = "auto") -> str:

@@ -11,11 +11,11 @@ from redknot.cli import main  # noqa: E402
 
 def test_serve_bench_runs_methods_with_shared_documents(tmp_path):
     out = tmp_path / "serve.json"
-    assert main(["bench", "serve", "--arch", "tiny", "--device", "cpu", "--methods", "dense,full_reuse,redknot_kv",
+    assert main(["bench", "serve", "--arch", "tiny", "--device", "cpu", "--methods", "dense,full_reuse,redknot",
                  "--head-config", "g50-w16", "--clients", "4", "--requests", "8", "--pool-docs", "4",
                  "--docs-per-request", "2", "--doc-words", "30", "--max-tokens", "4", "--out", str(out)]) == 0
     methods = json.loads(out.read_text())["methods"]
-    assert set(methods) == {"dense", "full_reuse", "redknot_kv"}
+    assert set(methods) == {"dense", "full_reuse", "redknot"}
     for m, r in methods.items():
         assert r["requests"] == 8 and not r["errors"] and not r["warmup_errors"], (m, r["errors"], r["warmup_errors"])
         assert r["ttft_p50_s"] > 0 and r["throughput_tok_s"] > 0

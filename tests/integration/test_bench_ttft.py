@@ -14,7 +14,7 @@ def test_ttft_bench_runs_every_method_and_plots(tmp_path):
                  "--head-configs", "g50-w16", "--out", str(out), "--plot", str(png)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {r["method"] for r in rows} == {"hf_dense", "dense", "headsparse", "full_reuse", "epic", "cacheblend",
-                                           "redknot", "redknot_kv"}
+                                           "redknot_paper", "redknot"}
     assert not [r for r in rows if "error" in r]
     dense = next(r for r in rows if r["method"] == "dense")
     assert dense["flop_reduction"] == 1.0
@@ -46,16 +46,16 @@ def test_ttft_profile_names_the_recovery_phases(tmp_path):
                  "--head-configs", "g50-w16", "--methods", "hf_dense,dense,redknot", "--out", str(out),
                  "--profile", str(folder)]) == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
-    for m in ("dense", "redknot"):
+    for m in ("dense", "redknot_paper"):
         phases = rows[m]["profile"]["phases_ms"]
         assert {"recover.qkv", "recover.attention", "recover.o_proj"} <= set(phases)
         assert all(v > 0 for v in phases.values())
     assert "recover.ffn" in rows["dense"]["profile"]["phases_ms"]
-    assert "recover.select" in rows["redknot"]["profile"]["phases_ms"]  # its policy picks FFN rows
+    assert "recover.select" in rows["redknot_paper"]["profile"]["phases_ms"]  # its policy picks FFN rows
     assert not any(k.startswith("recover.") for k in rows["hf_dense"]["profile"]["phases_ms"])
     assert rows["hf_dense"]["profile"]["top_ops"]
     tables = sorted(p.name for p in folder.iterdir())
-    assert tables == sorted(f"tiny_g50-w16_4x64_{m}.txt" for m in ("hf_dense", "dense", "redknot"))
+    assert tables == sorted(f"tiny_g50-w16_4x64_{m}.txt" for m in ("hf_dense", "dense", "redknot_paper"))
     assert "recover.attention" in (folder / "tiny_g50-w16_4x64_redknot.txt").read_text()
 
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.bench import capacity
-from redknot.engine.engine import RequestTooLarge
+from redknot.engine.scheduler import RequestTooLarge
 
 WORDS = "the salt trade of varna kept ledgers maps letters rivers founders archive surveyors delta".split()
 
@@ -21,7 +21,7 @@ def llm(tiny_checkpoint):
                max_num_seqs=6, max_num_batched_tokens=48)
 
 
-request = st.tuples(st.sampled_from(["dense", "headsparse", "full_reuse", "epic", "redknot_kv"]),
+request = st.tuples(st.sampled_from(["dense", "headsparse", "full_reuse", "epic", "redknot"]),
                     st.integers(3, 40),  # question words
                     st.lists(st.integers(0, 3), max_size=3),  # documents, from a shared set of four
                     st.integers(1, 12))  # max_tokens
@@ -58,24 +58,24 @@ def test_admission_never_overcommits_and_every_page_comes_back(llm, mix, pages, 
     for s in seqs:  # every admitted request finishes with all its tokens, none fails for want of pages
         assert s.error is None and len(s.output_token_ids) == s.params.max_tokens, (s.method, s.error)
         assert s.num_preemptions == 0 or not reserve
-    assert engine._committed == 0
+    assert engine.scheduler.committed == 0
     engine.clear_caches()
     assert engine.pool.num_free_pages == total
 
 
 def test_the_capacity_benchmark_runs_on_a_tiny_architecture(tmp_path, capsys):
     out = tmp_path / "cap.json"
-    capacity.main(["--archs", "tiny", "--contexts", "256", "--page-size", "16", "--methods", "dense,redknot_kv", "--head-configs",
+    capacity.main(["--archs", "tiny", "--contexts", "256", "--page-size", "16", "--methods", "dense,redknot", "--head-configs",
                    "g50-w32", "--decode-tokens", "4", "--doc-tokens", "32", "--pool-docs", "6",
                    "--max-sessions", "3", "--device", "cpu", "--out", str(out)])
     result = json.loads(out.read_text())
     rows = {r["method"]: r for r in result["rows"]}
-    assert set(rows) == {"dense", "redknot_kv"}
+    assert set(rows) == {"dense", "redknot"}
     for r in rows.values():
         assert r["errors"] == [] and r["pool_idle_after"] and r["sessions_peak"] == 3
         assert r["bound_sessions"] >= 3 and r["decode_tok_s"] > 0
     # the head plan keeps fewer pages per session than the all-global one
-    assert rows["redknot_kv"]["pages_per_session"] < rows["dense"]["pages_per_session"]
+    assert rows["redknot"]["pages_per_session"] < rows["dense"]["pages_per_session"]
     assert "sessions" in capsys.readouterr().out and torch.isfinite(torch.tensor(rows["dense"]["ttft_p50_s"]))
 
 
@@ -85,6 +85,6 @@ def test_admission_reserves_at_most_reserve_decode_tokens(llm):
     engine = llm.engine
     short = llm.make_sequence("a short prompt", SamplingParams(max_tokens=8), None, "dense")
     huge = llm.make_sequence("a short prompt", SamplingParams(max_tokens=100_000), None, "dense")
-    capped = engine._steady_pages(huge)
-    assert engine._steady_pages(short) < capped
+    capped = engine.scheduler.steady_pages(huge)
+    assert engine.scheduler.steady_pages(short) < capped
     assert capped == engine.pool.peak_pages(len(huge.token_ids) + engine.cfg.reserve_decode_tokens, 1, "dense")

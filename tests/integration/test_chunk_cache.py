@@ -11,6 +11,7 @@ from redknot.cache import ChunkKV, PagePool, chunk_key
 from redknot.cache.chunk_cache import ChunkCache
 from redknot.config import GLOBAL_WINDOW
 from redknot.reuse.prompt import build_prompt
+from oracles.reuse_engine import reuse_oracle
 
 L, H, D, PS = 2, 3, 8, 4
 DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")  # the engine tests below also run on a GPU
@@ -108,7 +109,7 @@ def test_requests_read_cached_chunk_pages_and_never_write_them(llm):
     assert all(e is not None for e in entries)
     pages = torch.from_numpy(np.concatenate([e.pages.ravel() for e in entries]).astype(np.int64)).to(pool.device)
     before = pool.k_pages[pages].clone(), pool.v_pages[pages].clone()
-    for method in ("full_reuse", "epic", "cacheblend", "redknot_kv"):
+    for method in ("full_reuse", "epic", "cacheblend", "redknot"):
         out = llm.generate([QUESTION, "Question: what jumps?"], params, documents=[DOCS[::-1], DOCS[1:]],
                            method=method)
         assert all(o.metrics["cached_tokens"] > 0 for o in out)
@@ -122,10 +123,10 @@ def test_batched_recovery_on_the_device_equals_the_oracle(llm):
     llm.engine.clear_caches()
     orders = [DOCS, DOCS[::-1]]
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
-    for method in ("cacheblend", "redknot_kv", "redknot_exact"):
+    for method in ("cacheblend", "redknot", "redknot_exact"):
         out = llm.generate([QUESTION, "Question: what jumps?"], params, documents=orders, method=method)
         for o, q, docs in zip(out, [QUESTION, "Question: what jumps?"], orders):
-            ref = llm.reuse.prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
+            ref = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
             cos = torch.nn.functional.cosine_similarity(o.first_token_logits.double(), ref.logits.double().cpu(), dim=0)
             assert cos >= 0.9999, (method, float(cos))
             assert o.metrics["flops"] == ref.flops.totals()
@@ -164,9 +165,10 @@ def test_admission_waits_without_computing_or_evicting_when_its_documents_cannot
     engine.step()
     r2 = llm.make_sequence(QUESTION, SamplingParams(max_tokens=2, ignore_eos=True), documents=DOCS[1:], method="full_reuse")
     engine.prepare(r2)
-    keep, kept_pages, missing = engine._chunk_needs(engine._chunk_specs(r2))
-    need = pool.pages_needed(r2.chunked_prompt.suffix_start, plan=r2.plan).peak + engine._heads
-    evictable = engine._cached_pages() - kept_pages
+    docs = engine.documents.needs(r2)
+    kept_pages, missing = docs.kept_pages, docs.missing_pages
+    need = engine.scheduler.admission_pages(r2)
+    evictable = engine.scheduler.cached_pages() - kept_pages
     assert missing > 0
     held = pool.allocate(pool.num_free_pages - (need + missing - 1 - evictable))  # one page short
     assert need <= pool.num_free_pages + evictable  # the request alone would fit, not with its documents
@@ -197,7 +199,7 @@ def test_cache_salt_keeps_tenants_apart(llm):
             llm.engine.step()
         return seq.cached_tokens, seq.output_token_ids
 
-    for method in ("full_reuse", "dense", "redknot_kv"):  # fresh tenants per method (one tenant's
+    for method in ("full_reuse", "dense", "redknot"):  # fresh tenants per method (one tenant's
         first, out_a = cached(method, method + "/a")  # methods share its exact pages)
         again, out_a2 = cached(method, method + "/a")
         other, out_b = cached(method, method + "/b")

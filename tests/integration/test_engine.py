@@ -11,7 +11,7 @@ from redknot import LLM, HeadConfig, SamplingParams
 from redknot.cache import PagePool
 from redknot.config import GLOBAL_WINDOW
 from redknot.engine.detokenizer import IncrementalDetokenizer
-from redknot.engine.engine import RequestTooLarge
+from redknot.engine.scheduler import RequestTooLarge
 from redknot.engine.sampling import sample
 from redknot.kernels.reference import paged_decode_attention, segpaged_attention_ref
 
@@ -149,7 +149,7 @@ def test_preemption_keeps_greedy_tokens_and_returns_every_page(tiny_checkpoint):
     reserved = LLM(model=path, device="cpu", page_size=16, kv_pages=96, enable_prefix_caching=False,
                    max_num_batched_tokens=256)
     assert [o.outputs[0].token_ids for o in reserved.generate(prompts, greedy(40))] == ref
-    assert reserved.engine.num_preemptions == 0 and reserved.engine._committed == 0
+    assert reserved.engine.num_preemptions == 0 and reserved.engine.scheduler.committed == 0
 
 
 def test_a_request_larger_than_the_pool_is_refused_and_the_next_one_runs(tiny_checkpoint):
@@ -254,7 +254,7 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_checkpoint, method):
 
 
 @pytest.mark.parametrize("method", ["dense", "headsparse", "h2o"])
-def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoint, method):
+def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoint, method, monkeypatch):
     """Each decode step launched from the last one's samples on the device: the same greedy and
     seeded tokens as step-by-step decode, with requests of different lengths finishing on length,
     a stop string and a stop token (the token computed past a finish is discarded), and every
@@ -277,8 +277,12 @@ def test_async_decode_gives_the_same_tokens_and_returns_every_page(tiny_checkpoi
                   kv_pages=4096, async_decode=ahead, selection=selection)
         launched, held = [], []
         if ahead:  # count the steps launched ahead: a test that never launches one proves nothing
-            launch = llm.engine._launch_ahead
-            llm.engine._launch_ahead = lambda *a: launched.append(launch(*a)) or launched[-1]
+            import redknot.engine.engine as engine_module
+            import redknot.engine.lookahead as lookahead
+
+            launch = lookahead.launch_ahead
+            for module in (engine_module, lookahead):
+                monkeypatch.setattr(module, "launch_ahead", lambda *a: launched.append(launch(*a)) or launched[-1])
             if selection is not None:  # and the steps the budget checks kept step by step
                 needed = llm.engine.selection.needed_by_decode
                 llm.engine.selection.needed_by_decode = lambda *a: held.append(needed(*a)) or held[-1]

@@ -110,7 +110,7 @@ def test_bad_inputs_give_clear_errors(tiny_checkpoint, tmp_path):
     with pytest.raises(ValueError, match="unknown method"):
         llm.first_token_logits("hi", method="nope")
     with pytest.raises(ValueError, match="needs a head_config"):
-        llm.first_token_logits("hi", method="redknot")
+        llm.first_token_logits("hi", method="redknot_paper")
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="dtype"):

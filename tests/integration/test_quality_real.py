@@ -70,12 +70,12 @@ def test_the_slot_works_without_a_chat_template_and_only_once():
 def test_budget_variants_parse_and_fail_clearly():
     assert split_variant("cacheblend@0.3") == ("cacheblend", {"cacheblend_ratio": 0.3})
     assert split_variant("epic@32") == ("epic", {"epic_tokens": 32})
-    assert split_variant("redknot_kv") == ("redknot_kv", {})
+    assert split_variant("redknot") == ("redknot", {})
     # without +sN no chunk starts, whatever a sparse_ffn.json beside the model sets
-    assert split_variant("redknot_kv@0.5") == ("redknot_kv", {"keep_fraction": 0.5, "chunk_start_tokens": 0})
-    assert split_variant("redknot_kv@0.3+s16") == ("redknot_kv", {"keep_fraction": 0.3, "chunk_start_tokens": 16})
+    assert split_variant("redknot@0.5") == ("redknot", {"keep_fraction": 0.5, "chunk_start_tokens": 0})
+    assert split_variant("redknot@0.3+s16") == ("redknot", {"keep_fraction": 0.3, "chunk_start_tokens": 16})
     for bad, msg in (("dense@1", "take a budget"), ("cacheblend@x", "not a float"), ("cacheblend@1.5", "range"),
-                     ("cacheblend@0.3+s16", "chunk-start"), ("redknot_kv@0.3+16", "chunk-start")):
+                     ("cacheblend@0.3+s16", "chunk-start"), ("redknot@0.3+16", "chunk-start")):
         with pytest.raises(ValueError, match=msg):
             split_variant(bad)
     assert quality.parse_methods("dense,cacheblend,cacheblend@0.3", None) == ["dense", "cacheblend", "cacheblend@0.3"]
@@ -129,7 +129,7 @@ def setup(tiny_checkpoint, tmp_path_factory):
 def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
     model, data, tmp, heads = setup
     out = tmp / "r.json"
-    common = dict(model=model, data=data, methods="dense,cacheblend@0.0,cacheblend@1.0,redknot_kv@0.25,redknot_kv@1.0", head_config=heads, sparse_ffn=tmp / "sparse.json", out=out, max_tokens=3,
+    common = dict(model=model, data=data, methods="dense,cacheblend@0.0,cacheblend@1.0,redknot@0.25,redknot@1.0", head_config=heads, sparse_ffn=tmp / "sparse.json", out=out, max_tokens=3,
                   device="cpu", dtype="float32")
     quality.run(_args(**common, limit=1))
     first = json.loads(out.read_text())
@@ -145,7 +145,7 @@ def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
     assert m["cacheblend@1.0"]["answer_f1"] == 1.0
     assert m["cacheblend@0.0"]["flops_fraction"] < m["cacheblend@1.0"]["flops_fraction"]
     # the sparse FFN's keep fraction is a budget: more rows through the FFN cost more
-    assert m["redknot_kv@0.25"]["flops_fraction"] < m["redknot_kv@1.0"]["flops_fraction"]
+    assert m["redknot@0.25"]["flops_fraction"] < m["redknot@1.0"]["flops_fraction"]
     assert result["n_records_done"] == 3
     with pytest.raises(ValueError, match="methods"):
         quality.run(_args(**{**common, "methods": "dense,cacheblend"}, resume=True))

@@ -13,12 +13,13 @@ from redknot.cache import chunk_key
 from redknot.config import HeadConfigError, SparseFFNConfig
 from redknot.reuse.policies import RedKnot, chunk_ranked, chunk_start_rows, rank_descending, select_tokens
 from redknot.reuse.prompt import build_prompt
+from oracles.reuse_engine import reuse_oracle
 
 DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 2,
         "Attention heads differ: some look far back, most look at recent tokens. " * 2,
         "The quick brown fox jumps over the lazy dog near the old mill. " * 2]
 QUESTION = "Question: who founded the city of Varna? Answer:"
-ALL = ["dense", "headsparse", "prefix", "full_reuse", "epic", "cacheblend", "redknot", "redknot_kv", "redknot_exact"]
+ALL = ["dense", "headsparse", "prefix", "full_reuse", "epic", "cacheblend", "redknot_paper", "redknot", "redknot_exact"]
 SPARSE = SparseFFNConfig(dense_until=1, mass_thresh=0.3, deep_layer_start=2, mass_thresh_deep=0.1, recent_n=8,
                          min_keep=4)
 
@@ -73,7 +74,7 @@ def test_placed_chunks_equal_the_recovery_oracle(llm):
     prompt = build_prompt(llm.tokenizer, QUESTION, DOCS[::-1])
     for method in ("full_reuse", "epic"):
         logits, metrics = first(llm, method, DOCS[::-1])
-        oracle = llm.reuse.prefill(prompt, method).recovered
+        oracle = reuse_oracle(llm).prefill(prompt, method).recovered
         torch.testing.assert_close(logits, oracle.logits, rtol=1e-4, atol=1e-4)
         assert metrics["flops"] == oracle.flops.totals()
 
@@ -84,13 +85,13 @@ def _assert_batch_equals_the_oracle(llm, questions, orders, method):
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
     out = llm.generate(questions, params, documents=orders, method=method)
     for o, q, docs in zip(out, questions, orders):
-        oracle = llm.reuse.prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
+        oracle = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
         torch.testing.assert_close(o.first_token_logits, oracle.logits, rtol=1e-4, atol=1e-4)
         assert o.metrics["flops"] == oracle.flops.totals()
     assert llm.engine.request_kv_bytes() == 0
 
 
-@pytest.mark.parametrize("method", ["cacheblend", "redknot", "redknot_kv", "redknot_exact"])
+@pytest.mark.parametrize("method", ["cacheblend", "redknot_paper", "redknot", "redknot_exact"])
 def test_batched_recovery_equals_the_recovery_oracle(llm, method):
     """Recovery methods run as a row policy inside one batched forward over the pool: three
     requests (documents in different orders, one of them cold) in one step give the logits and
@@ -102,7 +103,7 @@ def test_batched_recovery_equals_the_recovery_oracle(llm, method):
 
 
 @pytest.mark.parametrize("keep_fraction,starts", [(None, 0), (0.3, 0), (0.3, 3), (None, 3)])
-@pytest.mark.parametrize("method", ["redknot", "redknot_kv"])
+@pytest.mark.parametrize("method", ["redknot_paper", "redknot"])
 def test_rows_picked_for_a_batch_equal_each_request_alone(tiny_checkpoint, method, keep_fraction, starts):
     """RedKnot policies ranking by attention mass pick their FFN rows for the whole batch at once
     (padded tensors, two host syncs per layer whatever the batch): four requests of different
@@ -119,14 +120,14 @@ def test_rows_picked_for_a_batch_equal_each_request_alone(tiny_checkpoint, metho
 
 @pytest.mark.parametrize("starts", [0, 3])
 def test_deviation_ranked_rows_equal_the_oracle_and_are_the_most_deviating(tiny_checkpoint, monkeypatch, starts):
-    """importance="deviation": redknot_kv keeps, at its first sparse layer, each chunk's first
+    """importance="deviation": redknot keeps, at its first sparse layer, each chunk's first
     ``starts`` tokens and then the chunk rows whose recomputed values there are furthest from their
     cached ones; a batch of requests gives the reference recovery forward's logits and FLOPs."""
     sparse = SparseFFNConfig(dense_until=1, deep_layer_start=2, recent_n=6, min_keep=2, keep_fraction=0.3,
                              chunk_start_tokens=starts, importance="deviation")
     llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=4), device="cpu", page_size=16, sparse_ffn=sparse,
               head_config=HeadConfig.all_global(4, 2))
-    _assert_batch_equals_the_oracle(llm, [QUESTION, "Who?"], [DOCS, DOCS[::-1]], "redknot_kv")
+    _assert_batch_equals_the_oracle(llm, [QUESTION, "Who?"], [DOCS, DOCS[::-1]], "redknot")
     seen = {}
     ffn_rows = RedKnot.ffn_rows
 
@@ -138,7 +139,7 @@ def test_deviation_ranked_rows_equal_the_oracle_and_are_the_most_deviating(tiny_
 
     monkeypatch.setattr(RedKnot, "ffn_rows", spy)
     prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
-    llm.reuse.prefill(prompt, "redknot_kv")
+    reuse_oracle(llm).prefill(prompt, "redknot")
     cur, dev, rows, first = seen["cur"], seen["dev"], seen["rows"], seen["starts"]
     cand = (cur >= prompt.chunk_starts[0]) & (cur < len(prompt) - 6)  # chunk rows outside the last recent_n
     cand &= cur < prompt.suffix_start
@@ -238,9 +239,9 @@ def test_generate_returns_the_first_token_logits_on_request(llm, method):
 
 def test_sparse_ffn_and_kv_reuse_execute_less(llm):
     prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
-    flops = {m: llm.reuse.prefill(prompt, m).recovered.flops
-             for m in ("redknot_exact", "redknot", "redknot_kv", "full_reuse", "epic", "cacheblend")}
-    exact, rk, rkv = flops["redknot_exact"], flops["redknot"], flops["redknot_kv"]
+    flops = {m: reuse_oracle(llm).prefill(prompt, m).recovered.flops
+             for m in ("redknot_exact", "redknot_paper", "redknot", "full_reuse", "epic", "cacheblend")}
+    exact, rk, rkv = flops["redknot_exact"], flops["redknot_paper"], flops["redknot"]
     first = len(prompt.chunks[0])  # its cache is exact: redknot leaves it out, redknot_exact does not
     assert rk.ffn_tokens[0] == exact.ffn_tokens[0] - first  # dense_until=1: layer 0 runs the dense FFN
     assert sum(rk.ffn) < sum(exact.ffn)  # deeper layers: sparse FFN
@@ -272,7 +273,7 @@ def test_cacheblend_ranks_rows_by_value_deviation_at_its_check_layer(llm, monkey
     monkeypatch.setattr(CacheBlend, "needs_deviation", lambda self, layer: True)  # read it at every layer
     monkeypatch.setattr(CacheBlend, "keep_rows", spy)
     prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
-    llm.reuse.prefill(prompt, "cacheblend")
+    reuse_oracle(llm).prefill(prompt, "cacheblend")
     (cur, dev0, keep0), (cur1, dev1, keep1) = seen[0], seen[1]
     assert keep0 is None and keep1 is not None and torch.equal(cur, cur1)
     chunk = (cur >= prompt.chunk_starts[0]) & (cur < prompt.suffix_start)
@@ -284,7 +285,7 @@ def test_cacheblend_ranks_rows_by_value_deviation_at_its_check_layer(llm, monkey
 
 
 def test_dense_flops_match_the_formula(llm):
-    f = llm.reuse.prefill(build_prompt(llm.tokenizer, QUESTION, DOCS), "redknot_exact").recovered.flops
+    f = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, QUESTION, DOCS), "redknot_exact").recovered.flops
     c = llm.config
     n = len(build_prompt(llm.tokenizer, QUESTION, DOCS).token_ids)
     p = len(build_prompt(llm.tokenizer, QUESTION, DOCS).prefix)
@@ -374,12 +375,12 @@ def test_recovery_through_the_triton_kernel(tiny_checkpoint, llm):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU tensors through Triton need the interpreter (TRITON_INTERPRET=1)")
-    ref = {m: llm.first_token_logits(QUESTION, documents=DOCS, method=m) for m in ("dense", "epic", "redknot_kv")}
+    ref = {m: llm.first_token_logits(QUESTION, documents=DOCS, method=m) for m in ("dense", "epic", "redknot")}
     fast = make_llm(tiny_checkpoint("llama", num_hidden_layers=3), kernel="triton")
     prompt = build_prompt(fast.tokenizer, QUESTION, DOCS)
     for m, r in ref.items():
         assert cos(fast.first_token_logits(QUESTION, documents=DOCS, method=m), r) >= 0.99999, m
-        assert cos(fast.reuse.prefill(prompt, m).recovered.logits, r) >= 0.99999, m
+        assert cos(reuse_oracle(fast).prefill(prompt, m).recovered.logits, r) >= 0.99999, m
     exact = fast.first_token_logits(QUESTION, documents=DOCS, method="redknot_exact")
     assert cos(exact, ref["dense"]) >= 0.99999  # exact through the kernel == dense
 
@@ -598,7 +599,7 @@ def test_chunk_start_tokens_are_kept_first():
 
 def test_keep_fraction_picks_a_fixed_share_once(tiny_checkpoint):
     """keep_fraction: the first sparse layer keeps that share of the recomputed chunk tokens (cross
-    ranking), redknot_kv keeps that set; keep_fraction 1 is every token through every FFN."""
+    ranking), redknot keeps that set; keep_fraction 1 is every token through every FFN."""
     prompt = None
     got = {}
     for frac in (0.5, 1.0):
@@ -608,17 +609,17 @@ def test_keep_fraction_picks_a_fixed_share_once(tiny_checkpoint):
                   head_config=HeadConfig.synthetic(3, 2, 0.5, window=16, sink=4))
         prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
         got[frac] = {m: (llm.first_token_logits(QUESTION, documents=DOCS, method=m),
-                         llm.reuse.prefill(prompt, m).recovered.flops) for m in ("redknot_kv", "redknot")}
+                         reuse_oracle(llm).prefill(prompt, m).recovered.flops) for m in ("redknot", "redknot_paper")}
     body = len(prompt.token_ids) - prompt.chunk_starts[1]  # rows recomputed: chunks 1.. and the suffix
     assert len(prompt.suffix) >= 4  # the last recent_n rows are suffix rows: every chunk row is a candidate
     cand = sum(len(c) for c in prompt.chunks[1:])
-    half = got[0.5]["redknot_kv"][1]
+    half = got[0.5]["redknot"][1]
     assert half.tokens[0] == body and half.ffn_tokens[1] == body - cand + -(-cand // 2)
     assert half.tokens[2] == half.ffn_tokens[1] and half.ffn_tokens[2] == half.tokens[2]  # chosen once
-    assert got[0.5]["redknot"][1].ffn_tokens[1:] == [half.ffn_tokens[1]] * 2  # re-ranked, same count
-    full = got[1.0]["redknot_kv"][1]
+    assert got[0.5]["redknot_paper"][1].ffn_tokens[1:] == [half.ffn_tokens[1]] * 2  # re-ranked, same count
+    full = got[1.0]["redknot"][1]
     assert full.ffn_tokens == full.tokens == [body] * 3
-    torch.testing.assert_close(got[1.0]["redknot_kv"][0], got[1.0]["redknot"][0])  # nothing left out: same forward
+    torch.testing.assert_close(got[1.0]["redknot"][0], got[1.0]["redknot_paper"][0])  # nothing left out: same forward
     with pytest.raises(HeadConfigError, match="keep_fraction"):
         SparseFFNConfig(keep_fraction=0)
     with pytest.raises(HeadConfigError, match="importance"):

@@ -285,7 +285,7 @@ def test_a_default_server_reuses_documents(tiny_checkpoint):
     from redknot.serve.cli import set_default_method
 
     llm = LLM(model=tiny_checkpoint("llama"), head_config=head_config(), device="cpu", page_size=16)
-    assert set_default_method(llm) == "redknot_kv"
+    assert set_default_method(llm) == "redknot"
     server = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=4), MODEL)
     try:
         body = {"model": MODEL, "prompt": "Who founded Varna?", "max_tokens": 4, "documents": DOCS}

@@ -177,3 +177,14 @@ class ReuseEngine:
 def _tensors(vis) -> tuple[torch.Tensor, torch.Tensor]:
     window, sink = vis
     return torch.as_tensor(window, dtype=torch.int64), torch.as_tensor(sink, dtype=torch.int64)
+
+
+def reuse_oracle(llm) -> ReuseEngine:
+    """The reference prefill for an ``LLM``: its model, plan, sparse-FFN tiers and reuse knobs (as
+    its engine holds them now), its own dense chunk stores, attending with the engine's kernels."""
+    docs = llm.engine.documents
+    oracle = ReuseEngine(llm.model, llm.config, llm.fingerprint, llm.head_config, docs.sparse,
+                         ChunkStore(llm.fingerprint, 1 << 40, 0, llm.device),
+                         ChunkStore(llm.fingerprint, 1 << 40, 0, llm.device), llm.device, docs.options)
+    oracle.kernel = llm.engine.cfg.kernel
+    return oracle

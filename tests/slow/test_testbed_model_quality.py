@@ -1,5 +1,5 @@
 """The bundled testbed model's answers per question type, 8 records each (about two minutes on a
-CPU): cross_doc answers need the link that independent chunk caching loses and redknot_kv's
+CPU): cross_doc answers need the link that independent chunk caching loses and redknot's
 recovery brings back; description answers restate the role, then answer."""
 
 import pytest
@@ -18,8 +18,8 @@ def llm():
 def test_cross_doc_needs_the_link_that_chunk_reuse_loses(llm):
     """What makes the testbed tell methods apart: a cross_doc answer sits in a continuation that names
     no one, so dense (which reads the bio first) answers and independently cached chunks do not, and
-    redknot_kv's recovery brings the link back. Measured on these 8 records (CPU, float32): dense
-    8/8, full_reuse 1/8, redknot_kv 8/8; the bounds leave at least two records of slack each."""
+    redknot's recovery brings the link back. Measured on these 8 records (CPU, float32): dense
+    8/8, full_reuse 1/8, redknot 8/8; the bounds leave at least two records of slack each."""
     recs = generate_records(31337, 8, context_tokens=1024, types=("cross_doc",))
     params = SamplingParams(max_tokens=10, temperature=0)
 
@@ -28,7 +28,7 @@ def test_cross_doc_needs_the_link_that_chunk_reuse_loses(llm):
                             method=method)
         return sum(exact_match(o.outputs[0].text, r["answers"]) for o, r in zip(outs, recs)) / len(recs)
 
-    dense, reuse, recovered = em("dense"), em("full_reuse"), em("redknot_kv")
+    dense, reuse, recovered = em("dense"), em("full_reuse"), em("redknot")
     assert dense >= 0.75 and dense - reuse >= 0.25, (dense, reuse)
     assert recovered >= dense - 0.25 and recovered - reuse >= 0.25, (recovered, dense, reuse)
 
