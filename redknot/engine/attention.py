@@ -2,7 +2,8 @@
 
 Each layer stores its new K/V into the pages of each KV head (only the pages the batch's head
 plan keeps exist) and attends with the mask-free SegPaged kernel. Everything it needs comes from
-the batch context the runner sets: block tables, lengths and the plan's windows and sinks.
+the forward batch the runner builds and the model passes down: block tables, lengths and the
+plan's windows and sinks; a recovery forward also passes its row plan.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import PagePool
-from ..context import get_context
+from ..forward_batch import ForwardBatch
 from ..kernels import reference
 
 
@@ -27,16 +28,16 @@ class PagedAttention:
         else:
             raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
         self.kernel = kernel
-        self.capture = None  # set by the engine to record some rows' queries during one forward
 
-    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        ctx = get_context()
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardBatch,
+                  rows=None) -> torch.Tensor:
+        """``rows``: a recovery forward's row plan (``engine.recovery_batch.RecoveryRows``)."""
         bt = ctx.block_tables[layer]
         pool = self.pool
-        if ctx.rows is not None:
-            return self._recovery_rows(layer, q, k, v, ctx)
-        if self.capture is not None:
-            self.capture.record(layer, q)
+        if rows is not None:
+            return self._recovery_rows(layer, q, k, v, ctx, rows)
+        if ctx.capture_rows is not None:
+            ctx.captured[layer] = q.index_select(0, ctx.capture_rows)
         if ctx.q_record is not None:
             ctx.q_record[layer, :q.shape[0]].copy_(q)
         if self.kernel == "torch" and ctx.max_q_len == 1:
@@ -46,10 +47,10 @@ class PagedAttention:
         return self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
                             ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len, **sel)
 
-    def _recovery_rows(self, layer, q, k, v, ctx):
+    def _recovery_rows(self, layer, q, k, v, ctx, rows):
         """A recovery batch: rows at explicit positions, stored over the cached K/V they replace;
-        the row policy observes the cached values before the store and the attention after it."""
-        pool, rows, bt = self.pool, ctx.rows, ctx.block_tables[layer]
+        the row plan observes the cached values before the store and the attention after it."""
+        pool, bt = self.pool, ctx.block_tables[layer]
         q_pos = ctx.positions
         rows.before_store(layer, v, bt, pool.v_pages)
         self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t, q_pos=q_pos)

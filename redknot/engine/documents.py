@@ -30,9 +30,9 @@ def pages_of(entries: dict) -> np.ndarray:
 
 
 class DocumentKV:
-    def __init__(self, model, config, fingerprint: str, head_config, sparse, options: ReuseOptions | None,
+    def __init__(self, adapter, config, fingerprint: str, head_config, sparse, options: ReuseOptions | None,
                  device: torch.device, max_batched_tokens: int):
-        self.model, self.config, self.fingerprint, self.device = model, config, fingerprint, device
+        self.adapter, self.config, self.fingerprint, self.device = adapter, config, fingerprint, device
         self.head_config, self.sparse = head_config, sparse
         self.options = options or ReuseOptions()
         self.max_batched_tokens = max_batched_tokens
@@ -194,7 +194,6 @@ class DocumentKV:
         self.pool.sync_device_tables()
         slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
         tables = self.pool.device_tables.index_select(1, slot)[:, 0]
-        rope = self.model.model.rotary_emb
         L = self.config.num_hidden_layers
         positions = [0] * bool(cp.prefix) + list(cp.chunk_starts)
         with torch.inference_mode():
@@ -204,7 +203,7 @@ class DocumentKV:
                 n = entry.num_tokens
                 if pos != start:
                     h, d = k.shape[2:]
-                    k = rope.relocate(k.reshape(L * n, h, d), pos - start).view(L, n, h, d)
+                    k = self.adapter.relocate(k.reshape(L * n, h, d), pos - start).view(L, n, h, d)
                 cu = torch.arange(0, (L + 1) * n, n, dtype=torch.int32, device=self.device)
                 lens = torch.full((L,), pos + n, dtype=torch.int32, device=self.device)
                 self.runner.attn.store(k.reshape(L * n, *k.shape[2:]), v.reshape(L * n, *v.shape[2:]),

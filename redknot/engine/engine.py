@@ -22,6 +22,7 @@ import torch
 from ..cache import PoolExhausted
 from ..cache.chunk_cache import ChunkCache
 from ..cache.prefix_cache import PrefixCache
+from ..models.adapter import adapter_for
 from ..reuse.registry import get_method
 from . import engine_state as state
 from .detokenizer import IncrementalDetokenizer
@@ -48,11 +49,12 @@ class Engine:
         self.head_config, self.fingerprint = head_config, fingerprint
         self.dtype = next(model.parameters()).dtype
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
-        model.fuse_projections(pack=device.type == "cpu")  # CPU: prepacked GEMM weights (models/linear.py)
+        self.adapter = adapter_for(model, config)
+        self.adapter.prepare(device)
         page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
         pages, profile = initial_pages(cfg, config.num_hidden_layers, config.num_key_value_heads, page_bytes,
                                        self.max_model_len, device)
-        self.documents = DocumentKV(model, config, fingerprint, head_config, sparse_ffn, cfg.reuse_options, device,
+        self.documents = DocumentKV(self.adapter, config, fingerprint, head_config, sparse_ffn, cfg.reuse_options, device,
                                     cfg.max_num_batched_tokens)
         self.outputs = OutputProcessor(config.eos_token_ids, self.max_model_len)
         self.honours_cache_salt = True  # Sequence.cache_salt namespaces every cache key it touches
@@ -74,9 +76,9 @@ class Engine:
     def _build(self, num_pages: int, plans=None) -> None:
         """The pool of ``num_pages`` pages and everything over it: runner, caches, scheduler."""
         scheduler = getattr(self, "scheduler", None)
-        self.pool = build_pool(self.config, self.head_config, num_pages, self.cfg.page_size, self.dtype, self.device,
+        self.pool = build_pool(self.adapter, self.head_config, num_pages, self.cfg.page_size, self.dtype, self.device,
                                self.cfg.max_num_seqs + CHUNK_SLOTS, self.max_model_len, plans)
-        self.runner = build_runner(self.model, self.pool, self.cfg)
+        self.runner = build_runner(self.adapter, self.pool, self.cfg)
         self.prefix_cache = PrefixCache(self.pool, self.fingerprint) if self.cfg.enable_prefix_caching else None
         self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes)
         self.scheduler = Scheduler(self.pool, self.cfg, self.max_model_len, (self.prefix_cache, self.chunk_cache))

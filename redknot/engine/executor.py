@@ -45,11 +45,11 @@ class Executor:
         """One forward of a plan's batch ((request, new tokens) each). Returns the requests whose
         prompt it completed (or that decoded) and their logits rows."""
         t0 = time.perf_counter()
-        if self.selection is not None:
-            self.selection.begin(plan, items)
+        record = self.selection.begin(plan, items) if self.selection is not None else None
+        captured = [None] * self.config.num_hidden_layers if record is not None else None
         logits = self.runner.forward(plan, [s.seq_id for s, _ in items],
                                      [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items],
-                                     [s.num_computed for s, _ in items])
+                                     [s.num_computed for s, _ in items], record, captured)
         self.timings["forward"] += time.perf_counter() - t0
         done = []
         for i, (s, n) in enumerate(items):
@@ -66,7 +66,7 @@ class Executor:
                                             *self.pool.window_sink(s.plan))
         if self.selection is not None:
             t0 = time.perf_counter()
-            self.selection.end()
+            self.selection.end(captured)
             self.timings["select"] += time.perf_counter() - t0
         rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device, dtype=torch.long)]
         return [items[i][0] for i in done], rows

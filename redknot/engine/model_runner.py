@@ -13,22 +13,23 @@ import numpy as np
 import torch
 
 from ..cache import PagePool
-from ..context import Context, reset_context, set_context
-from ..models.llama import LlamaForCausalLM
+from ..forward_batch import ForwardBatch, ForwardMode
+from ..models.adapter import ModelAdapter
 from .attention import PagedAttention
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: PagePool, plans: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, adapter: ModelAdapter, pool: PagePool, plans: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  max_num_seqs: int, cuda_graphs: bool = True, kernel: str = "auto"):
-        """``plans``: head plan name -> (window, sink), int32 [L, Hkv] on the pool's device."""
-        self.model, self.pool, self.plans = model, pool, plans
+        """``adapter``: the model's (EXECUTE); ``plans``: head plan name -> (window, sink), int32
+        [L, Hkv] on the pool's device."""
+        self.adapter, self.pool, self.plans = adapter, pool, plans
         self.device = pool.device
-        cfg = model.config
+        cfg = adapter.config
         self.attn = PagedAttention(pool, cfg.head_dim**-0.5, kernel)
-        model.set_backend(self.attn)
+        adapter.set_backend(self.attn)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= max(max_num_seqs, 1)]
         self._pin = self.device.type == "cuda"
@@ -83,22 +84,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: str, seq_ids: list[int], token_ids: list[list[int]] | torch.Tensor,
-                starts: list[int]) -> torch.Tensor:
+                starts: list[int], capture_rows: torch.Tensor | None = None,
+                captured: list | None = None) -> torch.Tensor:
         """Compute sequences' next tokens: ``token_ids[b]`` at positions ``starts[b]...``; their
         pages must already be ensured. ``token_ids`` may also be one token per sequence as a
         device tensor [B] (a decode step fed by the previous step's samples, not yet seen by the
-        host). Returns float32 logits [B, V] of each sequence's last token."""
+        host). ``capture_rows``: packed rows whose queries each layer writes into ``captured[layer]``
+        (head selection). Returns float32 logits [B, V] of each sequence's last token."""
         on_device = isinstance(token_ids, torch.Tensor)
         q_lens = [1] * len(seq_ids) if on_device else [len(t) for t in token_ids]
         seq_lens = [s + n for s, n in zip(starts, q_lens)]
         slots = [self.pool.slot(i) for i in seq_ids]
         self.pool.sync_device_tables()
-        capture = self.attn.capture
         if (self.cuda_graphs and max(q_lens) == 1 and len(seq_ids) <= self.graph_sizes[-1]
-                and (capture is None or plan in self.recording_plans)):  # other graphs do not record queries
+                and (capture_rows is None or plan in self.recording_plans)):  # other graphs do not record queries
             logits = self._replay(plan, token_ids if on_device else [t[0] for t in token_ids], starts, seq_lens, slots)
-            if capture is not None:
-                capture.record_all(self._q_record[:, :len(seq_ids)], list(seq_ids))
+            if capture_rows is not None:
+                captured[:] = self._q_record[:, :len(seq_ids)].index_select(1, capture_rows).unbind(0)
             return logits
         pages = -(-max(seq_lens) // self.pool.page_size)
         total = sum(q_lens)
@@ -114,13 +116,11 @@ class ModelRunner:
         seq_lens_t = dev[2 * total:2 * total + B].to(torch.int32)
         slots_t = dev[2 * total + B:2 * total + 2 * B]
         cu = dev[2 * total + 2 * B:].to(torch.int32)
-        ctx = self._context(plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages)
-        set_context(ctx)
-        try:
-            hidden = self.model(ids, positions)
-        finally:
-            reset_context()
-        return self.model.logits(hidden[cu[1:].long() - 1])
+        batch = self._batch(plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages)
+        if capture_rows is not None:
+            batch.capture_rows, batch.captured = capture_rows, captured
+        hidden = self.adapter.execute(ids, positions, batch)
+        return self.adapter.logits(hidden[cu[1:].long() - 1])
 
     @torch.inference_mode()
     def recover(self, seq_ids: list[int], token_ids: list[list[int]], rows) -> torch.Tensor:
@@ -136,29 +136,26 @@ class ModelRunner:
         slots = torch.tensor([self.pool.slot(i) for i in seq_ids], device=self.device)
         pages = -(-max(lens) // self.pool.page_size)
         q_lens = rows.q_lens()
-        ctx = Context(is_prefill=True, seq_ids=list(seq_ids), q_lens=q_lens, seq_lens=lens, max_q_len=max(q_lens),
-                      cu_seqlens_q=torch.tensor([0] + q_lens, device=self.device).cumsum(0).to(torch.int32),
-                      seq_lens_t=torch.tensor(lens, dtype=torch.int32, device=self.device), positions=positions,
-                      block_tables=self.pool.device_tables[:, :, :, :pages].index_select(1, slots),
-                      window=rows.window, sink=rows.sink, explicit_positions=True, rows=rows)
-        rows.ctx = ctx
-        set_context(ctx)
-        try:
-            hidden = self.model(ids, positions, rows)
-        finally:
-            reset_context()
-        return self.model.logits(hidden[rows.last_rows()])
+        batch = ForwardBatch(ForwardMode.RECOVER, seq_ids=list(seq_ids), q_lens=q_lens, seq_lens=lens,
+                             max_q_len=max(q_lens),
+                             cu_seqlens_q=torch.tensor([0] + q_lens, device=self.device).cumsum(0).to(torch.int32),
+                             seq_lens_t=torch.tensor(lens, dtype=torch.int32, device=self.device), positions=positions,
+                             block_tables=self.pool.device_tables[:, :, :, :pages].index_select(1, slots),
+                             window=rows.window, sink=rows.sink)
+        rows.batch = batch  # rows that stop at a layer shrink the batch's packed rows
+        hidden = self.adapter.execute(ids, positions, batch, rows)
+        return self.adapter.logits(hidden[rows.last_rows()])
 
-    def _context(self, plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages) -> Context:
-        """The batch context; block tables are the slots' rows of the pool's device table, cut to
-        ``pages`` logical pages (enough for the longest sequence)."""
+    def _batch(self, plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages) -> ForwardBatch:
+        """The forward's metadata; block tables are the slots' rows of the pool's device table, cut
+        to ``pages`` logical pages (enough for the longest sequence)."""
         window, sink = self.plans[plan]
         tables = self.pool.device_tables[:, :, :, :pages].index_select(1, slots_t)
         sel_pos, sel_lens = self.pool.selection_tables(slots_t) if plan in self.selective_plans else (None, None)
-        return Context(is_prefill=max(q_lens) > 1, seq_ids=list(seq_ids), q_lens=list(q_lens),
-                       seq_lens=list(seq_lens), max_q_len=max(q_lens), cu_seqlens_q=cu, seq_lens_t=seq_lens_t,
-                       positions=positions, block_tables=tables,
-                       window=window, sink=sink, sel_pos=sel_pos, sel_lens=sel_lens)
+        mode = ForwardMode.EXTEND if max(q_lens) > 1 else ForwardMode.DECODE
+        return ForwardBatch(mode, seq_ids=list(seq_ids), q_lens=list(q_lens), seq_lens=list(seq_lens),
+                            max_q_len=max(q_lens), cu_seqlens_q=cu, seq_lens_t=seq_lens_t, positions=positions,
+                            block_tables=tables, window=window, sink=sink, sel_pos=sel_pos, sel_lens=sel_lens)
 
     # ------------------------------------------------------------------ CUDA graphs
 
@@ -224,21 +221,17 @@ class ModelRunner:
 
     def _graph_body(self, plan: str, size: int, pages: int) -> torch.Tensor:
         s = self._static[:, :size]
-        ctx = self._context(plan, [1] * size, [1] * size, [0] * size, self._static_cu[:size + 1],
+        batch = self._batch(plan, [1] * size, [1] * size, [0] * size, self._static_cu[:size + 1],
                             s[2].to(torch.int32), s[1], s[3], pages)
-        ctx.seq_lens = None  # host lengths are not known at capture: the graph must not read them
+        batch.seq_lens = None  # host lengths are not known at capture: the graph must not read them
         if plan in self.recording_plans:
             if self._q_record is None:
-                cfg = self.model.config
+                cfg = self.adapter.config
                 self._q_record = torch.zeros(cfg.num_hidden_layers, self.graph_sizes[-1], cfg.num_attention_heads,
-                                             cfg.head_dim, dtype=self.model.model.embed_tokens.weight.dtype,
+                                             cfg.head_dim, dtype=self.pool.dtype,
                                              device=self.device)
-            ctx.q_record = self._q_record[:, :size]
-        set_context(ctx)
-        try:
-            return self.model.logits(self.model(s[0], s[1]))
-        finally:
-            reset_context()
+            batch.q_record = self._q_record[:, :size]
+        return self.adapter.logits(self.adapter.execute(s[0], s[1], batch))
 
     def _capture(self, plan: str, size: int, pages: int):
         saved = self._static[:, :size].clone()

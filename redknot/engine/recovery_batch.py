@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..context import Context
+from ..forward_batch import ForwardBatch
 from ..models.config import ModelConfig
 from ..reuse.flops import FlopReport
 from ..reuse.policies import RedKnot
@@ -66,7 +66,7 @@ class RecoveryRows:
                     raise ValueError("a recovery batch mixes policies with different visibility")
         self.window = torch.stack([w for w, _ in vis]).to(device=device, dtype=torch.int32)  # [L, Hkv]
         self.sink = torch.stack([s for _, s in vis]).to(device=device, dtype=torch.int32)
-        self.ctx: Context | None = None
+        self.batch: ForwardBatch | None = None  # the forward's metadata, set by the runner
         self.dropped_ok: list[torch.Tensor] = []  # per dropping layer: were the dropped rows cached (checked at the end)
         # Requests whose rows RedKnot.rows_batch decides together: each layer's selection runs on
         # padded [R, T] tensors (one nonzero and one count copy per layer, whatever R is), not
@@ -91,13 +91,13 @@ class RecoveryRows:
     def q_lens(self) -> list[int]:
         return [r.cur.numel() for r in self.requests]
 
-    def _sync_context(self) -> None:
-        """Rows changed: lengths, offsets and positions of the context follow."""
+    def _sync_batch(self) -> None:
+        """Rows changed: lengths, offsets and positions of the forward batch follow."""
         q_lens = self.q_lens()
-        self.ctx.q_lens = q_lens
-        self.ctx.max_q_len = max(q_lens)
-        self.ctx.cu_seqlens_q = torch.tensor([0] + q_lens, device=self.device).cumsum(0).to(torch.int32)
-        self.ctx.positions = self.positions()
+        self.batch.q_lens = q_lens
+        self.batch.max_q_len = max(q_lens)
+        self.batch.cu_seqlens_q = torch.tensor([0] + q_lens, device=self.device).cumsum(0).to(torch.int32)
+        self.batch.positions = self.positions()
 
     def _offsets(self) -> list[int]:
         out, o = [], 0
@@ -210,7 +210,7 @@ class RecoveryRows:
             rows_t, weight_t = dev[:m * o].view(m, o), dev[m * o:2 * m * o].view(m, o)
             n_t, group_t = dev[2 * m * o:2 * m * o + m], dev[2 * m * o + m:]
             keys = _gather_batched(k_pages, block_tables.index_select(0, group_t), int(n_keys.max()))
-            mass = observation_mass_batched(q[rows_t], self.ctx.positions[rows_t], keys, n_t, weight_t.float(),
+            mass = observation_mass_batched(q[rows_t], self.batch.positions[rows_t], keys, n_t, weight_t.float(),
                                             window, sink, self.scale)
             for k, i in enumerate(group):
                 self.requests[i].info["mass"] = mass[k, :self.requests[i].n]
@@ -272,7 +272,7 @@ class RecoveryRows:
         for i, r in enumerate(self.requests):
             r.cur = cur[i, :counts[i]]
         self._pad_rows(cur)  # past a request's rows: some of its dropped positions, never read
-        self._sync_context()
+        self._sync_batch()
         return rows
 
     def keep_rows(self, layer: int) -> torch.Tensor | None:
@@ -294,7 +294,7 @@ class RecoveryRows:
             kept.append(keep.to(self.device) + o)
         if every:
             return None
-        self._sync_context()
+        self._sync_batch()
         return torch.cat(kept)
 
     def last_rows(self) -> torch.Tensor:

@@ -40,7 +40,6 @@ import torch
 from ..cache import selection as sel_ops
 from ..config import DEFAULT_SINK, HEAD_CLASSES, HeadConfig
 from .. import visibility
-from ..context import get_context
 
 SCORERS = ("snapkv", "h2o")
 
@@ -239,18 +238,16 @@ class HeadSelection:
         """A budgeted head's mass is sampled by the decode query at this position."""
         return (position + 1) % self.engine.pool.page_size == 0
 
-    def begin(self, plan: str, items: list) -> None:
+    def begin(self, plan: str, items: list) -> torch.Tensor | None:
         """Before a forward: note which requests complete their prompt (or hit a budget check) in
-        it and have the attention layers record those rows' queries."""
-        attn = self.engine.runner.attn
-        attn.capture = None
+        it. Returns the packed rows whose queries the forward must record (None: none)."""
         self._pending = []
         if plan in self.derived:
             d, kind = self.derived[plan], "select"
         elif plan in self._by_name and self._by_name[plan].budgeted:
             d, kind = self._by_name[plan], "check"
         else:
-            return
+            return None
         rows, off = [], 0
         for s, n in items:
             m = 0
@@ -262,20 +259,17 @@ class HeadSelection:
                 self._pending.append((s, kind, d, len(rows), m, s.num_computed + n))
                 rows.extend(range(off + n - m, off + n))
             off += n
-        if rows:
-            attn.capture = _Capture(torch.tensor(rows, device=self.engine.device), self.engine.config.num_hidden_layers,
-                                    [s.seq_id for s, _ in items])
+        return torch.tensor(rows, device=self.engine.device) if rows else None
 
-    def end(self) -> None:
-        """After the forward (pages trimmed, prefixes cached): compute the sets and free pages."""
-        attn = self.engine.runner.attn
-        cap, attn.capture = attn.capture, None
+    def end(self, captured: list | None) -> None:
+        """After the forward (pages trimmed, prefixes cached): compute the sets from the queries it
+        recorded (``captured[layer]``, the rows ``begin`` asked for) and free pages."""
         pending, self._pending = self._pending, []
         checks: dict[tuple[str, int], list] = {}
         for s, kind, d, r0, m, n in pending:
-            if s.finished or s.seq_id not in self.engine.pool or cap is None or any(q is None for q in cap.q):
+            if s.finished or s.seq_id not in self.engine.pool or not captured or any(q is None for q in captured):
                 continue
-            rows = [q[r0:r0 + m] if q is not None else None for q in cap.q]
+            rows = [q[r0:r0 + m] for q in captured]
             if kind == "check":  # the step's checks at one length run together
                 checks.setdefault((d.name, n), []).append((s, rows))
             else:
@@ -493,22 +487,3 @@ def _grown(acc: torch.Tensor, pages: int) -> torch.Tensor:
     if acc.shape[2] >= pages:
         return acc
     return torch.cat([acc, acc.new_zeros(*acc.shape[:2], max(pages, 2 * acc.shape[2]) - acc.shape[2])], 2)
-
-
-class _Capture:
-    """Queries of chosen rows, per layer, recorded by the attention layers during one forward."""
-
-    def __init__(self, rows: torch.Tensor, num_layers: int, seq_ids: list[int]):
-        self.rows, self.seq_ids = rows, seq_ids
-        self.q: list[torch.Tensor | None] = [None] * num_layers
-
-    def record(self, layer: int, q: torch.Tensor) -> None:
-        if get_context().seq_ids != self.seq_ids:  # another forward (a chunk prefill) after a failed one
-            return
-        self.q[layer] = q.index_select(0, self.rows)
-
-    def record_all(self, q: torch.Tensor, seq_ids: list[int]) -> None:
-        """Every layer's queries at once (``q`` [L, B, Hq, D], a decode graph's record of them)."""
-        if seq_ids != self.seq_ids:
-            return
-        self.q = list(q.index_select(1, self.rows).unbind(0))

@@ -114,9 +114,9 @@ class Attention(nn.Module):
         q, k = self.rope(q, k, positions)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
         q, k, v = self.qkv(x, positions)
-        o = self.backend.attention(self.layer_idx, q, k, v).reshape(x.shape[0], self.n_heads * self.head_dim)
+        o = self.backend.attention(self.layer_idx, q, k, v, batch, rows).reshape(x.shape[0], self.n_heads * self.head_dim)
         return projection.linear(o, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 
@@ -175,14 +175,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, rows):
-        """The layer under a recovery's row policy: the FFN runs on the rows it picks (the others
+    def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, batch, rows):
+        """The layer under a recovery's row plan: the FFN runs on the rows it picks (the others
         keep their residual), and only the rows it keeps continue. Returns (x, positions)."""
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, rows)
         ffn = rows.ffn_rows(self.self_attn.layer_idx)
         if ffn is None:
             x = x + self.mlp(self.post_attention_layernorm(x))
@@ -193,7 +193,8 @@ class DecoderLayer(nn.Module):
             x, positions = x[keep], positions[keep]
         return x, positions
 
-    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, add_rms_norm):
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, batch,
+                      add_rms_norm):
         """The same layer with each residual add fused into the next norm (one kernel each):
         takes and returns (this block's output, the residual stream before adding it)."""
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
@@ -201,7 +202,7 @@ class DecoderLayer(nn.Module):
             residual, h = h, add_rms_norm(h, n1.weight, n1.eps)
         else:
             h, residual = add_rms_norm(h, n1.weight, n1.eps, residual)
-        h = self.self_attn(h, positions)
+        h = self.self_attn(h, positions, batch)
         h, residual = add_rms_norm(h, n2.weight, n2.eps, residual)
         return self.mlp(h), residual
 
@@ -214,23 +215,24 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.rotary_emb) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows=None) -> torch.Tensor:
-        """``rows``: a recovery's per-layer row policy (see ``DecoderLayer.forward_rows``); the
-        hidden states returned are then those of the rows computed through the last layer."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
+        """``batch``: the forward's metadata (``redknot.forward_batch``) every attention layer reads.
+        ``rows``: a recovery's per-layer row plan (see ``DecoderLayer.forward_rows``); the hidden
+        states returned are then those of the rows computed through the last layer."""
         x = self.embed_tokens(input_ids)
         if rows is not None:
             for layer in self.layers:
-                x, positions = layer.forward_rows(x, positions, rows)
+                x, positions = layer.forward_rows(x, positions, batch, rows)
             return self.norm(x)
         fused = _fused_norms() if x.is_cuda else None
         if fused is None:
             for layer in self.layers:
-                x = layer(x, positions)
+                x = layer(x, positions, batch)
             return self.norm(x)
         add_rms_norm = fused[0]
         residual = None
         for layer in self.layers:
-            x, residual = layer.forward_fused(x, residual, positions, add_rms_norm)
+            x, residual = layer.forward_fused(x, residual, positions, batch, add_rms_norm)
         return add_rms_norm(x, self.norm.weight, self.norm.eps, residual)[0]
 
 
@@ -261,8 +263,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows=None) -> torch.Tensor:
-        return self.model(input_ids, positions, rows)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
+        return self.model(input_ids, positions, batch, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return projection.linear(hidden, self.lm_head.weight, None, self.head_packed).float()

@@ -195,10 +195,6 @@ def _relative_l2(ref, other, n_kv):
     return ((ref - other).pow(2).sum((0, 2)).sqrt() / ref.pow(2).sum((0, 2)).sqrt().clamp_min(_EPS)).double()
 
 
-def _finish_layer(layer, h, o):
-    h = h + layer.self_attn.o_proj(o.reshape(o.shape[0], -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
 
 @torch.inference_mode()
 def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK, ref_window: int = 256,
@@ -209,8 +205,10 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
 
     if not samples:
         raise ValueError("no calibration samples")
+    from ..models.adapter import adapter_for
+
     dev = next(model.parameters()).device
-    body = model.model
+    adapter = adapter_for(model, cfg)  # PROFILE: embeddings, each layer's q/k/v, the rest of the layer
     n_layers, hq, hkv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
     g = hq // hkv
     measure_from = sink + ref_window
@@ -232,12 +230,11 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
         ids, alt = s.ids.to(dev), s.alt_ids.to(dev)
         c0, c1 = s.chunk
         pos, pos_alt = torch.arange(ids.numel(), device=dev), torch.arange(alt.numel(), device=dev)
-        h, h_alt = body.embed_tokens(ids), body.embed_tokens(alt)
-        for l, layer in enumerate(body.layers):
-            attn = layer.self_attn
-            scale, win = attn.head_dim**-0.5, native[l]
-            q, k, v = attn.qkv(layer.input_layernorm(h), pos)
-            qa, ka, va = attn.qkv(layer.input_layernorm(h_alt), pos_alt)
+        h, h_alt = adapter.embed(ids), adapter.embed(alt)
+        for l in range(n_layers):
+            scale, win = cfg.head_dim**-0.5, native[l]
+            q, k, v = adapter.layer_qkv(l, h, pos)
+            qa, ka, va = adapter.layer_qkv(l, h_alt, pos_alt)
             o = _attend(q, 0, k, v, scale, win, [(acc[l], measure_from), (acc_q[l], max(c1, measure_from))],
                         block_elems)
             o_alt = _attend(qa, 0, ka, va, scale, win, block_elems=block_elems)
@@ -246,7 +243,7 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
                             scale, win, block_elems=block_elems)
             sens[l] += _relative_l2(o[c0:c1], o_mix, hkv)
             sens_e2e[l] += _relative_l2(o[c0:c1], o_alt[c0:c1], hkv)
-            h, h_alt = _finish_layer(layer, h, o), _finish_layer(layer, h_alt, o_alt)
+            h, h_alt = adapter.layer_finish(l, h, o), adapter.layer_finish(l, h_alt, o_alt)
     queries = acc[0].queries
     if queries == 0:
         raise ValueError(f"no calibration prompt is longer than sink + reference window = {measure_from} tokens")

@@ -245,8 +245,15 @@ def test_cuda_graph_decode_equals_eager_decode(tiny_checkpoint, method):
         recorded = []
         if graphs:
             runner = llm.engine.runner
-            replay = runner._replay
-            runner._replay = lambda *a: recorded.append(runner.attn.capture is not None) or replay(*a)
+            replay, forward, replays = runner._replay, runner.forward, []
+            runner._replay = lambda *a: replays.append(1) or replay(*a)
+
+            def recording_forward(*a):  # a step that records queries for a check, replayed from a graph
+                before = len(replays)
+                out = forward(*a)
+                recorded.append(len(a) > 4 and a[4] is not None and len(replays) > before)
+                return out
+            runner.forward = recording_forward
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))])
         if graphs and selection is not None:  # the checks ran, from replayed steps
             assert llm.engine.selection.checks >= len(prompts) and True in recorded

@@ -51,3 +51,67 @@ def test_the_visibility_rule_is_written_out_in_one_module():
     rule = "j <= p and (j < S or p - j < W or j in sel)"
     where = sorted(str(f.relative_to(ROOT)) for f in ROOT.rglob("*.py") if rule in f.read_text())
     assert where == ["visibility.py"]
+
+
+def _module_name(path: Path) -> str:
+    parts = ["redknot", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def load_time_imports(path: Path, modules: set[str]) -> set[str]:
+    """The redknot modules ``path`` imports when it is loaded: statements outside function bodies
+    (an import inside a function runs when it is called, after every module has loaded). A
+    module's own parent packages are left out: Python initialises them before the module."""
+    package = ["redknot", *path.relative_to(ROOT).with_suffix("").parts][:-1]
+    found = set()
+
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            return
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(x for x in (base, node.module) if x)
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    name = _module_name(path)
+    return {m for m in found if m in modules and not name.startswith(m + ".")}
+
+
+def test_no_import_cycle_inside_the_package():
+    files = {_module_name(f): f for f in ROOT.rglob("*.py")}
+    graph = {m: load_time_imports(f, set(files)) - {m} for m, f in files.items()}
+    # Tarjan's strongly connected components: any with more than one module is a cycle
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            strong(v)
+    assert not cycles, cycles

@@ -1,0 +1,136 @@
+"""Model adapters: what the runtime asks of an architecture, in the seed's four verbs.
+
+PROFILE             the per-layer pieces the head profiler reads: embeddings, each layer's queries,
+                    keys and values for a prompt, and the rest of the layer given its attention output
+BUILDSTATE          what a prefill stores per (layer, KV head) and how it is reused elsewhere: K/V
+                    pages of ``head_dim`` (the pool's layout), keys relocated by a RoPE rotation when
+                    a document moves
+SELECTVISIBLESTATE  what each head sees: a head plan's (window, sink) per (layer, KV head) through the
+                    one visibility rule, with the model's own sliding-window layers folded in
+EXECUTE             the forward: token ids and positions with the batch's metadata (and a recovery's
+                    row plan) in, hidden states out; logits of chosen rows
+
+The engine, the scheduler, the pool and the profiler only talk to an adapter; a new architecture
+(MoE experts, MLA latents, linear-attention state) is a new adapter, registered by ``model_type``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import HeadConfig
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """What a prefill stores per (layer, KV head) (BUILDSTATE)."""
+    kind: str  # "kv_pages": one K and one V row of head_dim per token
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class ModelAdapter:
+    """The interface; ``LlamaAdapter`` is the Llama family's (Llama, Mistral, Qwen2, Qwen3)."""
+
+    config: ModelConfig
+    model: torch.nn.Module
+
+    # ---- PROFILE
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layer_qkv(self, layer: int, hidden: torch.Tensor, positions: torch.Tensor):
+        """q [T, Hq, D], k and v [T, Hkv, D] of layer ``layer`` for the hidden states entering it."""
+        raise NotImplementedError
+
+    def layer_finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The hidden states leaving layer ``layer``, given its attention output [T, Hq, D]."""
+        raise NotImplementedError
+
+    # ---- BUILDSTATE
+    def state_layout(self) -> StateLayout:
+        raise NotImplementedError
+
+    def relocate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys [N, Hkv, D] computed at positions p, as computed at p + delta."""
+        raise NotImplementedError
+
+    # ---- SELECTVISIBLESTATE
+    def visible_state(self, head_config: HeadConfig | None) -> dict:
+        """Plan name -> (window, sink) int [L, Hkv]: ``dense`` (every head global), and with a head
+        config ``headsparse`` (each head its class's visibility)."""
+        raise NotImplementedError
+
+    # ---- EXECUTE
+    def prepare(self, device: torch.device) -> None:
+        """Fusion at load (projections packed for the device)."""
+
+    def set_backend(self, backend) -> None:
+        raise NotImplementedError
+
+    def execute(self, ids: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LlamaAdapter(ModelAdapter):
+    """Pre-norm decoder layers with grouped-query attention, RoPE and a gated MLP (``models/llama.py``)."""
+
+    def __init__(self, model, config: ModelConfig):
+        self.model, self.config = model, config
+        self._body = model.model
+
+    def embed(self, ids):
+        return self._body.embed_tokens(ids)
+
+    def layer_qkv(self, layer, hidden, positions):
+        block = self._body.layers[layer]
+        return block.self_attn.qkv(block.input_layernorm(hidden), positions)
+
+    def layer_finish(self, layer, hidden, attn_out):
+        block = self._body.layers[layer]
+        hidden = hidden + block.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def state_layout(self):
+        c = self.config
+        return StateLayout("kv_pages", c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+
+    def relocate(self, k, delta):
+        return self._body.rotary_emb.relocate(k, delta)
+
+    def visible_state(self, head_config):
+        c = self.config
+        plans = {"dense": HeadConfig.all_global(c.num_hidden_layers, c.num_key_value_heads)}
+        if head_config is not None:
+            plans["headsparse"] = head_config
+        return {name: plan.visibility(model_windows=c.sliding_windows) for name, plan in plans.items()}
+
+    def prepare(self, device):
+        self.model.fuse_projections(pack=device.type == "cpu")  # CPU: prepacked GEMM weights (models/linear.py)
+
+    def set_backend(self, backend):
+        self.model.set_backend(backend)
+
+    def execute(self, ids, positions, batch, rows=None):
+        return self.model(ids, positions, batch, rows)
+
+    def logits(self, hidden):
+        return self.model.logits(hidden)
+
+
+ADAPTERS = {"llama": LlamaAdapter, "mistral": LlamaAdapter, "qwen2": LlamaAdapter, "qwen3": LlamaAdapter}
+
+
+def adapter_for(model, config: ModelConfig) -> ModelAdapter:
+    """The adapter of ``config.model_type``; a clear error for an architecture without one."""
+    kind = getattr(config, "model_type", "llama") or "llama"
+    if kind not in ADAPTERS:
+        raise ValueError(f"model_type {kind!r} has no adapter (supported: {', '.join(sorted(ADAPTERS))})")
+    return ADAPTERS[kind](model, config)
