@@ -88,8 +88,9 @@ class PrefixCache:
             self._blocks[k] = pages
             self._pages += int((pages >= 0).sum())
 
-    def evict(self, pages_wanted: int) -> int:
-        """Drop least recently used blocks until ``pages_wanted`` pages are free; returns pages freed."""
+    def evict(self, pages_wanted: int, keep=()) -> int:
+        """Drop least recently used blocks until ``pages_wanted`` pages are free; returns pages freed.
+        ``keep`` names chunk-cache entries (the caches' common eviction call): no prefix block is one."""
         before = self.pool.num_free_pages
         while self._blocks and self.pool.num_free_pages - before < pages_wanted:
             self._drop(self._blocks.popitem(last=False)[1])

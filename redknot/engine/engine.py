@@ -316,4 +316,4 @@ class Engine:
 
     kv_bytes, request_kv_bytes, stats, capacity, capture_graphs = (
         state.kv_bytes, state.request_kv_bytes, state.stats, state.capacity, state.capture_graphs)
-    resize_pool, clear_caches, idle = state.resize_pool, state.clear_caches, state.idle
+    resize_pool, clear_caches, idle, pool_pages_for = state.resize_pool, state.clear_caches, state.idle, state.pool_pages_for

@@ -21,6 +21,13 @@ def request_kv_bytes(engine, outputs=()) -> int:
     return pages * engine.pool.bytes_per_page
 
 
+def pool_pages_for(engine, seq) -> int:
+    """The smallest pool that admits ``seq`` on its own (its plan resolved first): what a harness
+    that runs one request at a time sizes its pool by (``resize_pool``)."""
+    engine.prepare_plan(seq)
+    return engine.scheduler.pool_pages_for(seq)
+
+
 def capture_graphs(engine, max_len: int | None = None) -> int:
     """Capture the decode CUDA graphs for contexts up to ``max_len`` (default 8192) now."""
     return engine.runner.capture(min(max_len or 8192, engine.max_model_len))

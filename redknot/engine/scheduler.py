@@ -122,8 +122,8 @@ class Scheduler:
             raise RequestTooLarge(f"the request needs {need} KV pages ({need * self.pool.bytes_per_page} bytes) "
                                   f"under plan {seq.plan!r}; the pool has {self.pool.num_pages}")
         if self.admission_pages(seq) > self.pool.num_pages:
-            raise RequestTooLarge(f"the prompt's first step needs {self.admission_pages(seq)} KV pages under plan "
-                                  f"{seq.plan!r}; the pool has {self.pool.num_pages}")
+            raise RequestTooLarge(f"prompt has {n} tokens: its first step needs {self.admission_pages(seq)} KV pages "
+                                  f"under plan {seq.plan!r}; the pool has {self.pool.num_pages}")
 
     def fits(self, seq: Sequence) -> bool:
         try:

@@ -141,7 +141,7 @@ def test_a_small_pool_evicts_chunks_and_answers_the_same(tiny_checkpoint, llm):
     small = LLM(model=tiny_checkpoint("llama", num_hidden_layers=3), device=DEVICE, head_config=hc, page_size=16,
                 max_num_seqs=1, kv_pages=64)  # a second engine in the process: no share of the GPU's memory
     # a pool of just what the largest request needs: every new document evicts the cached ones
-    need = max(small.engine.pages_for(small.make_sequence(q, params, d, "full_reuse")) for q, d in zip(prompts, docs))
+    need = max(pages_for(small, small.make_sequence(q, params, d, "full_reuse")) for q, d in zip(prompts, docs))
     small.engine.resize_pool(need)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, documents=docs, method="full_reuse")]
     assert got == ref
@@ -206,3 +206,8 @@ def test_cache_salt_keeps_tenants_apart(llm):
         plain, _ = cached(method, None) if method == "full_reuse" else (0, None)
         assert first == 0 and again > 0 and other == 0 and plain == 0, method
         assert out_a == out_a2 == out_b
+
+
+def pages_for(llm, seq) -> int:
+    llm.engine.prepare_plan(seq)
+    return llm.engine.scheduler.pages_for(seq)

@@ -12,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from redknot import LLM, HeadConfig  # noqa: E402
+from redknot import LLM, HeadConfig, SamplingParams  # noqa: E402
 from redknot.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from redknot.serve.app import ServerLimits, build_app  # noqa: E402
 from redknot.serve.background import BackgroundServer  # noqa: E402
@@ -348,9 +348,13 @@ def test_models_advertise_what_fits_and_larger_is_400_with_numbers(server):
     body = {"model": MODEL, "prompt": prompt, "ignore_eos": True, "method": "headsparse"}
     ok = server.http.post("/v1/completions", json={**body, "max_tokens": total - most_prompt})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == total - most_prompt
-    no_max = server.http.post("/v1/completions", json=body)  # max_tokens: whatever the pool leaves
-    assert no_max.status_code == 200 and no_max.json()["usage"]["completion_tokens"] == total - most_prompt
-    r = server.http.post("/v1/completions", json={**body, "max_tokens": total - most_prompt + 1})
+    # max_tokens left out: the most this prompt can generate, by the arithmetic that admits it
+    most_new = server.llm.max_new_tokens(server.llm.make_sequence(prompt, SamplingParams(max_tokens=1),
+                                                                  method="headsparse"))
+    no_max = server.http.post("/v1/completions", json=body)
+    assert no_max.status_code == 200 and no_max.json()["usage"]["completion_tokens"] == most_new
+    assert most_new >= total - most_prompt
+    r = server.http.post("/v1/completions", json={**body, "max_tokens": most_new + 1})
     assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
     # a prompt past what admission can ever find pages for is 400 at once, never queued for good
     r = server.http.post("/v1/completions", json={**body, "prompt": prompt + [7], "max_tokens": 1})

@@ -142,9 +142,21 @@ class ReuseEngine:
                              sum(s for _, s in offline))
 
     def policy(self, prompt: ChunkedPrompt, method: str):
-        """The method's recovery policy and cached positions, built by the registry as the engine builds them."""
+        """The method's recovery policy and cached positions, built by the registry as the engine
+        builds them. A placed-chunk method is the fixed set it computes in the pool: the question
+        (and for ``epic`` each chunk's first tokens)."""
         inputs = PolicyInputs(prompt, self.cfg, self.head_config, self.sparse, self.options, self.device)
-        return get_method(method).build_policy(inputs)
+        spec = get_method(method)
+        if spec.recovers:
+            return spec.build_policy(inputs)
+        is_chunk, _ = inputs.chunk_layout()
+        cached = is_chunk.clone()
+        cached[:len(prompt.prefix)] = True
+        rows = [torch.arange(prompt.suffix_start, len(prompt), device=self.device)]
+        if spec.recompute_chunk_heads:
+            rows = [torch.arange(at, at + min(self.options.epic_tokens, len(c)), device=self.device)
+                    for c, at in zip(prompt.chunks, prompt.chunk_starts)] + rows
+        return FixedSet(torch.cat(rows), *self.global_vis), cached
 
     def _prefix(self, prompt: ChunkedPrompt, tokens: torch.Tensor) -> PrefillResult:
         """Exact prefix caching at chunk boundaries (what vLLM/SGLang prefix caching gives)."""
