@@ -16,7 +16,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-PHASE_PREFIX = "recover."
+PHASE_PREFIX = ("recover.", "engine.")  # the reference recovery forward's ranges; the engine step's
 
 
 def _device_total(e) -> float:

@@ -25,6 +25,7 @@ from ..cache.prefix_cache import PrefixCache
 from ..models.adapter import adapter_for
 from ..reuse.registry import get_method
 from . import engine_state as state
+from .admission import admit
 from .detokenizer import IncrementalDetokenizer
 from .documents import CHUNK_SLOTS, DocumentKV
 from .executor import Executor
@@ -32,9 +33,10 @@ from .engine_config import EngineConfig
 from .lookahead import Ahead, TokensToHost, finish_ahead, launch_ahead, may_look_ahead
 from .memory import initial_pages, profile_pages
 from .output import OutputProcessor, StepOutput
+from .phases import phase
 from .plans import build_pool, build_runner
 from .sampling import sample
-from .scheduler import RequestTooLarge, Scheduler
+from .scheduler import RequestTooLarge, Scheduler  # noqa: F401  (RequestTooLarge: the fronts import it here)
 from .selective import HeadSelection
 from .sequence import ReuseState, Sequence
 
@@ -58,7 +60,7 @@ class Engine:
                                     cfg.max_num_batched_tokens)
         self.outputs = OutputProcessor(config.eos_token_ids, self.max_model_len)
         self.honours_cache_salt = True  # Sequence.cache_salt namespaces every cache key it touches
-        self.timings = {"schedule": 0.0, "forward": 0.0, "select": 0.0, "sample": 0.0, "steps": 0}
+        self.timings = {"schedule": 0.0, "forward": 0.0, "recover": 0.0, "select": 0.0, "sample": 0.0, "steps": 0}
         # per recovery method: the share of a dense prefill's row work its recoveries compute (each
         # measurement weighs half of the mean; 1.0 until one is measured): what admission charges
         self.recovery_share: dict[str, float] = {}
@@ -135,14 +137,14 @@ class Engine:
             outputs = finish_ahead(self)
             if outputs is not None:
                 return outputs
-        t0 = time.perf_counter()
         outputs: list[StepOutput] = []
-        decode, prefill = self.scheduler.split_running()
-        budget = self._admit(self.cfg.max_num_batched_tokens - len(decode), prefill, outputs)
-        recovering = [s for s in prefill if s.recovery is not None]
-        chunks = self.scheduler.prompt_chunks([s for s in prefill if s.recovery is None], budget, self._selection_rows)
-        batch = self.scheduler.make_room([(s, 1) for s in decode] + chunks, self._preempt)
-        self.timings["schedule"] += time.perf_counter() - t0
+        with phase(self.timings, "schedule"):
+            decode, prefill = self.scheduler.split_running()
+            budget = admit(self, self.cfg.max_num_batched_tokens - len(decode), prefill, outputs)
+            recovering = [s for s in prefill if s.recovery is not None]
+            chunks = self.scheduler.prompt_chunks([s for s in prefill if s.recovery is None], budget,
+                                                  self._selection_rows)
+            batch = self.scheduler.make_room([(s, 1) for s in decode] + chunks, self._preempt)
         self.timings["steps"] += 1
         by_method: dict[str, list[Sequence]] = {}
         for s in recovering:  # those make_room did not preempt
@@ -166,66 +168,6 @@ class Engine:
         except Exception as e:
             for s in seqs:
                 self._fail(s, e, outputs)
-
-    def _admit(self, budget: int, prefill: list[Sequence], outputs: list[StepOutput]) -> int:
-        """Start waiting requests while the scheduler admits them; returns the token budget left."""
-        recovery_rows = 0  # rows the step's recovery forwards start with
-        while (adm := self.scheduler.next_admission(budget, recovery_rows, self.documents.needs)) is not None:
-            seq = adm.seq
-            if seq.abandoned:  # its client has gone: nothing it would compute is read
-                self.scheduler.drop_head()
-                seq.finish(seq.finish_reason or "abort")
-                outputs.append(StepOutput(seq))
-                continue
-            pinned = None
-            if adm.documents is not None:
-                try:
-                    pinned, computed = self.documents.ensure(seq, adm.pages - adm.documents.missing_pages)
-                except PoolExhausted:
-                    break  # its missing chunks do not fit beside the running requests yet
-                except Exception as e:
-                    self.scheduler.drop_head()
-                    self._fail(seq, e, outputs)
-                    continue
-                budget -= computed
-            self.scheduler.start(adm)
-            if pinned is not None:
-                try:
-                    self.documents.place(seq, pinned)
-                except Exception as e:
-                    self._fail(seq, e, outputs)
-                finally:
-                    self.documents.release(pinned)
-                if seq.finished:
-                    continue
-                if seq.recovery is not None:
-                    recovery_rows += len(seq.token_ids)
-                    budget -= math.ceil(self.recovery_share.get(seq.method, 1.0) * len(seq.token_ids))
-                    prefill.append(seq)
-                    continue
-            elif self.prefix_cache is not None and seq.num_computed == 0:
-                self._match_prefix(seq)
-            if seq.prefill_start is None:
-                seq.prefill_start = seq.num_computed
-            prefill.append(seq)
-        else:
-            self._fail_if_stuck(outputs)
-        return budget
-
-    def _fail_if_stuck(self, outputs: list[StepOutput]) -> None:
-        w = self.scheduler.waiting
-        if w and not w[0].abandoned and self.scheduler.stuck():
-            seq = self.scheduler.drop_head()
-            self._fail(seq, RequestTooLarge(f"the request does not fit the empty pool of {self.pool.num_pages} "
-                                            f"pages"), outputs)
-
-    def _match_prefix(self, seq: Sequence) -> None:
-        limit = len(seq.token_ids) - max(1, self._selection_rows(seq))
-        n, table = self.prefix_cache.match(seq.plan, seq.token_ids, limit, seq.cache_salt) if limit > 0 else (0, None)
-        if n:
-            self.pool.share(seq.seq_id, table, n)
-            seq.num_computed = n
-            seq.cached_tokens = max(seq.cached_tokens, n)
 
     def _selection_rows(self, seq: Sequence) -> int:
         """Prompt rows the forward completing ``seq``'s prompt must compute (its selection's
@@ -256,27 +198,26 @@ class Engine:
                 plan: str | None = None) -> None:
         """``plan``: the batch decodes every running request under it; the next step's forward is
         launched from the samples before the host reads them (async decode)."""
-        t0 = time.perf_counter()
-        for s, row in zip(seqs, logits):
-            if s.params.return_first_logits and s.first_logits is None:
-                s.first_logits = row.float().cpu()
-        try:
-            sampled = self.sampler(logits, seqs)
-            on_way = sampled
-            if plan is not None:  # copy these out first, so reading them does not wait for the next step
-                on_way = TokensToHost(sampled)
-                self._ahead = launch_ahead(self, plan, seqs, sampled)
-            tokens = on_way.tolist()
-        except Exception:  # find the rows that fail and fail only those requests
-            tokens = []
+        with phase(self.timings, "sample"):
             for s, row in zip(seqs, logits):
-                try:
-                    tokens.append(self.sampler(row[None], [s]).item())
-                except Exception as e:
-                    self._fail(s, e, outputs)
-                    tokens.append(None)
-        self._take_tokens(seqs, tokens, outputs)
-        self.timings["sample"] += time.perf_counter() - t0
+                if s.params.return_first_logits and s.first_logits is None:
+                    s.first_logits = row.float().cpu()
+            try:
+                sampled = self.sampler(logits, seqs)
+                on_way = sampled
+                if plan is not None:  # copy these out first, so reading them does not wait for the next step
+                    on_way = TokensToHost(sampled)
+                    self._ahead = launch_ahead(self, plan, seqs, sampled)
+                tokens = on_way.tolist()
+            except Exception:  # find the rows that fail and fail only those requests
+                tokens = []
+                for s, row in zip(seqs, logits):
+                    try:
+                        tokens.append(self.sampler(row[None], [s]).item())
+                    except Exception as e:
+                        self._fail(s, e, outputs)
+                        tokens.append(None)
+            self._take_tokens(seqs, tokens, outputs)
 
     def _take_tokens(self, seqs: list[Sequence], tokens: list, outputs: list[StepOutput]) -> None:
         """Append each request's sampled token (None: its sampling failed), freeing those it ends."""

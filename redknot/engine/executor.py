@@ -8,11 +8,10 @@ engine's postprocess.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..reuse.flops import prefill_flops
+from .phases import phase
 from .recovery_batch import RecoveryRows
 from .sequence import Sequence
 
@@ -26,12 +25,11 @@ class Executor:
     def recover(self, seqs: list[Sequence]) -> torch.Tensor:
         """One batched recovery forward for requests of one method (their chunks already in their
         pages); each request's pages are then trimmed to its plan. Returns their logits."""
-        t0 = time.perf_counter()
         prompts = [s.token_ids[:s.num_prompt] for s in seqs]
-        rows = RecoveryRows(self.config, [s.recovery[0] for s in seqs], [len(p) for p in prompts],
-                            [s.recovery[1] for s in seqs], self.pool.device)
-        logits = self.runner.recover([s.seq_id for s in seqs], prompts, rows)
-        self.timings["forward"] += time.perf_counter() - t0
+        with phase(self.timings, "recover"):
+            rows = RecoveryRows(self.config, [s.recovery[0] for s in seqs], [len(p) for p in prompts],
+                                [s.recovery[1] for s in seqs], self.pool.device)
+            logits = self.runner.recover([s.seq_id for s in seqs], prompts, rows)
         for s, report, r in zip(seqs, rows.flops(), rows.requests):
             prev = self.recovery_share.get(s.method)
             self.recovery_share[s.method] = r.row_share if prev is None else (prev + r.row_share) / 2
@@ -44,13 +42,12 @@ class Executor:
     def forward(self, plan: str, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """One forward of a plan's batch ((request, new tokens) each). Returns the requests whose
         prompt it completed (or that decoded) and their logits rows."""
-        t0 = time.perf_counter()
-        record = self.selection.begin(plan, items) if self.selection is not None else None
-        captured = [None] * self.config.num_hidden_layers if record is not None else None
-        logits = self.runner.forward(plan, [s.seq_id for s, _ in items],
-                                     [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items],
-                                     [s.num_computed for s, _ in items], record, captured)
-        self.timings["forward"] += time.perf_counter() - t0
+        with phase(self.timings, "forward"):
+            record = self.selection.begin(plan, items) if self.selection is not None else None
+            captured = [None] * self.config.num_hidden_layers if record is not None else None
+            logits = self.runner.forward(plan, [s.seq_id for s, _ in items],
+                                         [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items],
+                                         [s.num_computed for s, _ in items], record, captured)
         done = []
         for i, (s, n) in enumerate(items):
             s.num_computed += n
@@ -65,8 +62,7 @@ class Executor:
                     s.flops = prefill_flops(self.config, recomputed + list(range(s.prefill_start, s.num_prompt)),
                                             *self.pool.window_sink(s.plan))
         if self.selection is not None:
-            t0 = time.perf_counter()
-            self.selection.end(captured)
-            self.timings["select"] += time.perf_counter() - t0
+            with phase(self.timings, "select"):
+                self.selection.end(captured)
         rows = logits if len(done) == len(items) else logits[torch.tensor(done, device=logits.device, dtype=torch.long)]
         return [items[i][0] for i in done], rows

@@ -185,7 +185,7 @@ def test_shallow_window_reaches_the_recovery(setup):
     sparse.write_text(json.dumps({"dense_until": 2, "deep_layer_start": 2}))
 
     def cos(window):
-        out = quality.run(_args(model=model, data=data, methods="dense,redknot", head_config=heads, sparse_ffn=sparse,
+        out = quality.run(_args(model=model, data=data, methods="dense,redknot_paper", head_config=heads, sparse_ffn=sparse,
                                 shallow_window=window, out=tmp / f"sw{window}.json", max_tokens=2, device="cpu",
                                 dtype="float32"))
         return out["methods"]["redknot_paper"]["logit_cos"]

@@ -13,7 +13,7 @@ def test_ttft_bench_runs_every_method_and_plots(tmp_path):
     assert main(["bench", "ttft", "--archs", "tiny", "--layouts", "4x64", "--repeats", "1", "--device", "cpu",
                  "--head-configs", "g50-w16", "--out", str(out), "--plot", str(png)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert {r["method"] for r in rows} == {"hf_dense", "dense", "headsparse", "full_reuse", "epic", "cacheblend",
+    assert {r["method"] for r in rows} == {"hf_dense", "forward", "dense", "headsparse", "full_reuse", "epic", "cacheblend",
                                            "redknot_paper", "redknot"}
     assert not [r for r in rows if "error" in r]
     dense = next(r for r in rows if r["method"] == "dense")
@@ -39,24 +39,36 @@ def test_hf_baseline_computes_the_same_attention_as_ours():
     assert ModelConfig.from_dict(arch).sliding_windows in ([], [None])
 
 
-def test_ttft_profile_names_the_recovery_phases(tmp_path):
-    """--profile: every row gets phase times from the recovery forward's ranges, and torch's table."""
+def test_ttft_profile_names_the_engine_phases(tmp_path):
+    """--profile: every engine row gets the step's phase times (schedule, forward or recover, sample)
+    and torch's op table; the HF row only its ops."""
     out, folder = tmp_path / "ttft.json", tmp_path / "prof"
     assert main(["bench", "ttft", "--archs", "tiny", "--layouts", "4x64", "--repeats", "1", "--device", "cpu",
                  "--head-configs", "g50-w16", "--methods", "hf_dense,dense,redknot", "--out", str(out),
                  "--profile", str(folder)]) == 0
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
-    for m in ("dense", "redknot_paper"):
-        phases = rows[m]["profile"]["phases_ms"]
-        assert {"recover.qkv", "recover.attention", "recover.o_proj"} <= set(phases)
-        assert all(v > 0 for v in phases.values())
-    assert "recover.ffn" in rows["dense"]["profile"]["phases_ms"]
-    assert "recover.select" in rows["redknot_paper"]["profile"]["phases_ms"]  # its policy picks FFN rows
-    assert not any(k.startswith("recover.") for k in rows["hf_dense"]["profile"]["phases_ms"])
-    assert rows["hf_dense"]["profile"]["top_ops"]
+    assert {"engine.schedule", "engine.forward", "engine.sample"} <= set(rows["dense"]["profile"]["phases_ms"])
+    assert {"engine.schedule", "engine.recover", "engine.sample"} <= set(rows["redknot"]["profile"]["phases_ms"])
+    assert "engine.recover" not in rows["dense"]["profile"]["phases_ms"]  # dense prefills in the pool
+    for m in ("dense", "redknot"):
+        assert all(v > 0 for v in rows[m]["profile"]["phases_ms"].values())
+    assert not rows["hf_dense"]["profile"]["phases_ms"] and rows["hf_dense"]["profile"]["top_ops"]
     tables = sorted(p.name for p in folder.iterdir())
-    assert tables == sorted(f"tiny_g50-w16_4x64_{m}.txt" for m in ("hf_dense", "dense", "redknot_paper"))
-    assert "recover.attention" in (folder / "tiny_g50-w16_4x64_redknot.txt").read_text()
+    assert tables == sorted(f"tiny_g50-w16_4x64_{m}.txt" for m in ("hf_dense", "dense", "redknot"))
+    assert "engine.recover" in (folder / "tiny_g50-w16_4x64_redknot.txt").read_text()
+
+
+def test_ttft_rows_measure_the_engine_against_its_floor(tmp_path):
+    """Every engine row is LLM.generate with warm documents in another order: reuse methods compute
+    only what they must, and dense is compared with one unchunked forward of the same prompt."""
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--archs", "tiny", "--layouts", "4x64", "--repeats", "2", "--device", "cpu",
+                 "--head-configs", "g50-w16", "--methods", "forward,dense,full_reuse,redknot", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["dense"]["over_forward"] > 0 and rows["dense"]["cached_tokens"] < 64  # no whole-prompt prefix hit
+    assert rows["full_reuse"]["cached_tokens"] == 16 + 4 * 64 and rows["redknot"]["cached_tokens"] >= 4 * 64
+    assert rows["redknot"]["flops"]["total"] < rows["dense"]["flops"]["total"]
+    assert all(r["cold_s"] > 0 for m, r in rows.items() if m != "forward")
 
 
 @pytest.mark.parametrize("option,value,match", [("--archs", "tiny,mistral7b", "unknown arch"),
