@@ -297,7 +297,7 @@ def _use_selection(llm, method: str, args) -> str:
     from ..engine.selective import HeadSelection
 
     base, opts = selection_for(method, args.decode_kv_budget, args.decode_kv_window)
-    llm.engine.selection = None if opts is None else HeadSelection(llm.engine, opts)
+    llm.engine.selection = None if opts is None else HeadSelection.for_engine(llm.engine, opts)
     return base
 
 

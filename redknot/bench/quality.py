@@ -189,7 +189,7 @@ def _generate(llm, rec: dict, method: str, max_tokens: int, template: str | None
     options = {k: v for k, v in knobs.items() if k in {f.name for f in dataclasses.fields(saved[0])}}
     reuse.options = dataclasses.replace(saved[0], **options)  # this request's budget only
     reuse.sparse = dataclasses.replace(saved[1], **{k: v for k, v in knobs.items() if k not in options})
-    engine.selection = None if selection is None else HeadSelection(engine, selection)
+    engine.selection = None if selection is None else HeadSelection.for_engine(engine, selection)
     # A selected row prefills the whole prompt as a first request would (its own cache namespace):
     # its FLOPs are the base plan's full prefill, not what earlier rows left in the prefix cache.
     salt = None if selection is None else f"quality-row-{next(_ROW_SALTS)}"

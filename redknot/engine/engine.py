@@ -69,7 +69,7 @@ class Engine:
         self._build(pages)
         self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
         if cfg.selection is not None and cfg.selection.active:
-            self.selection = HeadSelection(self, cfg.selection)
+            self.selection = HeadSelection.for_engine(self, cfg.selection)
         if profile:
             pages, memory = profile_pages(self)
             self.resize_pool(pages)
@@ -90,9 +90,7 @@ class Engine:
         self.executor = Executor(self.runner, self.pool, self.config, self.prefix_cache, self.timings,
                                  self.recovery_share)
         self.memory = {"kv_pages": self.pool.num_pages, "kv_bytes": self.pool.num_pages * self.pool.bytes_per_page}
-        self.executor.selection = self._selection
-        if self._selection is not None:
-            self._selection.attach()
+        self.selection = self._selection  # (re)attached to the new pool and runner
 
     # ------------------------------------------------------------------ requests
 
@@ -247,6 +245,8 @@ class Engine:
     @selection.setter
     def selection(self, value: HeadSelection | None) -> None:
         self._selection = self.executor.selection = value
+        if value is not None:
+            value.attach(self.pool, self.runner)
 
     # the scheduler's queues, as the fronts read them
     waiting = property(lambda self: self.scheduler.waiting)

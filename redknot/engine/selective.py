@@ -151,19 +151,21 @@ class _Derived:
 class HeadSelection:
     """The engine's selected-set policy (one per engine; see the module docstring)."""
 
-    def __init__(self, engine, options: SelectionOptions):
-        self.engine, self.options = engine, options
+    def __init__(self, config, head_config, options: SelectionOptions, base_plans: dict, device: torch.device):
+        """``base_plans``: name -> (window, sink) [L, Hkv] of the plans the pool serves (the model
+        adapter's visible state); each gets a selected twin where the options select any head."""
+        self.config, self.options, self.device = config, options, torch.device(device)
         self.derived: dict[str, _Derived] = {}  # base plan -> its twin
-        cfg = engine.config
+        self.pool = self.runner = None  # attached by the engine (again after a pool resize)
+        cfg = config
         L, H = cfg.num_hidden_layers, cfg.num_key_value_heads
         bases = {"dense": HeadConfig.all_global(L, H)}
-        if engine.head_config is not None:
-            bases["headsparse"] = engine.head_config
-        pool = engine.pool
+        if head_config is not None:
+            bases["headsparse"] = head_config
         for base, hc in bases.items():
-            if base not in pool.plans:
+            if base not in base_plans:
                 continue
-            w0, s0 = pool.window_sink(base)
+            w0, s0 = (np.asarray(x) for x in base_plans[base])
             classes = np.array(hc.effective_classes())
             mode = np.zeros((L, H), np.int64)
             budget = np.zeros((L, H))
@@ -183,31 +185,38 @@ class HeadSelection:
             name = f"{base}+sel"
             self.derived[base] = _Derived(name, base, mode, window.astype(np.int64), sink.astype(np.int64),
                                           float(hc.retrieval_top_p), budget)
-            pool.add_plan(name, window, sink)
-            engine.runner.plans[name] = (torch.as_tensor(window, dtype=torch.int32).to(engine.device),
-                                         torch.as_tensor(sink, dtype=torch.int32).to(engine.device))
         self._by_name = {d.name: d for d in self.derived.values()}
         self._pending: list = []
         self.checks = 0  # budget checks run (one per sequence and check position)
         # Keys one batch of a step's checks gathers at most (bytes). On a GPU a batch saves the
         # per-request launches; on a CPU the stacked intermediates fall out of cache (measured:
         # 8 checks at 8K took 2x as long stacked), so there a batch is about one request.
-        self.check_chunk_bytes = (1 << 30) if engine.device.type == "cuda" else (16 << 20)
-        self.attach()
+        self.check_chunk_bytes = (1 << 30) if self.device.type == "cuda" else (16 << 20)
+
+    @classmethod
+    def for_engine(cls, engine, options: SelectionOptions) -> "HeadSelection":
+        """A selection over an engine's model, head config and plans (it keeps no reference to it)."""
+        return cls(engine.config, engine.head_config, options, engine.adapter.visible_state(engine.head_config),
+                   engine.device)
 
     @property
     def enabled(self) -> bool:
         return bool(self.derived)
 
-    def attach(self) -> None:
-        """(Re)attach to the engine's current pool and runner (after a pool resize)."""
-        eng = self.engine
+    def attach(self, pool, runner) -> None:
+        """Work on this pool and model runner (again after a pool resize): the selected twins become
+        plans of both, the pool gets its selection table."""
+        self.pool, self.runner = pool, runner
         if not self.derived:
             return
-        eng.pool.attach_selection(self.options.max_selected)  # a new table: graphs reading the old one go
-        eng.runner.drop_graphs(set(self._by_name))
-        eng.runner.selective_plans = set(self._by_name)
-        eng.runner.recording_plans = {d.name for d in self.derived.values() if d.budgeted}
+        for d in self.derived.values():
+            pool.add_plan(d.name, d.window, d.sink)
+            runner.plans[d.name] = (torch.as_tensor(d.window, dtype=torch.int32).to(pool.device),
+                                    torch.as_tensor(d.sink, dtype=torch.int32).to(pool.device))
+        pool.attach_selection(self.options.max_selected)  # a new table: graphs reading the old one go
+        runner.drop_graphs(set(self._by_name))
+        runner.selective_plans = set(self._by_name)
+        runner.recording_plans = {d.name for d in self.derived.values() if d.budgeted}
 
     def base_plan(self, plan: str) -> str:
         """The plan a request prefills under again (after a preemption)."""
@@ -236,7 +245,7 @@ class HeadSelection:
 
     def _checks_at(self, position: int) -> bool:
         """A budgeted head's mass is sampled by the decode query at this position."""
-        return (position + 1) % self.engine.pool.page_size == 0
+        return (position + 1) % self.pool.page_size == 0
 
     def begin(self, plan: str, items: list) -> torch.Tensor | None:
         """Before a forward: note which requests complete their prompt (or hit a budget check) in
@@ -259,7 +268,7 @@ class HeadSelection:
                 self._pending.append((s, kind, d, len(rows), m, s.num_computed + n))
                 rows.extend(range(off + n - m, off + n))
             off += n
-        return torch.tensor(rows, device=self.engine.device) if rows else None
+        return torch.tensor(rows, device=self.device) if rows else None
 
     def end(self, captured: list | None) -> None:
         """After the forward (pages trimmed, prefixes cached): compute the sets from the queries it
@@ -267,7 +276,7 @@ class HeadSelection:
         pending, self._pending = self._pending, []
         checks: dict[tuple[str, int], list] = {}
         for s, kind, d, r0, m, n in pending:
-            if s.finished or s.seq_id not in self.engine.pool or not captured or any(q is None for q in captured):
+            if s.finished or s.seq_id not in self.pool or not captured or any(q is None for q in captured):
                 continue
             rows = [q[r0:r0 + m] for q in captured]
             if kind == "check":  # the step's checks at one length run together
@@ -296,7 +305,7 @@ class HeadSelection:
         the head's page mass, and the head keeps its heaviest distant pages within budget.
         Retrieval heads keep their sets. Equal to ``_update(seq, "check", ...)`` per request, the
         per-layer form over every position of the context."""
-        pool = self.engine.pool
+        pool = self.pool
         ls, hs = np.nonzero(d.mode == 2)
         page_bytes = pool.page_size * pool.k_pages.shape[-1] * pool.k_pages.element_size()
         chunk, held = [], 0
@@ -315,10 +324,9 @@ class HeadSelection:
         """``_check`` for one chunk of [(seq, q_rows, its block table)]. A budgeted head's set is
         every position of its kept pages, so the host handles pages only: the positions are made
         on the device and written to the pool's device table from there (``PagePool.select_pages``)."""
-        eng = self.engine
-        pool = eng.pool
-        ps, dev = pool.page_size, eng.device
-        cfg = eng.config
+        pool = self.pool
+        ps, dev = pool.page_size, self.device
+        cfg = self.config
         L, H = d.mode.shape
         g = cfg.num_attention_heads // H
         R, C = len(ls), len(items)
@@ -378,10 +386,9 @@ class HeadSelection:
         by layer over every position of the context: the selection at the end of a prompt
         (``kind="select"``), and the reference form of a budget check (``kind="check"``) that
         ``_check`` is tested against."""
-        eng = self.engine
-        pool = eng.pool
+        pool = self.pool
         ps = pool.page_size
-        cfg = eng.config
+        cfg = self.config
         L, H = d.mode.shape
         g = cfg.num_attention_heads // H
         scale = cfg.head_dim ** -0.5
@@ -392,22 +399,22 @@ class HeadSelection:
         sets: dict[tuple[int, int], np.ndarray] = {}
         acc = getattr(s, "page_mass", None)
         if kind == "select" or acc is None:
-            acc = torch.zeros(L, H, P, dtype=torch.float32, device=eng.device)
+            acc = torch.zeros(L, H, P, dtype=torch.float32, device=self.device)
         acc = _grown(acc, P)
         for l in d.layers:
             heads = np.nonzero(d.mode[l])[0]
             q = q_rows[l]
             m = q.shape[0]
-            tbl = torch.from_numpy(table[l, heads].astype(np.int64)).to(eng.device)  # [R, P]
+            tbl = torch.from_numpy(table[l, heads].astype(np.int64)).to(self.device)  # [R, P]
             keys = pool.k_pages[tbl.clamp_min(0)].flatten(1, 2)[:, :n]  # [R, N, D]
             stored = (tbl >= 0).repeat_interleave(ps, 1)[:, :n]
-            qq = q.view(m, H, g, -1)[:, torch.from_numpy(heads).to(eng.device)].permute(1, 2, 0, 3).reshape(len(heads), g * m, -1)
-            q_pos = torch.arange(n - m, n, device=eng.device).repeat(g)
+            qq = q.view(m, H, g, -1)[:, torch.from_numpy(heads).to(self.device)].permute(1, 2, 0, 3).reshape(len(heads), g * m, -1)
+            q_pos = torch.arange(n - m, n, device=self.device).repeat(g)
             vis = stored[:, None, :].expand(-1, g * m, -1)
             if kind == "check":  # what the head sees in decode: its sink, window and selection
                 vis = vis & self._visible(prev[l, heads], d.window[l, heads], d.sink[l, heads], q_pos, n)
             mass = sel_ops.attention_mass(qq, keys, q_pos, scale, vis)  # [R, N]
-            hs = torch.from_numpy(heads).to(eng.device)
+            hs = torch.from_numpy(heads).to(self.device)
             acc[l, hs, :P] += sel_ops.page_mass(mass, ps)[:, :P]
             retr = d.mode[l, heads] == 1
             if retr.any() and kind == "select":
@@ -450,7 +457,7 @@ class HeadSelection:
         """bool [R, P] distant pages R budgeted heads (their window, sink, budget [R]) keep: their
         heaviest within the budget, plus the pages that leave the window before the next check
         (still candidates then)."""
-        ps = self.engine.pool.page_size
+        ps = self.pool.page_size
         dev = acc.device
         R, P = acc.shape
         window = torch.as_tensor(window, device=dev)

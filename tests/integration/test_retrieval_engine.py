@@ -356,7 +356,7 @@ def test_a_new_selection_drops_the_graphs_of_the_old_one(tiny_checkpoint):
     reused = LLM(model=path, device="cuda", dtype="float32", page_size=16, kv_pages=2048, selection=wide,
                  enable_prefix_caching=False)
     tokens(reused)  # captures the twin plan's graphs under the wide budget
-    reused.engine.selection = HeadSelection(reused.engine, narrow)
+    reused.engine.selection = HeadSelection.for_engine(reused.engine, narrow)
     got = tokens(reused)
     fresh = LLM(model=path, device="cuda", dtype="float32", page_size=16, kv_pages=2048, selection=narrow,
                 enable_prefix_caching=False)
