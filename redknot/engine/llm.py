@@ -90,14 +90,7 @@ class LLM:
             self.model, self.config = load_model(model, dtype=dtype, device=self.device)
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = tokenizer or _load_tokenizer(model)
-        if isinstance(head_config, (str, Path)):
-            head_config = HeadConfig.from_json(head_config)
-        if head_config is not None:
-            head_config.validate_model(self.config.num_hidden_layers, self.config.num_key_value_heads)
-        self.head_config = head_config
-        if isinstance(sparse_ffn, (str, Path)):
-            sparse_ffn = SparseFFNConfig.from_json(sparse_ffn)
-        self.sparse_ffn = sparse_ffn or SparseFFNConfig()
+        self.head_config, self.sparse_ffn = head_config, sparse_ffn = _load_plans(head_config, sparse_ffn, self.config)
         self.fingerprint = model_fingerprint(self.model, self.config, self.tokenizer)
         if selection is None and (retrieval_heads or decode_kv_budget is not None):
             selection = SelectionOptions(retrieval_heads=retrieval_heads, decode_kv_budget=decode_kv_budget)
@@ -251,6 +244,18 @@ class LLM:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (vocab_size={self.config.vocab_size})")
         return ids
+
+
+def _load_plans(head_config, sparse_ffn, config) -> tuple[HeadConfig | None, SparseFFNConfig]:
+    """The head config (checked against the model's layers and KV heads) and the sparse-FFN tiers,
+    from objects or JSON paths."""
+    if isinstance(head_config, (str, Path)):
+        head_config = HeadConfig.from_json(head_config)
+    if head_config is not None:
+        head_config.validate_model(config.num_hidden_layers, config.num_key_value_heads)
+    if isinstance(sparse_ffn, (str, Path)):
+        sparse_ffn = SparseFFNConfig.from_json(sparse_ffn)
+    return head_config, sparse_ffn or SparseFFNConfig()
 
 
 def _load_tokenizer(path):

@@ -418,16 +418,8 @@ class HeadSelection:
             acc[l, hs, :P] += sel_ops.page_mass(mass, ps)[:, :P]
             retr = d.mode[l, heads] == 1
             if retr.any() and kind == "select":
-                idx = np.nonzero(retr)[0]
-                pos, lens = sel_ops.select_top_p(mass[idx], n, d.window[l, heads[idx]], d.sink[l, heads[idx]],
-                                                 d.top_p, self.options.max_selected)
-                pos, lens = pos.cpu().numpy(), lens.cpu().numpy()
-                for i, r in enumerate(idx):
-                    h = int(heads[r])
-                    # the prompt's window tokens stay too (SnapKV keeps its observation window): what
-                    # the head sees when the prompt ends does not vanish as the window slides on
-                    recent = np.arange(max(int(d.sink[l, h]), n - int(d.window[l, h]) + 1), n)
-                    sets[(l, h)] = np.union1d(pos[i, :lens[i]], recent)[-self.options.max_selected:]
+                self._retrieval_sets(d, l, heads[retr], mass[torch.from_numpy(np.nonzero(retr)[0]).to(self.device)],
+                                     n, sets)
             bud = d.mode[l, heads] == 2
             if bud.any():
                 idx = np.nonzero(bud)[0]
@@ -441,6 +433,23 @@ class HeadSelection:
                 for r in np.nonzero(retr)[0]:
                     row = prev[l, heads[r]]
                     sets[(l, int(heads[r]))] = row[row >= 0]
+        self._write_sets(s, d, sets, acc)
+
+    def _retrieval_sets(self, d: _Derived, layer: int, heads: np.ndarray, mass: torch.Tensor, n: int,
+                        sets: dict) -> None:
+        """Retrieval heads' sets at the end of a prompt: the tokens covering ``top_p`` of their mass
+        ([R, N]), with the prompt's window tokens (SnapKV keeps its observation window: what the
+        head sees when the prompt ends does not vanish as the window slides on)."""
+        pos, lens = sel_ops.select_top_p(mass, n, d.window[layer, heads], d.sink[layer, heads], d.top_p,
+                                         self.options.max_selected)
+        pos, lens = pos.cpu().numpy(), lens.cpu().numpy()
+        for i, h in enumerate(int(x) for x in heads):
+            recent = np.arange(max(int(d.sink[layer, h]), n - int(d.window[layer, h]) + 1), n)
+            sets[(layer, h)] = np.union1d(pos[i, :lens[i]], recent)[-self.options.max_selected:]
+
+    def _write_sets(self, s, d: _Derived, sets: dict, acc: torch.Tensor) -> None:
+        """The request's selected sets ((layer, head) -> positions) into the pool, under the twin plan."""
+        L, H = d.mode.shape
         width = max([len(v) for v in sets.values()] + [1])
         if width > self.options.max_selected:
             raise ValueError(f"a decode budget of {width} selected tokens exceeds max_selected="
@@ -448,7 +457,7 @@ class HeadSelection:
         arr = np.full((L, H, width), -1, np.int64)
         for (l, h), v in sets.items():
             arr[l, h, :len(v)] = v
-        pool.select(s.seq_id, arr, plan=d.name)
+        self.pool.select(s.seq_id, arr, plan=d.name)
         s.plan = d.name
         s.page_mass = acc if d.budgeted else None
 

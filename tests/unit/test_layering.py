@@ -115,3 +115,16 @@ def test_no_import_cycle_inside_the_package():
         if v not in index:
             strong(v)
     assert not cycles, cycles
+
+
+def test_the_engine_stays_small():
+    """The step loop reads as schedule, run, postprocess: the Engine class and every function of the
+    engine package stay short (what grows goes to the scheduler, documents, executor, outputs)."""
+    long = []
+    for f in sorted((ROOT / "engine").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long.append(f"{f.name}:{node.name}")
+            if isinstance(node, ast.ClassDef) and node.name == "Engine":
+                assert node.end_lineno - node.lineno < 300, node.end_lineno - node.lineno
+    assert not long, long
