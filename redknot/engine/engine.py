@@ -38,6 +38,7 @@ from ..cache import PagePool, PoolExhausted
 from ..cache.chunk_cache import ChunkCache, ChunkPages
 from ..cache.chunk_store import chunk_key
 from ..cache.prefix_cache import PrefixCache
+from ..cache.tiers import KVOffloadConfig
 from ..config import GLOBAL_WINDOW, HeadConfig, SparseFFNConfig
 from ..models.config import ModelConfig
 from ..models.llama import LlamaForCausalLM
@@ -119,6 +120,7 @@ class EngineConfig:
     async_decode: bool | None = None
     kernel: str = "auto"  # "triton" on CUDA, "torch" (the reference) on CPU
     chunk_cache_bytes: int | None = None  # cap on the pool bytes cached chunks hold (None: the pool)
+    kv_offload: KVOffloadConfig | None = None  # CPU / disk / Redis tiers under the pool for document KV
     reuse_options: ReuseOptions | None = None
     # Retrieval heads' selected sets and per-head decode budgets (H2O); None: retrieval heads global
     selection: SelectionOptions | None = None
@@ -203,7 +205,8 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pool, fingerprint) if cfg.enable_prefix_caching else None
         self.fingerprint = fingerprint
         self.honours_cache_salt = True  # Sequence.cache_salt namespaces every cache key it touches
-        self.chunk_cache = ChunkCache(self.pool, fingerprint, cfg.chunk_cache_bytes)
+        self.kv_tiers = cfg.kv_offload.build(pin=device.type == "cuda") if cfg.kv_offload is not None else None
+        self.chunk_cache = ChunkCache(self.pool, fingerprint, cfg.chunk_cache_bytes, self.kv_tiers)
         self.reuse = ReuseEngine(model, config, fingerprint, head_config, sparse_ffn, self.chunk_cache,
                                  self.chunk_cache, device, cfg.reuse_options)
         self.reuse.kernel = cfg.kernel  # the recovery oracle attends like the engine
@@ -995,7 +998,7 @@ class Engine:
                                   self.cfg.cuda_graphs, self.cfg.kernel)
         if self.prefix_cache is not None:
             self.prefix_cache = PrefixCache(self.pool, self.prefix_cache.fingerprint)
-        self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes)
+        self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes, self.kv_tiers)
         self.reuse.store = self.reuse.prefix_store = self.chunk_cache
         if getattr(self, "selection", None) is not None:
             self.selection.attach()

@@ -1,7 +1,7 @@
 """The tiers under the GPU pool, in order: CPU, disk, Redis; and how entries move between them.
 
-``store`` puts an entry the pool evicts into the CPU tier (or the first tier there is); what the
-CPU tier evicts spills to disk; Redis is written through. Tiers are inclusive: an entry stays in
+``store`` puts an entry into the CPU tier (or the first tier there is); what the CPU tier evicts
+spills to disk; Redis is written through, and so is disk for a new entry under write-through. Tiers are inclusive: an entry stays in
 a lower tier when it moves up, so evicting it again from the pool costs no copy when the CPU
 tier still holds it (``has`` tells the pool so). ``fetch`` looks in CPU, disk, then Redis and
 promotes a hit from disk or Redis into the CPU tier.
@@ -12,9 +12,11 @@ loop; an entry on its way there is still found by ``fetch``. ``flush`` waits for
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +26,7 @@ from .cpu import CpuTier
 from .entry import KVEntry, Layout
 
 log = logging.getLogger(__name__)
+WRITE_POLICIES = ("write_through", "write_back")
 
 
 @dataclass
@@ -39,9 +42,12 @@ class KVOffloadConfig:
     redis_url: str | None = None
     redis_ttl_s: float | None = None
     redis_timeout_s: float = 0.5
+    # "write_through": a document's KV goes down as soon as it is computed (a restart or another
+    # replica finds it); "write_back": only when the pool evicts it
+    write_policy: str = "write_through"
     verify_cpu: bool = True
     disk_fsync: bool = False
-    write_behind: bool = True
+    write_behind: bool = True  # disk and Redis writes on a background thread
 
     def __post_init__(self):
         for name in ("cpu_bytes", "disk_bytes"):
@@ -53,6 +59,8 @@ class KVOffloadConfig:
             raise ValueError("kv_offload.disk_bytes needs disk_dir")
         if self.redis_ttl_s is not None and self.redis_ttl_s <= 0:
             raise ValueError(f"kv_offload.redis_ttl_s must be > 0 or None, got {self.redis_ttl_s}")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"kv_offload.write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"kv_offload.redis_timeout_s must be > 0, got {self.redis_timeout_s}")
 
@@ -84,16 +92,19 @@ class KVOffloadConfig:
         if self.redis_url:
             from .redis import RedisTier
             redis = RedisTier(self.redis_url, self.redis_ttl_s, self.redis_timeout_s, pin=pin)
-        return TierStack(cpu, disk, redis, self.write_behind)
+        return TierStack(cpu, disk, redis, self.write_behind, write_policy=self.write_policy)
 
 
 class TierStack:
     def __init__(self, cpu: CpuTier | None, disk: Tier | None, redis: Tier | None, write_behind: bool = True,
-                 max_pending_bytes: int = 1 << 30):
+                 max_pending_bytes: int = 1 << 30, write_policy: str = "write_through"):
         """``max_pending_bytes``: entries waiting for the writer thread at most; past it the
         caller writes itself, so a slow disk or server slows eviction instead of growing memory."""
         self.cpu, self.disk, self.redis = cpu, disk, redis
         self.max_pending_bytes = max_pending_bytes
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        self.write_policy = write_policy
         self._pending_bytes = 0
         self.tiers = [t for t in (cpu, disk, redis) if t is not None]
         self.fetches = self.fetch_hits = 0
@@ -105,6 +116,8 @@ class TierStack:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._writer, name="kv-tier-writer", daemon=True)
             self._thread.start()
+            ref = weakref.ref(self)
+            atexit.register(lambda: (s := ref()) is not None and s.flush())  # a clean exit loses no write
 
     # ------------------------------------------------------------------ writes
 
@@ -118,9 +131,12 @@ class TierStack:
                 return True
         return self.disk is not None and self.disk.contains(key)
 
-    def store(self, entry: KVEntry) -> None:
-        """Keep an entry the pool evicts: CPU first (its evictions spill to disk), Redis through."""
+    def store(self, entry: KVEntry, through: bool = False) -> None:
+        """Keep an entry: in the CPU tier (what it evicts spills to disk) and in Redis; with
+        ``through`` (a new entry under write-through) on disk at once too."""
         below = [entry] if self.cpu is None else self.cpu.put(entry)
+        if through and entry not in below:
+            below.append(entry)
         down = [(self.disk, e) for e in below if self.disk is not None]
         if self.redis is not None:
             down.append((self.redis, entry))
