@@ -238,8 +238,11 @@ class ChunkCache:
         pages = self.pool.allocate(L * hkv * n_pages).reshape(L, hkv, n_pages)
         idx = torch.from_numpy(pages.astype(np.int64)).to(self.pool.device)
         pad = n_pages * ps - h.n_tokens
-        for src, dst in zip(stored.kv(), (self.pool.k_pages, self.pool.v_pages)):  # [L, Hkv, n, D] on the host
-            x = torch.nn.functional.pad(src.to(dst.device, non_blocking=True), (0, 0, 0, pad))
+        # one host-to-device copy of the whole payload (pinned on CUDA), then K and V are views of it
+        kv = stored.payload.to(self.pool.device, non_blocking=True).view(self.pool.dtype)
+        kv = kv.view(L, hkv, 2, h.n_tokens, self.pool.head_dim)
+        for i, dst in enumerate((self.pool.k_pages, self.pool.v_pages)):
+            x = torch.nn.functional.pad(kv[:, :, i], (0, 0, 0, pad))
             dst[idx] = x.view(L, hkv, n_pages, ps, self.pool.head_dim)
         entry = ChunkPages(h.token_ids, h.start, pages, 0)
         self._entries[key] = entry

@@ -82,3 +82,14 @@ def test_a_dead_redis_is_skipped_quickly_and_retried_after_backoff(dead_redis_ur
     assert sum("unavailable" in r.message for r in caplog.records) == 1
     now[0] = 5.0  # past the backoff: one retry, which fails and doubles it
     assert t.get(e.key, LAYOUT) is None and t.stats.errors == 2 and t.breaker.backoff == 10.0
+
+
+def test_an_entry_is_sent_once_and_again_after_the_server_dropped_it(tier):
+    e = make(seed=4)
+    tier.put(e)
+    tier.put(e)
+    assert tier.stats.puts == 1 and tier.stats.bytes_written == e.payload.numel()
+    tier.client.delete(tier._name(e.key))  # the server's maxmemory policy evicted it
+    assert tier.get(e.key, LAYOUT) is None
+    tier.put(e)
+    assert tier.stats.puts == 2 and tier.get(e.key, LAYOUT) is not None

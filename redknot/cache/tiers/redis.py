@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -67,12 +68,26 @@ class RedisTier(Tier):
         self._oom = redis.ResponseError
         self.url, self.prefix, self.pin = url, prefix, pin
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._lock = threading.Lock()
         # no client-side retries: a dead server costs one short timeout, then the breaker skips it
         self.client = client or redis.Redis.from_url(url, socket_timeout=timeout_s,
                                                      socket_connect_timeout=connect_timeout_s,
                                                      retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
                                                      health_check_interval=0)
         self.breaker = breaker or CircuitBreaker()
+        # keys this process wrote or read here lately: an entry evicted again is not sent twice
+        self._known: OrderedDict[str, None] = OrderedDict()
+        self.max_known = 1 << 16
+
+    def _remember(self, key: str, present: bool) -> None:
+        with self._lock:
+            if present:
+                self._known[key] = None
+                self._known.move_to_end(key)
+                while len(self._known) > self.max_known:
+                    self._known.popitem(last=False)
+            else:
+                self._known.pop(key, None)
 
     def _name(self, key: str) -> str:
         return self.prefix + key
@@ -108,6 +123,7 @@ class RedisTier(Tier):
             blob = self._call("get", lambda: self.client.get(name))
             if blob is None:
                 self.stats.misses += 1
+                self._remember(key, False)  # expired or evicted by the server: write it again next time
                 return None
             try:
                 entry = decode(blob, key, layout, self.pin)
@@ -119,6 +135,7 @@ class RedisTier(Tier):
             if entry is None:
                 return None
         self.stats.hits += 1
+        self._remember(key, True)
         return entry
 
     def _get_heads(self, key: str, layout: Layout, heads: np.ndarray) -> KVEntry | None:
@@ -126,6 +143,7 @@ class RedisTier(Tier):
         pre = self._call("getrange", lambda: self.client.getrange(name, 0, PREAMBLE.size - 1))
         if not pre:
             self.stats.misses += 1
+            self._remember(key, False)
             return None
         try:
             n = header_length(pre)
@@ -171,16 +189,24 @@ class RedisTier(Tier):
         return None
 
     def put(self, entry: KVEntry) -> list[KVEntry]:
+        with self._lock:
+            if entry.key in self._known:
+                self._known.move_to_end(entry.key)
+                return []
         blob = b"".join(entry.encode())
         name = self._name(entry.key)
+        failed = self.stats.errors + self.stats.skipped
         # NX: an entry is immutable content; a replica that already wrote it wins
         ok = self._call("set", lambda: self.client.set(name, blob, px=self.ttl_ms, nx=True))
         if ok:
             self.stats.puts += 1
             self.stats.bytes_written += entry.payload.numel()
+        if self.stats.errors + self.stats.skipped == failed:  # written now, or already there (NX)
+            self._remember(entry.key, True)
         return []
 
     def delete(self, key: str) -> None:
+        self._remember(key, False)
         self._call("delete", lambda: self.client.delete(self._name(key)))
 
     def info(self) -> dict:
