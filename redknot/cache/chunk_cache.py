@@ -72,8 +72,9 @@ class ChunkCache:
         self.write_policy = tiers.write_policy if tiers is not None else None
         # the chunks' KV is computed under the pool's default plan (every head global, the model's
         # own windows kept): part of the tiers' key, with the dtype and paging
-        self.layout = Layout(fingerprint, plan_digest(*pool.window_sink("default")), dtype_name(pool.dtype),
-                             pool.page_size, pool.head_dim, pool.num_layers, pool.num_kv_heads)
+        self.layout = None if tiers is None else Layout(
+            fingerprint, plan_digest(*pool.window_sink("default")), dtype_name(pool.dtype), pool.page_size,
+            pool.head_dim, pool.num_layers, pool.num_kv_heads)
         self._pin = pool.device.type == "cuda"
         self.tier_hits: dict[str, int] = {}  # lookups the pool missed and a tier served, by tier
         self.tier_misses = self.tier_no_room = self.written_down = self.write_errors = 0
@@ -139,6 +140,8 @@ class ChunkCache:
 
     def _make_room(self, n_pages: int, evict_into_pool: bool) -> bool:
         if self.max_pages is not None:
+            while self._pages > self.max_pages:  # what tier loads took past the cap
+                self._drop_lru()
             if n_pages > self.max_pages:
                 return False
             while self._pages + n_pages > self.max_pages:
@@ -232,8 +235,9 @@ class ChunkCache:
             return None
         L, hkv, ps = self.pool.num_layers, self.pool.num_kv_heads, self.pool.page_size
         n_pages = -(-h.n_tokens // ps)
-        if self.pool.num_free_pages < L * hkv * n_pages:
-            self.tier_no_room += 1
+        if self.pool.num_free_pages < L * hkv * n_pages or (self.max_pages is not None
+                                                            and L * hkv * n_pages > self.max_pages):
+            self.tier_no_room += 1  # no free pages, or larger than the cache may ever hold
             return None
         pages = self.pool.allocate(L * hkv * n_pages).reshape(L, hkv, n_pages)
         idx = torch.from_numpy(pages.astype(np.int64)).to(self.pool.device)

@@ -115,8 +115,9 @@ def test_keys_differ_by_page_size_and_plan():
     a = ChunkCache(make_pool(), "fp", tiers=tiers())
     other_ps = PagePool(64, 8, D, torch.full((L, H), GLOBAL_WINDOW), torch.zeros(L, H, dtype=torch.long))
     other_plan = PagePool(64, PS, D, torch.full((L, H), 16), torch.zeros(L, H, dtype=torch.long))
-    keys = {tier_key("a", c.layout) for c in (a, ChunkCache(other_ps, "fp"), ChunkCache(other_plan, "fp"),
-                                              ChunkCache(make_pool(), "fp2"))}
+    caches = [a] + [ChunkCache(p, fp, tiers=tiers()) for p, fp in ((other_ps, "fp"), (other_plan, "fp"),
+                                                                   (make_pool(), "fp2"))]
+    keys = {tier_key("a", c.layout) for c in caches}
     assert len(keys) == 4
 
 
@@ -128,3 +129,20 @@ def test_persist_writes_every_pool_entry_down():
     assert cache.persist() == 2 and len(t.cpu) == 2
     with pytest.raises(ValueError, match="every"):
         cache.insert("x", (1,), 0, np.full((L, H, 1), -1, np.int32), 0)
+
+
+def test_a_zero_cap_cache_loads_nothing_and_an_overflow_is_trimmed_on_refusal():
+    pool = make_pool()
+    t = tiers()
+    writer = ChunkCache(pool, "fp", tiers=t)
+    writer.put("a", chunk())
+    writer.evict(1)  # "a" is in the CPU tier only
+    zero = ChunkCache(pool, "fp", max_bytes=0, tiers=t)
+    assert zero.lookup("a") is None and zero.tier_no_room == 1 and len(zero) == 0
+    assert pool.num_free_pages == pool.num_pages
+    capped = ChunkCache(pool, "fp", max_bytes=L * H * 3 * pool.bytes_per_page, tiers=t)
+    capped.put("b", chunk(seed=2))
+    capped.lookup("b")
+    assert capped.lookup("a") is not None and capped.num_pages() == 2 * L * H * 3  # past the cap
+    assert not capped.put("big", chunk(n=20, seed=4))  # refused (larger than the cap); the overflow goes
+    assert capped.num_pages() == L * H * 3 and list(capped._entries) == ["a"]

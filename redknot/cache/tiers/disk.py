@@ -178,7 +178,7 @@ class DiskTier(Tier):
                 self._index[key] = size
                 self._bytes += size
                 self._evict_to(self.max_bytes)
-            elif key in self._index:
+            else:
                 self._index.move_to_end(key)
         try:
             os.utime(path)  # the access time LRU order is rebuilt from after a restart
