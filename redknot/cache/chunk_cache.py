@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from .chunk_store import ChunkKV
+from .events import block_hash, block_removed, block_stored
 from .pool import PagePool, PoolExhausted
 from .tiers import KVEntry, Layout, TierStack, plan_digest, tier_key
 from .tiers.entry import dtype_name
@@ -57,10 +58,11 @@ class ChunkPages:
 
 class ChunkCache:
     def __init__(self, pool: PagePool, fingerprint: str, max_bytes: int | None = None,
-                 tiers: TierStack | None = None):
+                 tiers: TierStack | None = None, events=None):
         """``tiers``: where entries go below the pool (None: an evicted entry is gone), written
         down by its ``write_policy``: "write_through" (every new entry at once) or "write_back"
-        (when the pool evicts it)."""
+        (when the pool evicts it). ``events``: a KV event publisher; with its ``documents`` on,
+        each entry's arrival and departure is announced as one block."""
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         self.pool, self.fingerprint = pool, fingerprint
@@ -69,6 +71,7 @@ class ChunkCache:
         self._pages = 0
         self.hits = self.misses = self.evictions = 0
         self.tiers = tiers
+        self.events = events if events is not None and getattr(events, "documents", False) else None
         self.write_policy = tiers.write_policy if tiers is not None else None
         # the chunks' KV is computed under the pool's default plan (every head global, the model's
         # own windows kept): part of the tiers' key, with the dtype and paging
@@ -134,9 +137,14 @@ class ChunkCache:
         if not self._make_room(pages.size, evict_into_pool=False):
             return False
         self.pool.retain(pages)
-        self._entries[key] = entry
-        self._pages += pages.size
+        self._add(key, entry)
         return True
+
+    def _add(self, key: str, entry: ChunkPages) -> None:
+        self._entries[key] = entry
+        self._pages += entry.pages.size
+        if self.events is not None:
+            self.events.record(block_stored([block_hash(key)], None, entry.token_ids, entry.num_tokens))
 
     def _make_room(self, n_pages: int, evict_into_pool: bool) -> bool:
         if self.max_pages is not None:
@@ -160,6 +168,8 @@ class ChunkCache:
     def _drop(self, key: str, entry: ChunkPages, write_down: bool = True) -> None:
         if write_down:
             self._write_down(key, entry)
+        if self.events is not None:
+            self.events.record(block_removed([block_hash(key)]))
         self.pool.release(entry.pages)
         self._pages -= entry.pages.size
         self.evictions += 1
@@ -249,8 +259,7 @@ class ChunkCache:
             x = torch.nn.functional.pad(kv[:, :, i], (0, 0, 0, pad))
             dst[idx] = x.view(L, hkv, n_pages, ps, self.pool.head_dim)
         entry = ChunkPages(h.token_ids, h.start, pages, 0)
-        self._entries[key] = entry
-        self._pages += pages.size
+        self._add(key, entry)
         self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
         return entry
 
@@ -301,8 +310,7 @@ class ChunkCache:
             x = torch.nn.functional.pad(src.to(dst.device, dst.dtype), (0, 0, 0, 0, 0, pad))
             dst[idx] = x.view(L, n_pages, ps, h, d).permute(0, 3, 1, 2, 4)
         entry = ChunkPages(chunk.token_ids, chunk.start, pages, 0)
-        self._entries[key] = entry
-        self._pages += pages.size
+        self._add(key, entry)
         if self.write_policy == "write_through":
             self._write_down(key, entry, through=True)
         return True

@@ -37,6 +37,7 @@ import torch
 from ..cache import PagePool, PoolExhausted
 from ..cache.chunk_cache import ChunkCache, ChunkPages
 from ..cache.chunk_store import chunk_key
+from ..cache.events import KVEventsConfig
 from ..cache.prefix_cache import PrefixCache
 from ..cache.tiers import KVOffloadConfig
 from ..config import GLOBAL_WINDOW, HeadConfig, SparseFFNConfig
@@ -121,6 +122,7 @@ class EngineConfig:
     kernel: str = "auto"  # "triton" on CUDA, "torch" (the reference) on CPU
     chunk_cache_bytes: int | None = None  # cap on the pool bytes cached chunks hold (None: the pool)
     kv_offload: KVOffloadConfig | None = None  # CPU / disk / Redis tiers under the pool for document KV
+    kv_events: KVEventsConfig | None = None  # vLLM-format KV events (ZeroMQ) for KV-aware routers
     reuse_options: ReuseOptions | None = None
     # Retrieval heads' selected sets and per-head decode budgets (H2O); None: retrieval heads global
     selection: SelectionOptions | None = None
@@ -202,11 +204,12 @@ class Engine:
         self.runner = ModelRunner(model, self.pool, plan_tensors, cfg.max_num_seqs, cfg.cuda_graphs, cfg.kernel)
         self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
         self._ahead: _Ahead | None = None
-        self.prefix_cache = PrefixCache(self.pool, fingerprint) if cfg.enable_prefix_caching else None
+        self.kv_events = cfg.kv_events.build() if cfg.kv_events is not None else None
+        self.prefix_cache = PrefixCache(self.pool, fingerprint, self.kv_events) if cfg.enable_prefix_caching else None
         self.fingerprint = fingerprint
         self.honours_cache_salt = True  # Sequence.cache_salt namespaces every cache key it touches
         self.kv_tiers = cfg.kv_offload.build(pin=device.type == "cuda") if cfg.kv_offload is not None else None
-        self.chunk_cache = ChunkCache(self.pool, fingerprint, cfg.chunk_cache_bytes, self.kv_tiers)
+        self.chunk_cache = ChunkCache(self.pool, fingerprint, cfg.chunk_cache_bytes, self.kv_tiers, self.kv_events)
         self.reuse = ReuseEngine(model, config, fingerprint, head_config, sparse_ffn, self.chunk_cache,
                                  self.chunk_cache, device, cfg.reuse_options)
         self.reuse.kernel = cfg.kernel  # the recovery oracle attends like the engine
@@ -997,8 +1000,9 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, self.runner.plans, self.cfg.max_num_seqs,
                                   self.cfg.cuda_graphs, self.cfg.kernel)
         if self.prefix_cache is not None:
-            self.prefix_cache = PrefixCache(self.pool, self.prefix_cache.fingerprint)
-        self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes, self.kv_tiers)
+            self.prefix_cache = PrefixCache(self.pool, self.prefix_cache.fingerprint, self.kv_events)
+        self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes, self.kv_tiers,
+                                      self.kv_events)
         self.reuse.store = self.reuse.prefix_store = self.chunk_cache
         if getattr(self, "selection", None) is not None:
             self.selection.attach()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache.events import KVEventsConfig
 from ..cache.tiers import KVOffloadConfig
 from ..config import HeadConfig, SparseFFNConfig
 from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolve_model
@@ -59,7 +60,7 @@ class LLM:
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True, async_decode: bool | None = None, gpu_memory_utilization: float = 0.9,
                  reserve_full_length: bool = True, retrieval_heads: bool = False, decode_kv_budget=None, selection=None, kernel: str = "auto",
-                 kv_offload: KVOffloadConfig | dict | None = None):
+                 kv_offload: KVOffloadConfig | dict | None = None, kv_events: KVEventsConfig | dict | None = None):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
         that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE).
@@ -74,7 +75,11 @@ class LLM:
         before the host reads them (None: where decode replays CUDA graphs). ``kv_offload``: tiers
         under the GPU pool for document KV, a ``KVOffloadConfig`` or a dict of its fields
         (``{"cpu_bytes": 4 << 30, "disk_dir": "/var/cache/kv", "disk_bytes": 100 << 30,
-        "redis_url": "redis://host:6379"}``)."""
+        "redis_url": "redis://host:6379"}``). ``kv_events``: publish vLLM-format KV events over
+        ZeroMQ for KV-aware routers, a ``KVEventsConfig`` or a dict of its fields
+        (``{"endpoint": "tcp://*:5557", "documents": True}``)."""
+        if isinstance(kv_events, dict):
+            kv_events = KVEventsConfig(**kv_events)
         kv_offload = KVOffloadConfig.of(kv_offload)  # bad options fail before the model loads
         if model is None:  # the checkpoint shipped in the package, as every CLI defaults to
             model = bundled_model_path()
@@ -115,7 +120,8 @@ class LLM:
                                  async_decode=async_decode,
                                  chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                                  reserve_full_length=reserve_full_length, kernel=kernel,
-                                 reuse_options=reuse_options, selection=selection, kv_offload=kv_offload))
+                                 reuse_options=reuse_options, selection=selection, kv_offload=kv_offload,
+                                 kv_events=kv_events))
         self.max_model_len = self.engine.max_model_len
         self.reuse = self.engine.reuse
         self.method = self.check_method(method)

@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_recovery_rows=args.max_recovery_rows,
               chunk_cache_bytes=args.chunk_cache_bytes, kv_offload=kv_offload_options(args),
+              kv_events=kv_events_options(args),
               gpu_memory_utilization=args.gpu_memory_utilization, selection=selection_options(args))
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
@@ -146,6 +147,11 @@ def add_offload_arguments(p: argparse.ArgumentParser) -> None:
                         "policy evicts)")
     g.add_argument("--kv-remote-timeout", dest="kv_redis_timeout", type=float, default=0.5, metavar="SECONDS",
                    help="socket timeout of each Redis call")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV cache events for KV-aware routers, vLLM's flag: "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\", \"documents\": true}' (documents: also announce "
+                        "each cached document as one block)")
     g.add_argument("--kv-write-policy", choices=("write_through", "write_back"), default="write_through",
                    help="write_through: a document's KV goes down when computed; write_back: when the pool "
                         "evicts it")
@@ -162,6 +168,22 @@ def kv_offload_options(args: argparse.Namespace):
                                redis_timeout_s=args.kv_redis_timeout, write_policy=args.kv_write_policy)
     except ValueError as e:
         raise SystemExit(f"redknot serve: {e}") from None
+
+
+def kv_events_options(args: argparse.Namespace):
+    """KVEventsConfig from --kv-events-config (None when off)."""
+    import json
+
+    from ..cache.events import KVEventsConfig
+    if not args.kv_events_config:
+        return None
+    try:
+        options = json.loads(args.kv_events_config)
+        if not isinstance(options, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        return KVEventsConfig.from_vllm(options)
+    except ValueError as e:  # json.JSONDecodeError is one
+        raise SystemExit(f"redknot serve: --kv-events-config: {e}") from None
 
 
 def selection_options(args: argparse.Namespace):
