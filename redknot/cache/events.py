@@ -1,13 +1,15 @@
 """KV cache events for routers, in vLLM's wire format: ZeroMQ PUB of msgpack ``KVEventBatch``es.
 
-What a KV-aware router (vLLM's production stack, Dynamo, llm-d) subscribes to, so it can follow
-which replica holds which prompt prefix. Each message is three frames: topic, an 8-byte big-endian
-sequence number, and the msgpack batch ``[ts, [event, ...]]`` where an event is an array whose
-first element names its type (vLLM's msgspec structs with ``array_like=True, tag=True``)::
+What a KV-aware router (vllm-router's ``kv_aware`` policy, Dynamo, llm-d) subscribes to, so it can
+follow which replica holds which prompt prefix. Each message is three frames: topic, an 8-byte
+big-endian sequence number, and the msgpack batch as vLLM's msgspec structs encode it: the batch
+an array, each event a map tagged by its ``type`` (the form vllm-router's KV index decodes)::
 
-    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-    ["BlockRemoved", block_hashes, medium]
-    ["AllBlocksCleared"]
+    [ts, [event, ...], data_parallel_rank]
+    {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": int | None, "token_ids": [...],
+     "block_size": int, "lora_id": None, "medium": "GPU", "lora_name": None}
+    {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
+    {"type": "AllBlocksCleared"}
 
 A block is a full page of prompt tokens in the prefix cache; its hash is the first 8 bytes of the
 cache's own chained sha256 key as an unsigned integer (the chain covers every earlier block, so
@@ -19,8 +21,6 @@ A ROUTER socket (``replay_endpoint``) answers a request of a starting sequence n
 big-endian) with every buffered batch from there on, then sequence -1, as vLLM's does.
 Publishing runs on its own thread; the engine only appends to a list.
 """
-
-from __future__ import annotations
 
 import logging
 import threading
@@ -42,17 +42,18 @@ def block_hash(key: bytes | str) -> int:
     return int.from_bytes(raw[:8], "big")
 
 
-def block_stored(hashes, parent, token_ids, block_size: int, medium: str = MEDIUM_GPU) -> list:
-    return ["BlockStored", [int(h) for h in hashes], None if parent is None else int(parent),
-            [int(t) for t in token_ids], int(block_size), None, medium]
+def block_stored(hashes, parent, token_ids, block_size: int, medium: str = MEDIUM_GPU) -> dict:
+    return {"type": "BlockStored", "block_hashes": [int(h) for h in hashes],
+            "parent_block_hash": None if parent is None else int(parent), "token_ids": [int(t) for t in token_ids],
+            "block_size": int(block_size), "lora_id": None, "medium": medium, "lora_name": None}
 
 
-def block_removed(hashes, medium: str = MEDIUM_GPU) -> list:
-    return ["BlockRemoved", [int(h) for h in hashes], medium]
+def block_removed(hashes, medium: str = MEDIUM_GPU) -> dict:
+    return {"type": "BlockRemoved", "block_hashes": [int(h) for h in hashes], "medium": medium}
 
 
-def all_blocks_cleared() -> list:
-    return ["AllBlocksCleared"]
+def all_blocks_cleared() -> dict:
+    return {"type": "AllBlocksCleared"}
 
 
 @dataclass
@@ -113,7 +114,7 @@ class ZmqEventPublisher:
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(config.replay_endpoint)
         self._topic = config.topic.encode()
-        self._pending: list[list] = []
+        self._pending: list[dict] = []
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_batches)
         self._seq = 0
         self._lock = threading.Lock()
@@ -122,7 +123,7 @@ class ZmqEventPublisher:
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
-    def record(self, event: list) -> None:
+    def record(self, event: dict) -> None:
         """Queue one event (the engine's thread; never blocks on the network)."""
         with self._lock:
             self._pending.append(event)
@@ -151,8 +152,8 @@ class ZmqEventPublisher:
                     log.warning("kv events: could not publish %d events: %s", len(events), e)
             self._stop.wait(self.config.interval_s)
 
-    def _send(self, events: list[list]) -> None:
-        payload = msgpack.packb([time.time(), events])
+    def _send(self, events: list[dict]) -> None:
+        payload = msgpack.packb([time.time(), events, 0])
         seq = self._seq
         self._seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))

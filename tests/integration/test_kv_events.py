@@ -26,8 +26,8 @@ def receive(sub, until, timeout_s=10.0) -> list:
     while not until(events):
         assert sub.poll(int(max(0.0, deadline - time.monotonic()) * 1000)), f"no more events; got {events}"
         topic, seq, payload = sub.recv_multipart()
-        ts, batch = msgpack.unpackb(payload)
-        assert isinstance(ts, float) and len(seq) == 8
+        ts, batch, dp_rank = msgpack.unpackb(payload)
+        assert isinstance(ts, float) and dp_rank == 0 and len(seq) == 8
         events += batch
     return events
 
@@ -44,21 +44,23 @@ def test_the_engine_publishes_blocks_and_documents_and_replays_them():
     ps = llm.pool.page_size
     prompt = list(range(300, 300 + 2 * ps + 5))  # two full pages of prompt tokens
     llm.generate(prompt, SamplingParams(max_tokens=1), method="dense")
-    stored = receive(sub, lambda ev: any(e[0] == "BlockStored" for e in ev))
-    e = next(e for e in stored if e[0] == "BlockStored")
-    _, hashes, parent, tokens, block_size, lora, medium = e
+    stored = receive(sub, lambda ev: any(e["type"] == "BlockStored" for e in ev))
+    e = next(e for e in stored if e["type"] == "BlockStored")
     keys = block_keys(f"{llm.fingerprint}/dense", prompt, ps)
-    assert hashes == [block_hash(k) for k in keys[:2]] and parent is None
-    assert tokens == prompt[:2 * ps] and block_size == ps and lora is None and medium == "GPU"
+    assert e["block_hashes"] == [block_hash(k) for k in keys[:2]] and e["parent_block_hash"] is None
+    assert e["token_ids"] == prompt[:2 * ps] and e["block_size"] == ps and e["medium"] == "GPU"
+    assert e["lora_id"] is None and e["lora_name"] is None
 
     doc = list(range(900, 940))
     llm.generate([5, 6, 7], SamplingParams(max_tokens=1), documents=[doc], method="full_reuse")
-    docs = receive(sub, lambda ev: any(e[0] == "BlockStored" and e[3][-len(doc):] == doc for e in ev))
-    d = next(e for e in docs if e[0] == "BlockStored" and e[3][-len(doc):] == doc)
-    assert d[2] is None and d[4] == len(d[3])  # a document is one block of its own length
+    def is_doc(e):
+        return e["type"] == "BlockStored" and e["token_ids"][-len(doc):] == doc
+
+    d = next(e for e in receive(sub, lambda ev: any(is_doc(e) for e in ev)) if is_doc(e))
+    assert d["parent_block_hash"] is None and d["block_size"] == len(d["token_ids"])  # one block, its own length
     llm.engine.clear_caches()
-    gone = receive(sub, lambda ev: any(e[0] == "AllBlocksCleared" for e in ev))
-    assert [d[1][0]] in [e[1] for e in gone if e[0] == "BlockRemoved"]
+    gone = receive(sub, lambda ev: any(e["type"] == "AllBlocksCleared" for e in ev))
+    assert d["block_hashes"] in [e["block_hashes"] for e in gone if e["type"] == "BlockRemoved"]
 
     replay = ctx.socket(zmq.DEALER)  # a REQ socket's envelope, but many replies to one request
     replay.connect(f"tcp://127.0.0.1:{replay_port}")
