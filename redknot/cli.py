@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=_config_make)
 
     from .bench import (capacity as bench_capacity, decode as bench_decode, kernel, offline as bench_offline,
-                        profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, tiers as bench_tiers, ttft)
+                        profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, tier_ttft as bench_tier_ttft, tiers as bench_tiers, ttft)
     from .profile import cli as profile_cli
     from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         (bsub, "profile", "time the head profiler on a random-weight architecture (GPU)", profile_time),
         (bsub, "tiers", "a sustained RAG stream over a document pool larger than the GPU cache, with CPU/disk/Redis "
                         "tiers", bench_tiers),
+        (bsub, "tier-ttft", "TTFT of one many-document request by where its documents come from (GPU, CPU, "
+                            "disk, Redis) against dense", bench_tier_ttft),
         (bsub, "replicas", "repeated-document requests through a router in front of replicas: reuse hit rate",
          bench_replicas),
         (sub, "serve", "OpenAI-compatible server with continuous batching", serve_cli),
