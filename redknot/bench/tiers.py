@@ -142,6 +142,17 @@ def summarize(rows: list[dict], window: int) -> dict:
     return out
 
 
+def doc_kv_bytes(args, model, dev: torch.device) -> int:
+    """Bytes of one document's KV in pool pages (every head, its pages and the first one it shares
+    with the prompt prefix), from the model's config (16-bit on a GPU, float32 on the CPU)."""
+    from ..models.config import ModelConfig
+    from ..models.resolve import bundled_model_path, resolve_model
+    if not isinstance(model, ModelConfig):
+        model = ModelConfig.from_dir(resolve_model(model or bundled_model_path()))
+    pages = model.num_hidden_layers * model.num_key_value_heads * (-(-args.doc_tokens // args.page_size) + 1)
+    return pages * 2 * args.page_size * model.head_dim * (2 if dev.type == "cuda" else 4)
+
+
 def run(args) -> dict:
     from ..engine import LLM
     from ..models.config import ModelConfig
@@ -167,20 +178,16 @@ def run(args) -> dict:
     reference = None
     with tempfile.TemporaryDirectory(prefix="redknot-tiers-") as tmp:
         for variant in variants:
-            probe = LLM(model=model, device=dev, page_size=args.page_size,
-                        dtype=torch.bfloat16 if dev.type == "cuda" and args.arch else None) if docs is None else None
-            if probe is not None:
-                docs, queries = stream(args, probe.config.vocab_size)
-                cfg, pool = probe.config, probe.pool
-                pages_per_doc = cfg.num_hidden_layers * cfg.num_key_value_heads * (-(-args.doc_tokens // args.page_size) + 1)
-                doc_bytes = pages_per_doc * pool.bytes_per_page
-                del probe
-                gc.collect()
-            kv = offload(variant, args, doc_bytes * args.docs, tmp)
-            llm = LLM(model=model, device=dev, page_size=args.page_size, kv_offload=kv,
+            llm = LLM(model=model, device=dev, page_size=args.page_size,
                       dtype=torch.bfloat16 if dev.type == "cuda" and args.arch else None,
-                      chunk_cache_bytes=int(args.pool_share * doc_bytes * args.docs))
-            if kv and "redis_url" in kv:
+                      kv_offload=offload(variant, args, args.docs * doc_kv_bytes(args, model, dev), tmp))
+            cfg = llm.config
+            per_doc = cfg.num_hidden_layers * cfg.num_key_value_heads * (-(-args.doc_tokens // args.page_size) + 1)
+            # the GPU chunk cache's cap, from this pool's own page size (ChunkCache reads it at every insert)
+            llm.chunk_cache.max_pages = int(args.pool_share * args.docs * per_doc)
+            if docs is None:
+                docs, queries = stream(args, cfg.vocab_size)
+            if llm.engine.kv_tiers is not None and llm.engine.kv_tiers.redis is not None:
                 llm.engine.kv_tiers.redis.prefix = f"redknot-bench:{uuid.uuid4().hex}:"
             t0 = time.perf_counter()
             res = run_variant(llm, docs, queries, args.method)
