@@ -78,6 +78,7 @@ def run(args) -> dict:
                 kv.update(disk_dir=args.disk_dir or os.path.join(tmp, "disk"), disk_bytes=1 << 42)
             else:
                 kv["redis_url"] = args.redis_url
+            torch.manual_seed(args.seed)  # random weights (--arch): the same model in every variant
             llm = LLM(model=model, device=dev, dtype=dtype, page_size=args.page_size, kv_offload=kv)
             if variant == "redis":
                 llm.engine.kv_tiers.redis.prefix = f"redknot-bench:{uuid.uuid4().hex}:"
@@ -105,6 +106,10 @@ def run(args) -> dict:
             row = {"variant": variant, "ttft_cold_s": cold, "ttft_gpu_s": float(np.median(gpu)),
                    "ttft_tier_s": float(np.median(tier)), "ttft_dense_s": float(np.median(dense)),
                    "bytes_loaded": int(np.median(loaded)), "tier_hits": dict(llm.chunk_cache.tier_hits)}
+            row["served_from_tier"] = bool(row["bytes_loaded"]) and variant in row["tier_hits"]
+            if not row["served_from_tier"]:  # e.g. a dead Redis: the tier row is a recompute
+                print(f"warning: the {variant} tier served nothing (see its counters: "
+                      f"{json.dumps(tiers.info().get(variant))})", flush=True)
             extra = row["ttft_tier_s"] - row["ttft_gpu_s"]
             row["tier_over_gpu"] = row["ttft_tier_s"] / row["ttft_gpu_s"]
             row["dense_over_tier"] = row["ttft_dense_s"] / row["ttft_tier_s"]
@@ -121,11 +126,12 @@ def run(args) -> dict:
     print(f"\none request of {args.docs} x {args.doc_tokens}-token documents on {result['device']} (median of "
           f"{args.repeats}): TTFT in ms")
     print(f"{'from':<7} {'cold':>8} {'GPU':>8} {'tier':>8} {'dense':>8} {'tier/GPU':>8} {'dense/tier':>10} "
-          f"{'MB loaded':>9} {'GB/s':>6}")
+          f"{'MB loaded':>9} {'GB/s':>6}")  # GB/s: bytes loaded / (tier - GPU TTFT)
     for r in result["rows"]:
         print(f"{r['variant']:<7} {1000 * r['ttft_cold_s']:>8.1f} {1000 * r['ttft_gpu_s']:>8.1f} "
               f"{1000 * r['ttft_tier_s']:>8.1f} {1000 * r['ttft_dense_s']:>8.1f} {r['tier_over_gpu']:>8.2f} "
-              f"{r['dense_over_tier']:>10.2f} {r['bytes_loaded'] / 1e6:>9.1f} {r['load_gb_s']:>6.1f}")
+              f"{r['dense_over_tier']:>10.2f} {r['bytes_loaded'] / 1e6:>9.1f} {r['load_gb_s']:>6.1f}"
+              + ("" if r["served_from_tier"] else "  (not served from the tier)"))
     return result
 
 

@@ -178,6 +178,7 @@ def run(args) -> dict:
     reference = None
     with tempfile.TemporaryDirectory(prefix="redknot-tiers-") as tmp:
         for variant in variants:
+            torch.manual_seed(args.seed)  # random weights (--arch): the same model in every variant
             llm = LLM(model=model, device=dev, page_size=args.page_size,
                       dtype=torch.bfloat16 if dev.type == "cuda" and args.arch else None,
                       kv_offload=offload(variant, args, args.docs * doc_kv_bytes(args, model, dev), tmp))

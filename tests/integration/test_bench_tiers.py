@@ -23,4 +23,4 @@ def test_bench_tier_ttft_loads_the_request_from_its_tier(tmp_path):
                  "--out", str(out)]) == 0
     row = json.loads(out.read_text())["rows"][0]
     assert row["variant"] == "cpu" and row["tier_hits"] == {"cpu": 2}  # both documents (token-id prompts: no prefix piece)
-    assert row["bytes_loaded"] > 0 and row["ttft_tier_s"] > 0 and row["ttft_dense_s"] > 0
+    assert row["served_from_tier"] and row["bytes_loaded"] > 0 and row["ttft_tier_s"] > 0 and row["ttft_dense_s"] > 0
