@@ -80,7 +80,7 @@ class ChunkCache:
             pool.head_dim, pool.num_layers, pool.num_kv_heads)
         self._pin = pool.device.type == "cuda"
         self.tier_hits: dict[str, int] = {}  # lookups the pool missed and a tier served, by tier
-        self.tier_misses = self.tier_no_room = self.written_down = self.write_errors = 0
+        self.tier_misses = self.tier_no_room = self.written_down = self.write_errors = self.fetch_errors = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,6 +102,7 @@ class ChunkCache:
         if self.tiers is not None:
             out["tiers"] = {"hits": dict(self.tier_hits), "misses": self.tier_misses, "no_room": self.tier_no_room,
                             "written_down": self.written_down, "write_errors": self.write_errors,
+                            "fetch_errors": self.fetch_errors,
                             "write_policy": self.write_policy, **self.tiers.info()}
         return out
 
@@ -231,7 +232,7 @@ class ChunkCache:
         try:
             got = self.tiers.fetch(tier_key(key, self.layout), self.layout)
         except Exception as e:  # a tier bug must cost a recompute, not the request
-            self.write_errors += 1
+            self.fetch_errors += 1
             log.warning("chunk cache: tier fetch of %s failed: %s", key, e)
             return None
         if got is None:

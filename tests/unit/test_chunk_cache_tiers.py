@@ -146,3 +146,14 @@ def test_a_zero_cap_cache_loads_nothing_and_an_overflow_is_trimmed_on_refusal():
     assert capped.lookup("a") is not None and capped.num_pages() == 2 * L * H * 3  # past the cap
     assert not capped.put("big", chunk(n=20, seed=4))  # refused (larger than the cap); the overflow goes
     assert capped.num_pages() == L * H * 3 and list(capped._entries) == ["a"]
+
+
+def test_a_failing_fetch_is_a_miss(monkeypatch):
+    t = tiers()
+    cache = ChunkCache(make_pool(), "fp", tiers=t)
+
+    def broken(*_a, **_k):
+        raise OSError("the tier's machine went away")
+
+    monkeypatch.setattr(t, "fetch", broken)
+    assert cache.lookup("a") is None and cache.fetch_errors == 1 and cache.stats()["tiers"]["fetch_errors"] == 1
