@@ -86,7 +86,7 @@ def tier_key(chunk_key: str, layout: Layout) -> str:
     return xxhash.xxh3_128(blob).hexdigest()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two headers are never compared field by field (arrays inside)
 class EntryHeader:
     key: str
     chunk_key: str
@@ -178,7 +178,7 @@ def _segment_sums(payload: torch.Tensor, segment_bytes: int) -> np.ndarray:
     return np.array([xxhash.xxh3_64_intdigest(r) for r in rows], dtype=np.uint64)
 
 
-@dataclass
+@dataclass(eq=False)  # identity, as tiers hold and pass them (``in`` on lists of entries)
 class KVEntry:
     """One chunk's KV on the host: its header and the payload of all or some of its heads.
 
