@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=_config_make)
 
     from .bench import (capacity as bench_capacity, decode as bench_decode, kernel, offline as bench_offline,
-                        profile_time, quality, quality_report, serve as bench_serve, ttft)
+                        profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, tier_ttft as bench_tier_ttft, tiers as bench_tiers, ttft)
     from .profile import cli as profile_cli
     from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli
@@ -195,6 +195,12 @@ def build_parser() -> argparse.ArgumentParser:
         (bsub, "capacity", "long sessions one GPU serves at once per head plan, against the bound (GPU)",
          bench_capacity),
         (bsub, "profile", "time the head profiler on a random-weight architecture (GPU)", profile_time),
+        (bsub, "tiers", "a sustained RAG stream over a document pool larger than the GPU cache, with CPU/disk/Redis "
+                        "tiers", bench_tiers),
+        (bsub, "tier-ttft", "TTFT of one many-document request by where its documents come from (GPU, CPU, "
+                            "disk, Redis) against dense", bench_tier_ttft),
+        (bsub, "replicas", "repeated-document requests through a router in front of replicas: reuse hit rate",
+         bench_replicas),
         (sub, "serve", "OpenAI-compatible server with continuous batching", serve_cli),
         (sub, "profile", "classify every (layer, KV head) of a model and write a head config", profile_cli),
         (sub, "testbed", "synthetic multi-document QA corpus and the testbed model", testbed_cli),

@@ -34,3 +34,51 @@ def anchor_head_config():
     if not path.is_file():
         pytest.skip(f"anchor head config not found at {path} (set REDKNOT_ANCHORS)")
     return path
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A redis-server of the tests' own on a free loopback port: its URL (skips without the binary)."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
+    redis = pytest.importorskip("redis")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir), "--protected-mode", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"redis-server did not start on port {port}")
+            time.sleep(0.05)
+    yield url
+    client.close()
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def dead_redis_url():
+    """A Redis URL on a loopback port nothing listens on (connections are refused at once)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"

@@ -11,10 +11,20 @@ reads the entry (`gather`) and writes relocated K and the same V into its own pa
 pages are only ever read. The cache also speaks the small `get`/`put`/`contains` interface of
 `ChunkStore` (dense `ChunkKV` in and out), which the recovery prefill of the head-aware methods
 reads its chunks through.
+
+Below the pool, optional tiers (``tiers/``: CPU, disk, Redis) keep entries the pool lets go. With
+the write-through policy every entry computed here is also written down at once (so a restart or
+another replica finds it); with write-back only on eviction. An entry the pool evicts is written
+down (no copy when the CPU tier still holds it); a ``lookup`` the pool misses asks the tiers and,
+on a hit, loads the KV into fresh pool pages. A load only takes free pages and evicts no other
+entry (an entry ``lookup`` returned a moment ago may not be pinned yet by its caller): with no
+free pages it is a miss and the caller computes; it may take the cache past ``max_bytes`` until
+the next insert, which evicts back under it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -22,7 +32,12 @@ import numpy as np
 import torch
 
 from .chunk_store import ChunkKV
+from .events import block_hash, block_removed, block_stored
 from .pool import PagePool, PoolExhausted
+from .tiers import KVEntry, Layout, TierStack, plan_digest, tier_key
+from .tiers.entry import dtype_name
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,7 +57,12 @@ class ChunkPages:
 
 
 class ChunkCache:
-    def __init__(self, pool: PagePool, fingerprint: str, max_bytes: int | None = None):
+    def __init__(self, pool: PagePool, fingerprint: str, max_bytes: int | None = None,
+                 tiers: TierStack | None = None, events=None):
+        """``tiers``: where entries go below the pool (None: an evicted entry is gone), written
+        down by its ``write_policy``: "write_through" (every new entry at once) or "write_back"
+        (when the pool evicts it). ``events``: a KV event publisher; with its ``documents`` on,
+        each entry's arrival and departure is announced as one block."""
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes}")
         self.pool, self.fingerprint = pool, fingerprint
@@ -50,6 +70,17 @@ class ChunkCache:
         self._entries: OrderedDict[str, ChunkPages] = OrderedDict()
         self._pages = 0
         self.hits = self.misses = self.evictions = 0
+        self.tiers = tiers
+        self.events = events if events is not None and getattr(events, "documents", False) else None
+        self.write_policy = tiers.write_policy if tiers is not None else None
+        # the chunks' KV is computed under the pool's default plan (every head global, the model's
+        # own windows kept): part of the tiers' key, with the dtype and paging
+        self.layout = None if tiers is None else Layout(
+            fingerprint, plan_digest(*pool.window_sink("default")), dtype_name(pool.dtype), pool.page_size,
+            pool.head_dim, pool.num_layers, pool.num_kv_heads)
+        self._pin = pool.device.type == "cuda"
+        self.tier_hits: dict[str, int] = {}  # lookups the pool missed and a tier served, by tier
+        self.tier_misses = self.tier_no_room = self.written_down = self.write_errors = self.fetch_errors = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -66,17 +97,24 @@ class ChunkCache:
         return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int32)
 
     def stats(self) -> dict:
-        return {"entries": len(self._entries), "pages": self._pages, "bytes": self._pages * self.pool.bytes_per_page,
-                "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
+        out = {"entries": len(self._entries), "pages": self._pages, "bytes": self._pages * self.pool.bytes_per_page,
+               "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
+        if self.tiers is not None:
+            out["tiers"] = {"hits": dict(self.tier_hits), "misses": self.tier_misses, "no_room": self.tier_no_room,
+                            "written_down": self.written_down, "write_errors": self.write_errors,
+                            "fetch_errors": self.fetch_errors,
+                            "write_policy": self.write_policy, **self.tiers.info()}
+        return out
 
     # ------------------------------------------------------------------ entries
 
     def lookup(self, key: str) -> ChunkPages | None:
-        """The entry (most recently used from now on), or None; counts a hit or a miss."""
+        """The entry (most recently used from now on), or None; counts a hit or a miss. A miss
+        asks the tiers below the pool, and an entry one holds comes back into pool pages."""
         entry = self._entries.get(key)
         if entry is None:
             self.misses += 1
-            return None
+            return self._load(key)
         self.hits += 1
         self._entries.move_to_end(key)
         return entry
@@ -94,15 +132,25 @@ class ChunkCache:
         pages = np.ascontiguousarray(pages, dtype=np.int32)
         if (pages < 0).any():
             raise ValueError("a cached chunk needs every (layer, head) page of its span")
+        entry = ChunkPages(tuple(int(t) for t in token_ids), int(start), pages, int(offset))
+        if self.write_policy == "write_through":
+            self._write_down(key, entry, through=True)
         if not self._make_room(pages.size, evict_into_pool=False):
             return False
         self.pool.retain(pages)
-        self._entries[key] = ChunkPages(tuple(int(t) for t in token_ids), int(start), pages, int(offset))
-        self._pages += pages.size
+        self._add(key, entry)
         return True
+
+    def _add(self, key: str, entry: ChunkPages) -> None:
+        self._entries[key] = entry
+        self._pages += entry.pages.size
+        if self.events is not None:
+            self.events.record(block_stored([block_hash(key)], None, entry.token_ids, entry.num_tokens))
 
     def _make_room(self, n_pages: int, evict_into_pool: bool) -> bool:
         if self.max_pages is not None:
+            while self._pages > self.max_pages:  # what tier loads took past the cap
+                self._drop_lru()
             if n_pages > self.max_pages:
                 return False
             while self._pages + n_pages > self.max_pages:
@@ -115,10 +163,14 @@ class ChunkCache:
         return True
 
     def _drop_lru(self) -> None:
-        _, entry = self._entries.popitem(last=False)
-        self._drop(entry)
+        key, entry = self._entries.popitem(last=False)
+        self._drop(key, entry)
 
-    def _drop(self, entry: ChunkPages) -> None:
+    def _drop(self, key: str, entry: ChunkPages, write_down: bool = True) -> None:
+        if write_down:
+            self._write_down(key, entry)
+        if self.events is not None:
+            self.events.record(block_removed([block_hash(key)]))
         self.pool.release(entry.pages)
         self._pages -= entry.pages.size
         self.evictions += 1
@@ -131,12 +183,86 @@ class ChunkCache:
         for key in [k for k in self._entries if k not in keep]:
             if self.pool.num_free_pages - before >= pages_wanted:
                 break
-            self._drop(self._entries.pop(key))
+            self._drop(key, self._entries.pop(key))
         return self.pool.num_free_pages - before
 
     def clear(self) -> None:
+        """Drop every entry from the pool (the tiers below keep what they hold; nothing is written
+        down: a cold start stays cold in the pool)."""
         while self._entries:
-            self._drop_lru()
+            key, entry = self._entries.popitem(last=False)
+            self._drop(key, entry, write_down=False)
+
+    def persist(self) -> int:
+        """Write every pool entry down to the tiers (before a shutdown, with write-back); returns
+        entries written."""
+        if self.tiers is None:
+            return 0
+        before = self.written_down
+        for key, entry in list(self._entries.items()):
+            self._write_down(key, entry, through=True)
+        self.tiers.flush()
+        return self.written_down - before
+
+    # ------------------------------------------------------------------ tiers
+
+    def _write_down(self, key: str, entry: ChunkPages, through: bool = False) -> None:
+        """Keep an entry's KV in the tiers (one device-to-host copy, unless the CPU tier has it);
+        ``through``: a new entry, written to every tier. Never raises: a failure is counted and
+        the entry is only missing from the tiers."""
+        if self.tiers is None:
+            return
+        tkey = tier_key(key, self.layout)
+        try:
+            if self.tiers.has(tkey):
+                return
+            k, v = self.gather(entry)
+            self.tiers.store(KVEntry.build(tkey, key, self.layout, entry.token_ids, entry.start, k, v, self._pin),
+                             through)
+            self.written_down += 1
+        except Exception as e:  # e.g. no host memory left: the pool still evicts
+            self.write_errors += 1
+            log.warning("chunk cache: could not write %s down to the tiers: %s", key, e)
+
+    def _load(self, key: str) -> ChunkPages | None:
+        """The entry from the tiers, loaded into fresh pool pages and cached; None on a miss, a
+        rejected entry (the tier dropped it), or too few free pages."""
+        if self.tiers is None:
+            return None
+        try:
+            got = self.tiers.fetch(tier_key(key, self.layout), self.layout)
+        except Exception as e:  # a tier bug must cost a recompute, not the request
+            self.fetch_errors += 1
+            log.warning("chunk cache: tier fetch of %s failed: %s", key, e)
+            return None
+        if got is None:
+            self.tier_misses += 1
+            return None
+        stored, tier = got
+        h = stored.header
+        if h.chunk_key != key:  # the tier key matched but the entry names another chunk
+            log.warning("chunk cache: tier entry for %s names chunk %s; recomputing", key, h.chunk_key)
+            self.tier_misses += 1
+            return None
+        L, hkv, ps = self.pool.num_layers, self.pool.num_kv_heads, self.pool.page_size
+        n_pages = -(-h.n_tokens // ps)
+        if self.pool.num_free_pages < L * hkv * n_pages or (self.max_pages is not None
+                                                            and L * hkv * n_pages > self.max_pages):
+            self.tier_no_room += 1  # no free pages, or larger than the cache may ever hold
+            return None
+        pages = self.pool.allocate(L * hkv * n_pages).reshape(L, hkv, n_pages)
+        idx = torch.from_numpy(pages.astype(np.int64)).to(self.pool.device)
+        pad = n_pages * ps - h.n_tokens
+        # one host-to-device copy of the whole payload (pinned on CUDA), then K and V are views of it
+        kv = stored.payload.to(self.pool.device, non_blocking=True).view(self.pool.dtype)
+        kv = kv.view(L, hkv, 2, h.n_tokens, self.pool.head_dim)
+        for i, dst in enumerate((self.pool.k_pages, self.pool.v_pages)):
+            x = torch.nn.functional.pad(kv[:, :, i], (0, 0, 0, pad))
+            dst[idx] = x.view(L, hkv, n_pages, ps, self.pool.head_dim)
+        entry = ChunkPages(h.token_ids, h.start, pages, 0)
+        self._add(key, entry)
+        self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
+        return entry
 
     # ------------------------------------------------------------------ K/V
 
@@ -184,6 +310,8 @@ class ChunkCache:
         for src, dst in ((chunk.k, self.pool.k_pages), (chunk.v, self.pool.v_pages)):
             x = torch.nn.functional.pad(src.to(dst.device, dst.dtype), (0, 0, 0, 0, 0, pad))
             dst[idx] = x.view(L, n_pages, ps, h, d).permute(0, 3, 1, 2, 4)
-        self._entries[key] = ChunkPages(chunk.token_ids, chunk.start, pages, 0)
-        self._pages += pages.size
+        entry = ChunkPages(chunk.token_ids, chunk.start, pages, 0)
+        self._add(key, entry)
+        if self.write_policy == "write_through":
+            self._write_down(key, entry, through=True)
         return True

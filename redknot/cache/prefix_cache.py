@@ -19,6 +19,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..visibility import kept_page_mask
+from .events import all_blocks_cleared, block_hash, block_removed, block_stored
 from .pool import PagePool
 
 
@@ -33,8 +34,9 @@ def block_keys(salt: str, token_ids, page_size: int) -> list[bytes]:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, fingerprint: str):
-        self.pool, self.fingerprint = pool, fingerprint
+    def __init__(self, pool: PagePool, fingerprint: str, events=None):
+        """``events``: where block stored/removed events go (``events.ZmqEventPublisher``), or None."""
+        self.pool, self.fingerprint, self.events = pool, fingerprint, events
         self._blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()  # key -> int32 [L, Hkv] pages
         self._pages = 0  # page references the blocks hold
         self.hits = self.queries = 0  # prompt tokens served from the cache / looked up
@@ -77,6 +79,7 @@ class PrefixCache:
         """Cache the full blocks of ``token_ids`` whose pages ``table`` ([L, Hkv, >= blocks]) holds
         (``salt``: the requests' cache namespace; only the same salt matches them)."""
         keys = self._keys(plan, token_ids, salt)
+        new = []
         for b, k in enumerate(keys):
             if k in self._blocks:
                 self._blocks.move_to_end(k)
@@ -87,18 +90,42 @@ class PrefixCache:
             self.pool.retain(pages)
             self._blocks[k] = pages
             self._pages += int((pages >= 0).sum())
+            new.append(b)
+        if self.events is not None and new:
+            self._announce(keys, new, token_ids)
+
+    def _announce(self, keys: list[bytes], new: list[int], token_ids) -> None:
+        """One BlockStored per run of consecutive new blocks, linked to the block before it."""
+        ps = self.pool.page_size
+        runs = [[new[0]]]
+        for b in new[1:]:
+            if b == runs[-1][-1] + 1:
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        for run in runs:
+            parent = block_hash(keys[run[0] - 1]) if run[0] else None
+            tokens = list(token_ids[run[0] * ps:(run[-1] + 1) * ps])
+            self.events.record(block_stored([block_hash(keys[b]) for b in run], parent, tokens, ps))
 
     def evict(self, pages_wanted: int, keep=()) -> int:
         """Drop least recently used blocks until ``pages_wanted`` pages are free; returns pages freed.
         ``keep`` names chunk-cache entries (the caches' common eviction call): no prefix block is one."""
         before = self.pool.num_free_pages
+        gone = []
         while self._blocks and self.pool.num_free_pages - before < pages_wanted:
-            self._drop(self._blocks.popitem(last=False)[1])
+            key, pages = self._blocks.popitem(last=False)
+            self._drop(pages)
+            gone.append(block_hash(key))
+        if self.events is not None and gone:
+            self.events.record(block_removed(gone))
         return self.pool.num_free_pages - before
 
     def clear(self) -> None:
         while self._blocks:
             self._drop(self._blocks.popitem()[1])
+        if self.events is not None:
+            self.events.record(all_blocks_cleared())
 
     def _drop(self, pages: np.ndarray) -> None:
         self.pool.release(pages)

@@ -66,6 +66,8 @@ class Engine:
         self.recovery_share: dict[str, float] = {}
         self._ahead: Ahead | None = None
         self._selection = None
+        self.kv_events = cfg.kv_events.build() if cfg.kv_events is not None else None
+        self.kv_tiers = cfg.kv_offload.build(pin=device.type == "cuda") if cfg.kv_offload is not None else None
         self._build(pages)
         self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
         if cfg.selection is not None and cfg.selection.active:
@@ -81,8 +83,10 @@ class Engine:
         self.pool = build_pool(self.adapter, self.head_config, num_pages, self.cfg.page_size, self.dtype, self.device,
                                self.cfg.max_num_seqs + CHUNK_SLOTS, self.max_model_len, plans)
         self.runner = build_runner(self.adapter, self.pool, self.cfg)
-        self.prefix_cache = PrefixCache(self.pool, self.fingerprint) if self.cfg.enable_prefix_caching else None
-        self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes)
+        self.prefix_cache = (PrefixCache(self.pool, self.fingerprint, self.kv_events)
+                             if self.cfg.enable_prefix_caching else None)
+        self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes, self.kv_tiers,
+                                      self.kv_events)
         self.scheduler = Scheduler(self.pool, self.cfg, self.max_model_len, (self.prefix_cache, self.chunk_cache))
         if scheduler is not None:
             self.scheduler.max_num_seqs, self.scheduler.num_preemptions = scheduler.max_num_seqs, scheduler.num_preemptions
@@ -257,4 +261,5 @@ class Engine:
 
     kv_bytes, request_kv_bytes, stats, capacity, capture_graphs = (
         state.kv_bytes, state.request_kv_bytes, state.stats, state.capacity, state.capture_graphs)
-    resize_pool, clear_caches, idle, pool_pages_for = state.resize_pool, state.clear_caches, state.idle, state.pool_pages_for
+    resize_pool, clear_caches, idle = state.resize_pool, state.clear_caches, state.idle
+    pages_for, pool_pages_for = state.pages_for, state.pool_pages_for

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cache.events import KVEventsConfig
+from ..cache.tiers import KVOffloadConfig
 from ..reuse.options import ReuseOptions
 from .selective import SelectionOptions
 
@@ -38,6 +40,8 @@ class EngineConfig:
     async_decode: bool | None = None
     kernel: str = "auto"  # "triton" on CUDA, "torch" (the reference) on CPU
     chunk_cache_bytes: int | None = None  # cap on the pool bytes cached chunks hold (None: the pool)
+    kv_offload: KVOffloadConfig | None = None  # CPU / disk / Redis tiers under the pool for document KV
+    kv_events: KVEventsConfig | None = None  # vLLM-format KV events (ZeroMQ) for KV-aware routers
     reuse_options: ReuseOptions | None = None
     # Retrieval heads' selected sets and per-head decode budgets (H2O); None: retrieval heads global
     selection: SelectionOptions | None = None

@@ -21,6 +21,12 @@ def request_kv_bytes(engine, outputs=()) -> int:
     return pages * engine.pool.bytes_per_page
 
 
+def pages_for(engine, seq) -> int:
+    """Pages the request holds at its largest (its plan resolved first): ``Scheduler.pages_for``."""
+    engine.prepare_plan(seq)
+    return engine.scheduler.pages_for(seq)
+
+
 def pool_pages_for(engine, seq) -> int:
     """The smallest pool that admits ``seq`` on its own (its plan resolved first): what a harness
     that runs one request at a time sizes its pool by (``resize_pool``)."""

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from ..cache.events import KVEventsConfig
+from ..cache.tiers import KVOffloadConfig
 from ..config import HeadConfig, SparseFFNConfig
 from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolve_model
 from ..models.resolve import bundled_model_path
@@ -58,7 +60,8 @@ class LLM:
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True, async_decode: bool | None = None, gpu_memory_utilization: float = 0.9,
-                 reserve_full_length: bool = True, retrieval_heads: bool = False, decode_kv_budget=None, selection=None, kernel: str = "auto"):
+                 reserve_full_length: bool = True, retrieval_heads: bool = False, decode_kv_budget=None, selection=None, kernel: str = "auto",
+                 kv_offload: KVOffloadConfig | dict | None = None, kv_events: KVEventsConfig | dict | None = None):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
         that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE).
@@ -70,15 +73,16 @@ class LLM:
         ``SelectionOptions`` with every knob (overrides the two above). ``kernel``: the attention
         kernels, "auto" (Triton on CUDA, the torch reference elsewhere), "triton" or "torch".
         ``async_decode``: launch each decode step from the previous one's samples on the device
-        before the host reads them (None: where decode replays CUDA graphs)."""
-        if model is None:  # the checkpoint shipped in the package, as every CLI defaults to
-            model = bundled_model_path()
-        if not isinstance(model, ModelConfig):
-            model = resolve_model(model)  # an HF directory, a .gguf (converted once) or a shelf name
-        if head_config is None and not isinstance(model, ModelConfig) and (Path(model) / "heads.json").is_file():
-            head_config = Path(model) / "heads.json"  # a checkpoint may carry its head config (the bundled one does)
-        if sparse_ffn is None and not isinstance(model, ModelConfig) and (Path(model) / "sparse_ffn.json").is_file():
-            sparse_ffn = Path(model) / "sparse_ffn.json"  # and its sparse-FFN tiers (layer indices are per model)
+        before the host reads them (None: where decode replays CUDA graphs). ``kv_offload``: tiers
+        under the GPU pool for document KV, a ``KVOffloadConfig`` or a dict of its fields
+        (``{"cpu_bytes": 4 << 30, "disk_dir": "/var/cache/kv", "disk_bytes": 100 << 30,
+        "redis_url": "redis://host:6379"}``). ``kv_events``: publish vLLM-format KV events over
+        ZeroMQ for KV-aware routers, a ``KVEventsConfig`` or a dict of its fields
+        (``{"endpoint": "tcp://*:5557", "documents": True}``)."""
+        if isinstance(kv_events, dict):
+            kv_events = KVEventsConfig(**kv_events)
+        kv_offload = KVOffloadConfig.of(kv_offload)  # bad options fail before the model loads
+        model, head_config, sparse_ffn = _resolve(model, head_config, sparse_ffn)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = None if isinstance(model, ModelConfig) else Path(model)
         if isinstance(model, ModelConfig):
@@ -103,7 +107,8 @@ class LLM:
                                  async_decode=async_decode,
                                  chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
                                  reserve_full_length=reserve_full_length, kernel=kernel,
-                                 reuse_options=reuse_options, selection=selection))
+                                 reuse_options=reuse_options, selection=selection, kv_offload=kv_offload,
+                                 kv_events=kv_events))
         self.max_model_len = self.engine.max_model_len
         self.method = self.check_method(method)
 
@@ -244,6 +249,22 @@ class LLM:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (vocab_size={self.config.vocab_size})")
         return ids
+
+
+def _resolve(model, head_config, sparse_ffn):
+    """(model, head config, sparse-FFN tiers): the bundled checkpoint when none is named; an HF
+    directory for a .gguf file or a shelf name; the head config and tiers a checkpoint carries
+    (``heads.json``, ``sparse_ffn.json``: layer indices are per model) when none are given."""
+    if model is None:  # the checkpoint shipped in the package, as every CLI defaults to
+        model = bundled_model_path()
+    if isinstance(model, ModelConfig):
+        return model, head_config, sparse_ffn
+    model = resolve_model(model)
+    if head_config is None and (Path(model) / "heads.json").is_file():
+        head_config = Path(model) / "heads.json"
+    if sparse_ffn is None and (Path(model) / "sparse_ffn.json").is_file():
+        sparse_ffn = Path(model) / "sparse_ffn.json"
+    return model, head_config, sparse_ffn
 
 
 def _load_plans(head_config, sparse_ffn, config) -> tuple[HeadConfig | None, SparseFFNConfig]:

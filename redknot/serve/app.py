@@ -643,6 +643,23 @@ def render_metrics(stats: dict) -> str:
            [({}, stats.get("prefix_cache_pages", 0))])
     metric("redknot_chunk_cache_pages", "gauge", "Pool pages cached document KV holds.",
            [({}, (stats.get("chunk_cache") or {}).get("pages", 0))])
+    tiers = (stats.get("chunk_cache") or {}).get("tiers")
+    if tiers:
+        names = [t for t in ("cpu", "disk", "redis") if t in tiers]
+        for key, kind, help_ in (("hits", "counter", "Document KV reads a tier served (whole or per head)."),
+                                 ("misses", "counter", "Document KV reads a tier did not hold."),
+                                 ("rejected", "counter", "Tier entries read back corrupt or mismatched: dropped and "
+                                                         "recomputed."),
+                                 ("errors", "counter", "Tier operations that failed (I/O, connection)."),
+                                 ("skipped", "counter", "Tier operations not tried (tier disabled or unreachable)."),
+                                 ("bytes_read", "counter", "Payload bytes read from a tier."),
+                                 ("bytes_written", "counter", "Payload bytes written to a tier.")):
+            metric(f"redknot_kv_tier_{key}_total", kind, help_, [({"tier": t}, tiers[t].get(key, 0)) for t in names])
+        held = [t for t in names if "bytes" in tiers[t]]
+        metric("redknot_kv_tier_bytes", "gauge", "Bytes a tier holds (this process's view).",
+               [({"tier": t}, tiers[t]["bytes"]) for t in held])
+        metric("redknot_kv_tier_loads_total", "counter", "Pool misses served by loading document KV from a tier.",
+               [({"tier": t}, n) for t, n in tiers.get("hits", {}).items()])
     return "\n".join(lines) + "\n"
 
 

@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the memory profile sizes the activations for it; default 4 x max-num-batched-tokens)")
     p.add_argument("--chunk-cache-bytes", type=int, default=None,
                    help="pool bytes cached document KV may hold at most (default: as much as the pool has free)")
+    add_offload_arguments(p)
     p.add_argument("--retrieval-heads", action="store_true",
                    help="serve the head config's retrieval heads as sink + window + the prompt tokens covering "
                         "its retrieval_top_p of the observation window's attention (default: as global heads)")
@@ -89,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_recovery_rows=args.max_recovery_rows,
-              chunk_cache_bytes=args.chunk_cache_bytes,
+              chunk_cache_bytes=args.chunk_cache_bytes, kv_offload=kv_offload_options(args),
+              kv_events=kv_events_options(args),
               gpu_memory_utilization=args.gpu_memory_utilization, selection=selection_options(args))
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
@@ -114,6 +116,74 @@ def run(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def byte_size(text: str) -> int:
+    """Bytes from an integer with an optional binary suffix: 512, 64K, 8G, 1.5T."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in units else ""
+    try:
+        value = float(t[:len(t) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 512, 64K, 8G)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a byte size is >= 0, got {text!r}")
+    return int(value)
+
+
+def add_offload_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV offload (document KV tiers under the GPU pool)")
+    g.add_argument("--kv-offload-cpu-bytes", "--kv-cpu-bytes", dest="kv_cpu_bytes", type=byte_size, default=0,
+                   metavar="BYTES", help="host memory for document KV the pool evicts (pinned on CUDA; e.g. 16G)")
+    g.add_argument("--kv-disk-dir", default=None, help="directory of the disk tier (one file per document; "
+                   "found again after a restart)")
+    g.add_argument("--kv-disk-bytes", type=byte_size, default=0, metavar="BYTES",
+                   help="bytes the disk tier holds at most (needed with --kv-disk-dir)")
+    g.add_argument("--kv-remote", "--kv-redis-url", dest="kv_redis_url", default=None, metavar="URL",
+                   help="Redis/Valkey tier shared by replicas, redis://host:port/db (a dead server is skipped)")
+    g.add_argument("--kv-remote-ttl", dest="kv_redis_ttl", type=float, default=None, metavar="SECONDS",
+                   help="expiry of entries written to the Redis tier (default: none; the server's maxmemory "
+                        "policy evicts)")
+    g.add_argument("--kv-remote-timeout", dest="kv_redis_timeout", type=float, default=0.5, metavar="SECONDS",
+                   help="socket timeout of each Redis call")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV cache events for KV-aware routers, vLLM's flag: "
+                        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\", \"documents\": true}' (documents: also announce "
+                        "each cached document as one block)")
+    g.add_argument("--kv-write-policy", choices=("write_through", "write_back"), default="write_through",
+                   help="write_through: a document's KV goes down when computed; write_back: when the pool "
+                        "evicts it")
+
+
+def kv_offload_options(args: argparse.Namespace):
+    """KVOffloadConfig from the --kv-* flags (None when no tier is asked for)."""
+    from ..cache.tiers import KVOffloadConfig
+    if not (args.kv_cpu_bytes or args.kv_disk_dir or args.kv_redis_url):
+        return None
+    try:
+        return KVOffloadConfig(cpu_bytes=args.kv_cpu_bytes, disk_dir=args.kv_disk_dir, disk_bytes=args.kv_disk_bytes,
+                               redis_url=args.kv_redis_url, redis_ttl_s=args.kv_redis_ttl,
+                               redis_timeout_s=args.kv_redis_timeout, write_policy=args.kv_write_policy)
+    except ValueError as e:
+        raise SystemExit(f"redknot serve: {e}") from None
+
+
+def kv_events_options(args: argparse.Namespace):
+    """KVEventsConfig from --kv-events-config (None when off)."""
+    import json
+
+    from ..cache.events import KVEventsConfig
+    if not args.kv_events_config:
+        return None
+    try:
+        options = json.loads(args.kv_events_config)
+        if not isinstance(options, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        return KVEventsConfig.from_vllm(options)
+    except ValueError as e:  # json.JSONDecodeError is one
+        raise SystemExit(f"redknot serve: --kv-events-config: {e}") from None
 
 
 def selection_options(args: argparse.Namespace):
