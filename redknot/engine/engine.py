@@ -46,7 +46,7 @@ from ..reuse.methods import REUSE_METHODS, ReuseEngine, ReuseOptions
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .recovery_batch import RecoveryRows
-from .sampling import sample
+from .sampling import Logprobs, needs_each_sample, sample
 from .selective import HeadSelection, SelectionOptions
 from .sequence import Sequence
 
@@ -493,6 +493,8 @@ class Engine:
             self.waiting.popleft()
             self.pool.add_sequence(seq.seq_id, seq.plan)
             self.running.append(seq)
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.perf_counter()
             seq.committed_pages = steady
             self._committed += steady
             if chunked:
@@ -855,7 +857,8 @@ class Engine:
         step (none waits, or every slot is taken). A step the head selection needs is not
         launched ahead (``_launch_ahead``)."""
         return (self.async_decode and decoding == len(self.running)
-                and (not self.waiting or len(self.running) >= self.max_num_seqs))
+                and (not self.waiting or len(self.running) >= self.max_num_seqs)
+                and not any(needs_each_sample(s) for s in self.running))
 
     def _launch_ahead(self, plan: str, seqs: list[Sequence], tokens: torch.Tensor) -> _Ahead | None:
         """Launch the decode of ``tokens`` (sampled on the device, one per sequence, not yet
@@ -884,8 +887,9 @@ class Engine:
         for s, row in zip(seqs, logits):
             if s.params.return_first_logits and s.first_logits is None:
                 s.first_logits = row.float().cpu()
+        logprobs = Logprobs(logits, [s.params for s in seqs])  # before sample() masks the logits
         try:
-            sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+            sampled = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.grammar for s in seqs])
             on_way = sampled
             if plan is not None:  # copy these out first, so reading them does not wait for the next step
                 on_way = _TokensToHost(sampled)
@@ -895,10 +899,11 @@ class Engine:
             tokens = []
             for s, row in zip(seqs, logits):
                 try:
-                    tokens.append(sample(row[None], [s.params], [s.generator]).item())
+                    tokens.append(sample(row[None], [s.params], [s.generator], [s.grammar]).item())
                 except Exception as e:
                     self._fail(s, e, outputs)
                     tokens.append(None)
+        logprobs.record(seqs, tokens)
         self._take_tokens(seqs, tokens, outputs)
 
     def _take_tokens(self, seqs: list[Sequence], tokens: list, outputs: list[StepOutput]) -> None:

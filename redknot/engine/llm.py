@@ -29,6 +29,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list | None = None  # with SamplingParams(logprobs=k): per token (logprob, [(token, logprob)] top-k)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class LLM:
         self.max_model_len = self.engine.max_model_len
         self.reuse = self.engine.reuse
         self.method = self.check_method(method)
+        self._grammars = None
 
     @property
     def pool(self):
@@ -138,7 +140,18 @@ class LLM:
         seq = Sequence(ids, params, method=method, chunked_prompt=cp, cache_salt=cache_salt)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.structured_outputs is not None:  # compiled here (cached), never in the step loop
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         return seq
+
+    @property
+    def grammars(self):
+        """The structured-output grammar cache of this model's tokenizer (made on first use)."""
+        if self._grammars is None:
+            from .structured import GrammarCache
+
+            self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size, self.config.eos_token_ids)
+        return self._grammars
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  documents=None, method: str | None = None, use_tqdm: bool = False,
@@ -181,7 +194,7 @@ class LLM:
             metrics = {"cached_tokens": s.cached_tokens, "flops": s.flops,
                        "time_to_first_token": s.first_token_time - start, "preemptions": s.num_preemptions}
             outputs.append(RequestOutput(i, prompt if isinstance(prompt, str) else None, s.prompt_token_ids,
-                                         [CompletionOutput(0, s.text, s.output_token_ids, s.finish_reason)],
+                                         [CompletionOutput(0, s.text, s.output_token_ids, s.finish_reason, s.logprobs)],
                                          metrics, s.first_logits))
         return outputs
 
