@@ -208,8 +208,9 @@ def test_bad_requests_get_openai_errors(server):
         (400, dict(json={**good, "max_tokens": 0})),
         (400, dict(json={**good, "max_tokens": 5000})),
         (400, dict(json={**good, "method": "magic"})),
-        (400, dict(json={**good, "n": 2})),
-        (400, dict(json={**good, "stream": True, "n": 2})),
+        (400, dict(json={**good, "n": 0})),
+        (400, dict(json={**good, "stream": True, "n": 17})),
+        (400, dict(json={**good, "frequency_penalty": 0.5})),
         (400, dict(json={**good, "documents": ["a doc"],
                          "messages": good["messages"] + [{"role": "assistant", "content": "Hi."}]})),
         (400, dict(json={**good, "documents": "a doc"})),
@@ -217,7 +218,9 @@ def test_bad_requests_get_openai_errors(server):
         (400, dict(json={**good, "max_tokens": 700, "method": "headsparse"})),  # needs > 128 pages: never fits
         (400, dict(json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4}, url="/v1/completions")),
         (400, dict(json={"model": MODEL, "prompt": [], "max_tokens": 4}, url="/v1/completions")),
-        (400, dict(json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 4}, url="/v1/completions")),
+        (400, dict(json={"model": MODEL, "prompt": ["a", []], "max_tokens": 4}, url="/v1/completions")),
+        (400, dict(json={"model": MODEL, "prompt": "a", "suffix": "b", "max_tokens": 4}, url="/v1/completions")),
+        (400, dict(json={"model": MODEL, "prompt": "a", "best_of": 3, "max_tokens": 4}, url="/v1/completions")),
     ]
     for status, kw in cases:
         target = server.base + kw.pop("url") if "url" in kw else url
@@ -226,7 +229,8 @@ def test_bad_requests_get_openai_errors(server):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"], err
     with pytest.raises(openai.BadRequestError):
-        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2)
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              presence_penalty=1.0)
     with pytest.raises(openai.NotFoundError):
         server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
     r = httpx.post(url, json=good)  # the server keeps serving
