@@ -110,7 +110,7 @@ def test_an_attackers_sampling_values_leave_neighbours_unchanged(server, monkeyp
 def test_errors_keep_the_connection_usable(server, monkeypatch):
     """400s keep the keep-alive connection; an unexpected 500 has a clean body (no internal text)
     and says Connection: close, so the client's next request opens a fresh connection."""
-    bad = ['"temperature": NaN', '"top_p": 5e-324', '"logit_bias": {"5": 10}', '"n": 2']
+    bad = ['"temperature": NaN', '"top_p": 5e-324', '"logit_bias": {"5": 10}', '"n": 17']
     with httpx.Client(base_url=server.base, headers=server.auth, timeout=60) as c:
         for i in range(12):
             body = json.dumps(chat(max_tokens=2))[:-1] + ", " + bad[i % len(bad)] + "}"
