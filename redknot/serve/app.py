@@ -37,6 +37,7 @@ from ..engine.engine import RequestTooLarge
 from ..engine.sampling import SamplingParams
 from ..engine.structured import StructuredOutputs
 from . import tools as tl
+from .metrics import ServerMetrics
 from .choices import ChatStream, Choice, TokenText, ToolMode, chat_choice, completion_choice, merge
 from .protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                        CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
@@ -229,7 +230,8 @@ class _Server:
         self.tool_parser = tool_parser
         self.token_text = TokenText(self.llm.tokenizer)
         self.errors = 0  # requests that failed inside the server (5xx)
-
+        self.metrics = ServerMetrics(engine, model_name, lambda: self.errors)
+        engine.observer = self.metrics
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist (serving `{self.model_name}`).",
@@ -520,8 +522,7 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
              responses={200: {"description": "Prometheus text exposition format 0.0.4",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
-        return PlainTextResponse(render_metrics(srv.engine.stats()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 # ---- guard, errors, schema ---------------------------------------------------------------------
@@ -769,60 +770,3 @@ def _stream_error(what: str, e: Exception) -> str:
     eid = _log_failure(what, e.__cause__ if isinstance(e, RequestFailed) and e.__cause__ else e)
     return _sse({"error": {"message": f"the request failed inside the server (error id {eid})",
                            "type": "server_error", "param": None, "code": None}})
-
-
-# ---- metrics ----------------------------------------------------------------------------------
-
-def render_metrics(stats: dict) -> str:
-    """Prometheus text exposition (format 0.0.4) of ``AsyncLLMEngine.stats()``."""
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples):
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-            lines.append(f"{name}{label} {_num(value)}")
-
-    count = stats.get("ttft_count", 0)
-    buckets = [({"le": _num(float(b))}, n) for b, n in stats.get("ttft_buckets", [])] + [({"le": "+Inf"}, count)]
-    name = "redknot_time_to_first_token_seconds"
-    lines += [f"# HELP {name} Time from a request's arrival to its first generated token.",
-              f"# TYPE {name} histogram"]
-    lines += [f'{name}_bucket{{le="{lab["le"]}"}} {n}' for lab, n in buckets]
-    lines += [f"{name}_sum {_num(float(stats.get('ttft_sum', 0.0)))}", f"{name}_count {count}"]
-
-    uptime = max(stats.get("uptime_s", 0.0), 1e-9)
-    generated = stats.get("generated_tokens", 0)
-    metric("redknot_generation_tokens_total", "counter", "Tokens generated since start.", [({}, generated)])
-    metric("redknot_generation_tokens_per_second", "gauge", "Tokens generated per second since start.",
-           [({}, generated / uptime)])
-    metric("redknot_reused_chunk_tokens_total", "counter", "Prompt tokens served from the chunk cache.",
-           [({}, stats.get("reused_tokens", 0))])
-    metric("redknot_requests_finished_total", "counter", "Requests that finished (not aborted).",
-           [({}, stats.get("requests_finished", 0))])
-    metric("redknot_requests_running", "gauge", "Requests running (prefilled, decoding).",
-           [({}, stats.get("running", 0))])
-    metric("redknot_requests_waiting", "gauge", "Requests waiting for admission.", [({}, stats.get("waiting", 0))])
-    metric("redknot_kv_cache_bytes", "gauge", "Device bytes of KV held by running requests.",
-           [({}, stats.get("kv_bytes", 0))])
-    pool = stats.get("pool_pages") or {}
-    if pool:
-        metric("redknot_kv_pool_pages", "gauge", "SegPaged KV pool pages in use, by the owner head's class.",
-               [({"head_class": c}, pool.get(c, 0)) for c in ("global", "local")])
-        metric("redknot_kv_pool_free_pages", "gauge", "SegPaged KV pool pages free.", [({}, pool.get("free", 0))])
-        metric("redknot_kv_pool_total_pages", "gauge", "SegPaged KV pool size in pages.", [({}, pool.get("total", 0))])
-        page = stats.get("page_bytes", 0)
-        metric("redknot_kv_pool_bytes", "gauge", "SegPaged KV pool bytes in use, by the owner head's class.",
-               [({"head_class": c}, pool.get(c, 0) * page) for c in ("global", "local")])
-    metric("redknot_requests_preempted_total", "counter", "Requests preempted (pages freed, re-queued).",
-           [({}, stats.get("preemptions", 0))])
-    metric("redknot_prefix_cache_pages", "gauge", "Pool pages the prefix cache references.",
-           [({}, stats.get("prefix_cache_pages", 0))])
-    metric("redknot_chunk_cache_pages", "gauge", "Pool pages cached document KV holds.",
-           [({}, (stats.get("chunk_cache") or {}).get("pages", 0))])
-    return "\n".join(lines) + "\n"
-
-
-def _num(x) -> str:
-    return repr(float(x)) if isinstance(x, float) else str(x)

@@ -140,6 +140,7 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None  # extension (as in vLLM): token ids that end the output
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # extension (as in vLLM)
     n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = Field(default=None, ge=1)  # only as many as n: choices are not ranked
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -172,6 +173,13 @@ class _SamplingRequest(_Request):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of equal to n is supported (got best_of={self.best_of}, "
+                             f"n={self.n}); omit it")
         return self
 
     @model_validator(mode="after")
@@ -343,7 +351,6 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
 
     @field_validator("suffix")
     @classmethod
@@ -351,13 +358,6 @@ class CompletionRequest(_SamplingRequest):
         if v:
             raise ValueError("suffix: not supported by this server (fill-in-the-middle); omit it")
         return v
-
-    @model_validator(mode="after")
-    def _best_of(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of: only best_of equal to n is supported (got best_of={self.best_of}, "
-                             f"n={self.n}); omit it")
-        return self
 
     def prompts(self) -> list:
         """The request's prompts: each a string or a list of token ids."""
