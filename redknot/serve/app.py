@@ -27,6 +27,7 @@ from typing import AsyncIterator
 
 import torch
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -165,10 +166,15 @@ def _add_token_routes(app: FastAPI, srv: "_Server") -> None:
         srv.check_model(req.model)
         tok = srv.llm.tokenizer
         if req.messages is not None:
-            chat = ChatCompletionRequest(model=req.model, messages=req.messages, chat_template=req.chat_template,
-                                         chat_template_kwargs=req.chat_template_kwargs,
-                                         add_generation_prompt=req.add_generation_prompt,
-                                         continue_final_message=req.continue_final_message)
+            try:
+                chat = ChatCompletionRequest(model=req.model, messages=req.messages, chat_template=req.chat_template,
+                                             chat_template_kwargs=req.chat_template_kwargs,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)
+            except ValidationError as e:
+                msg = str(e.errors()[0].get("msg", "invalid request")).removeprefix("Value error, ")
+                param = msg.split(":", 1)[0] if ": " in msg and msg.split(":", 1)[0].isidentifier() else None
+                raise APIError(400, msg, param=param) from None
             ids, _ = await asyncio.get_running_loop().run_in_executor(srv.pool, _chat_prompt, srv.llm, chat)
         else:
             ids = await asyncio.get_running_loop().run_in_executor(

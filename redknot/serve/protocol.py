@@ -50,9 +50,19 @@ UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False),
+    "add_special_tokens": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
 }
+
+
+# Fields of the OpenAI and vLLM request bodies that never change the answer, so they are accepted
+# and ignored (docs/serving.md lists them beside the honoured and the refused ones).
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                  "request_id", "priority")
 
 
 def _check_number(v: Any, where: str) -> None:
