@@ -366,20 +366,32 @@ class _Server:
         eid = _log_failure("request failed in the engine", cause or e)
         return APIError(500, f"the request failed inside the engine (error id {eid})", type="server_error")
 
-    async def start(self, request: Request, seqs) -> tuple[list, list]:
+    async def start(self, request: Request, seqs, n: int = 1) -> tuple[list, list]:
         """Submit every choice's sequence and wait for each one's first delta: input errors surface
-        here as 4xx/503. Returns (streams, engine generators): each stream yields its deltas."""
-        gens = [self.engine.generate(sequence=s) for s in seqs]
+        here as 4xx/503. With ``n`` > 1 the first choice of each prompt runs first: once it has its
+        first token, its prompt's KV is in the prefix cache (documents in the chunk cache), so the
+        other choices map those pages instead of computing them again. Returns (streams, engine
+        generators): each stream yields its deltas."""
+        gens = [None] * len(seqs)
+        firsts = [None] * len(seqs)
+        waves = [list(range(0, len(seqs), n))] + ([[i for i in range(len(seqs)) if i % n]] if n > 1 else [])
         try:
-            firsts = await _unless_disconnected(
-                request, asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True))
+            for wave in waves:
+                for i in wave:
+                    gens[i] = self.engine.generate(sequence=seqs[i])
+                got = await _unless_disconnected(
+                    request, asyncio.gather(*(gens[i].__anext__() for i in wave), return_exceptions=True))
+                for i, f in zip(wave, got):
+                    firsts[i] = f
+                err = next((f for f in got if isinstance(f, BaseException)), None)
+                if err is not None:
+                    break
         except _ClientGone:
-            await _close(gens)
+            await _close([g for g in gens if g is not None])
             raise
-        err = next((f for f in firsts if isinstance(f, BaseException)), None)
         if err is not None:
-            await _close(gens)
-            self.errors += 1
+            await _close([g for g in gens if g is not None])
+            self.errors += not isinstance(err, (ValueError, TypeError, EngineOverloaded))
             try:
                 raise err
             except RequestFailed as e:
@@ -446,7 +458,7 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         seqs = await srv.tokenize(request, req)
-        streams, gens = await srv.start(request, seqs)
+        streams, gens = await srv.start(request, seqs, req.n)
         rid, created, mode = new_id("chatcmpl"), now(), srv.tool_mode(req)
         # echo: the last message's content leads the answer when it is the assistant's (vLLM)
         echo = req.messages[-1].text if req.echo and req.messages[-1].role == "assistant" else ""
@@ -486,7 +498,7 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
         prompts = req.prompts()
         # no documents and an empty list are the same request (a raw prompt, no chat template)
         seqs = await srv.tokenize(request, req, prompts, req.document_texts() or None)
-        streams, gens = await srv.start(request, seqs)
+        streams, gens = await srv.start(request, seqs, req.n)
         rid, created = new_id("cmpl"), now()
         tok = srv.llm.tokenizer
         echoes = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts for _ in range(req.n)]

@@ -38,7 +38,7 @@ def server(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     srv = BackgroundServer(AsyncLLMEngine(LLM(model=path, **LLM_KW), max_num_seqs=16), MODEL)
     ns = type("Server", (), {})()
-    ns.base, ns.ref = srv.base, LLM(model=path, **LLM_KW)
+    ns.base, ns.ref, ns.engine = srv.base, LLM(model=path, **LLM_KW), srv.engine.engine
     ns.client = openai.OpenAI(base_url=f"{srv.base}/v1", api_key="x", max_retries=0)
     yield ns
     srv.stop()
@@ -82,6 +82,7 @@ def test_n_greedy_choices_and_logprobs_match_the_first_token_logits(server):
     messages = [{"role": "user", "content": "Who founded Varna?"}]
     ids = chat_ids(server.ref.tokenizer, messages, add_generation_prompt=True)
     single = greedy_text(server.ref, ids, 5)
+    hits = server.engine.prefix_cache.hits
     r = server.client.chat.completions.create(model=MODEL, messages=messages, n=4, max_tokens=5, temperature=0,
                                               logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
     assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
@@ -96,6 +97,9 @@ def test_n_greedy_choices_and_logprobs_match_the_first_token_logits(server):
         assert [t.token for t in first.top_logprobs] == [server.ref.tokenizer.decode([i]) for i in top.indices.tolist()]
         assert "".join(t.token for t in ch.logprobs.content) == single
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 20
+    # the first choice prefills; the other three map its full prompt pages from the prefix cache
+    page = server.engine.pool.page_size
+    assert server.engine.prefix_cache.hits - hits >= 3 * ((len(ids) - 1) // page * page) > 0
     # completions: the legacy shape, streamed the same as not
     kw = dict(model=MODEL, prompt="The quick brown fox", max_tokens=4, temperature=0, logprobs=2,
               extra_body={"ignore_eos": True})
