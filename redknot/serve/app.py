@@ -434,7 +434,7 @@ class _Server:
 
     def card(self) -> ModelCard:
         """The model card; ``max_model_len`` is the most a request of the default method can hold."""
-        return ModelCard(id=self.model_name, max_model_len=self.llm.max_context())
+        return ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.llm.max_context())
 
 
 def _add_routes(app: FastAPI, srv: _Server) -> None:

@@ -554,6 +554,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "redknot"
+    root: str | None = None  # vLLM's: the model the name serves
+    parent: str | None = None
     max_model_len: int
 
 
