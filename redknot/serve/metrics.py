@@ -20,6 +20,7 @@ LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    480.0, 960.0, 1920.0, 7680.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 P = "redknot:"
+_MAX_TRACKED = 1 << 16  # timing entries kept (two per request in flight)
 
 
 class ServerMetrics:
@@ -80,6 +81,8 @@ class ServerMetrics:
         if new_tokens > 0:
             self._last.setdefault(-seq.seq_id - 1, now)  # the first token's time, under a key of its own
             self._last[seq.seq_id] = now
+            while len(self._last) > _MAX_TRACKED:  # aborted requests never finish here: drop the oldest
+                del self._last[next(iter(self._last))]
         if seq.finish_reason is not None:
             first = self._last.pop(-seq.seq_id - 1, now)
             self._last.pop(seq.seq_id, None)
