@@ -333,8 +333,12 @@ class _Server:
         return seqs
 
     def _sequence(self, req, prompt, documents, params, salt, param):
+        method = req.method
+        if method == "auto":  # the best reuse method this model runs, whatever the server's default
+            from .cli import default_method
+            method = default_method(self.llm)
         try:
-            seq = self.llm.make_sequence(prompt, params, documents, req.method, cache_salt=salt)
+            seq = self.llm.make_sequence(prompt, params, documents, method, cache_salt=salt)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="method" if "method" in str(e) else param) from None
         total, most_prompt = self.llm.context_limits(seq.method)

@@ -225,3 +225,8 @@ def test_chat_template_options_and_token_endpoints(server):
                                           "documents": ["Varna\nIlsa Torv founded it.", docs[1]]})
     assert r1.status_code == 200 and r1.json()["choices"][0]["text"] == r2.json()["choices"][0]["text"]
     assert r1.json()["usage"]["prompt_tokens"] == r2.json()["usage"]["prompt_tokens"]
+    # method "auto": the model's best reuse method (cacheblend without a head config): the documents are reused
+    auto = {"prompt": "Who?", "max_tokens": 3, "temperature": 0, "documents": docs, "method": "auto"}
+    assert post(server, "/v1/completions", auto).status_code == 200
+    r3 = post(server, "/v1/completions", auto)
+    assert r3.status_code == 200 and r3.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, r3.text
