@@ -146,8 +146,27 @@ def apply_grammars(logits: torch.Tensor, grammars: list) -> None:
     if logits.device.type != "cpu":
         bitmask = bitmask.to(logits.device, non_blocking=True)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab, logits.shape[-1]), indices=rows)
+    groups: dict[int, list[int]] = {}  # rows by the token set they forbid (one set per tokenizer)
+    for i in rows:
+        forbid = grammars[i].forbid
+        if forbid is not None and forbid.numel():
+            groups.setdefault(id(forbid), []).append(i)
     with torch.inference_mode():  # the model's logits are inference tensors
-        for i in rows:
-            forbid = grammars[i].forbid
-            if forbid is not None and forbid.numel():
-                logits[i].index_fill_(0, forbid.to(logits.device, non_blocking=True), float("-inf"))
+        for members in groups.values():
+            forbid = _on(grammars[members[0]].forbid, logits.device)
+            idx = torch.tensor(members, device=logits.device)
+            logits[idx[:, None], forbid[None, :]] = float("-inf")
+
+
+_device_copies: dict = {}
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, copied once per tensor and device."""
+    if t.device == device:
+        return t
+    key = (id(t), str(device))
+    hit = _device_copies.get(key)
+    if hit is None or hit[0] is not t:
+        hit = _device_copies[key] = (t, t.to(device))
+    return hit[1]
