@@ -230,3 +230,28 @@ def test_chat_template_options_and_token_endpoints(server):
     assert post(server, "/v1/completions", auto).status_code == 200
     r3 = post(server, "/v1/completions", auto)
     assert r3.status_code == 200 and r3.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, r3.text
+
+
+def test_streamed_choices_interleave_and_a_client_that_leaves_frees_them_all(server):
+    messages = [{"role": "user", "content": "Who founded Varna?"}]
+    ids = chat_ids(server.ref.tokenizer, messages, add_generation_prompt=True)
+    single = greedy_text(server.ref, ids, 6)
+    chunks = list(server.client.chat.completions.create(
+        model=MODEL, messages=messages, n=3, max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    for i in range(3):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(c.delta.content or "" for c in mine) == single
+    assert chunks[-1].usage.completion_tokens == 18 and chunks[-1].usage.prompt_tokens == len(ids)
+    with server.client.chat.completions.create(model=MODEL, messages=messages, n=3, max_tokens=400, stream=True,
+                                               extra_body={"ignore_eos": True}) as stream:
+        it = iter(stream)
+        for _ in range(6):
+            next(it)
+        assert server.engine.has_unfinished()
+    import time
+    deadline = time.time() + 10
+    while not server.engine.idle() and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.engine.idle(), server.engine.pool.occupancy()
