@@ -124,15 +124,17 @@ def completion_choice(c: Choice, text_of: TokenText, want_logprobs: bool, echo: 
 
 
 class ChatStream:
-    """The stream chunks of one chat choice: content as it comes, tool calls as deltas (a named
-    call's arguments stream as generated; other calls are sent whole once the output ends, the
-    text that may hold them held back meanwhile), logprobs with the tokens of each chunk."""
+    """The stream chunks of one chat choice: content as it comes, tool calls as deltas (a forced
+    call's name as soon as it is written and its arguments as they are generated; calls parsed
+    from free text (``auto``) whole once the output ends, the text that may hold them held back
+    meanwhile), logprobs with the tokens of each chunk."""
 
     def __init__(self, index: int, mode: ToolMode, text_of: TokenText, want_logprobs: bool):
         self.index, self.mode, self.text_of, self.want_logprobs = index, mode, text_of, want_logprobs
         self.choice = Choice(index)
         self.sent = 0  # characters of choice.text sent as content (or streamed arguments)
         self.call_id = tl.Call("", "").id
+        self.forced_sent: list[list] = []  # required: per call [id, characters of its arguments sent]
 
     def first(self, echo: str = "") -> list[ChatChunkChoice]:
         out = [ChatChunkChoice(index=self.index, delta=DeltaMessage(role="assistant", content=""))]
@@ -150,6 +152,15 @@ class ChatStream:
         lp = ChoiceLogprobs(content=self.text_of.chat(d.logprobs or [], d.token_ids)) if self.want_logprobs else None
         out = []
         named = self.mode.forced and not isinstance(self.mode.choice, str)
+        if self.mode.choice == "required":
+            calls = self._forced_deltas()
+            if calls or lp:
+                out.append(ChatChunkChoice(index=self.index, logprobs=lp, delta=DeltaMessage(tool_calls=calls or None)))
+            if c.finish_reason is not None:
+                done = tl.forced_calls(c.text, "required")
+                out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(),
+                                           finish_reason=self.mode.finish_reason(c.finish_reason, done)))
+            return out
         if named:  # the output is the arguments: stream them
             piece = c.text[self.sent:]
             self.sent = len(c.text)
@@ -173,6 +184,22 @@ class ChatStream:
                 out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(), logprobs=lp))
         if c.finish_reason is not None:
             out += self._finish(named)
+        return out
+
+    def _forced_deltas(self) -> list[DeltaToolCall]:
+        """New pieces of a ``required`` output's calls: each call's id and name once written, then
+        its arguments as they grow."""
+        text, out = self.choice.text, []
+        for k, (name, start, end) in enumerate(tl.scan_forced(text)):
+            if k == len(self.forced_sent):
+                self.forced_sent.append([tl.Call(name, "").id, start])
+                out.append(DeltaToolCall(index=k, id=self.forced_sent[k][0], type="function",
+                                         function=DeltaFunctionCall(name=name, arguments="")))
+            upto = len(text) if end is None else end
+            sent = self.forced_sent[k][1]
+            if upto > sent:
+                out.append(DeltaToolCall(index=k, function=DeltaFunctionCall(arguments=text[sent:upto])))
+                self.forced_sent[k][1] = upto
         return out
 
     def _finish(self, named: bool) -> list[ChatChunkChoice]:

@@ -57,6 +57,60 @@ def forced_calls(text: str, tool_choice) -> list[Call]:
             if isinstance(c, dict) and "name" in c and "parameters" in c]
 
 
+_CALL_HEAD = '{"name": '
+_PARAMS = ', "parameters": '
+
+
+def scan_forced(text: str) -> list[tuple[str, int, int | None]]:
+    """The calls of a ``required`` output so far, as its grammar writes them (compact JSON, keys
+    in schema order): (name, where its parameters start, where they end or None while they run).
+    A call whose name or parameters key is still being written is left out."""
+    calls, i = [], 0
+    while True:
+        j = text.find(_CALL_HEAD, i)
+        if j < 0 or j + len(_CALL_HEAD) >= len(text):
+            return calls
+        try:
+            name, k = json.decoder.scanstring(text, j + len(_CALL_HEAD) + 1)
+        except ValueError:  # the name is still being written
+            return calls
+        if not text.startswith(_PARAMS, k):
+            return calls
+        start = k + len(_PARAMS)
+        end = _value_end(text, start)
+        calls.append((name, start, end))
+        if end is None:
+            return calls
+        i = end
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON value starting at ``start`` ends (None: not yet)."""
+    depth, in_str, esc = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+                if depth == 0:
+                    return i + 1
+        elif c == '"':
+            in_str = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif depth == 0 and c in ",}]":
+            return i
+    return None
+
+
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 

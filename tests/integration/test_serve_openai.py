@@ -178,8 +178,14 @@ def test_forced_tool_calls(server):
     assert deltas[0].function.name == "get_weather" and deltas[0].id
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     chunks = list(server.client.chat.completions.create(tool_choice="required", stream=True, **kw))
-    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert deltas and all(json.loads(d.function.arguments) is not None for d in deltas)
+    calls = {}  # a required call streams too: its name once written, then its arguments in pieces
+    for d in (tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])):
+        if d.id:
+            calls[d.index] = [d.function.name, ""]
+        calls[d.index][1] += d.function.arguments or ""
+    assert calls
+    for name, args in calls.values():
+        jsonschema.validate(json.loads(args), {"get_weather": WEATHER, "get_time": TIME}[name]["function"]["parameters"])
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
     # the call and its result go back into the conversation (the template renders them)
     follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},

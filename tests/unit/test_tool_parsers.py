@@ -88,3 +88,24 @@ def test_streamed_hermes_calls_hold_back_the_tag():
     st = ChatStream(0, ToolMode(parser="hermes"), TokenText(_Tok()), False)
     chunks = st.feed(_delta("a <to")) + st.feed(_delta("y", "stop"))
     assert "".join(c.delta.content or "" for c in chunks) == "a <toy" and chunks[-1].finish_reason == "stop"
+
+
+def test_required_calls_stream_as_they_are_written():
+    from redknot.serve.protocol import ChatCompletionRequest as Req
+
+    req = Req.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]})
+    text = '[{"name": "f", "parameters": {"x": "a}\\"b", "y": [1, {"z": 2}]}}, {"name": "g", "parameters": {}}]'
+    st = ChatStream(0, ToolMode(choice=req.tool_choice), TokenText(_Tok()), False)
+    chunks = []
+    for i in range(0, len(text), 3):  # three characters at a time: names and arguments split anywhere
+        piece = text[i:i + 3]
+        chunks += st.feed(_delta(piece, "stop" if i + 3 >= len(text) else None))
+    calls = {}
+    for tc in (tc for c in chunks for tc in (c.delta.tool_calls or [])):
+        if tc.id:
+            calls[tc.index] = [tc.function.name, ""]
+        calls[tc.index][1] += tc.function.arguments or ""
+    assert [(n, json.loads(a)) for n, a in calls.values()] == [("f", {"x": 'a}"b', "y": [1, {"z": 2}]}), ("g", {})]
+    assert chunks[-1].finish_reason == "tool_calls"
+    assert tl.scan_forced('[{"name": "f", "param') == [] and tl.scan_forced('[{"na') == []
