@@ -172,9 +172,8 @@ class ChatStream:
             self.sent = len(c.text)
             if piece or lp:
                 out.append(ChatChunkChoice(index=self.index, delta=DeltaMessage(content=piece), logprobs=lp))
-        else:  # content up to where calls may begin; the rest waits for the end
-            upto = len(c.text) if c.finish_reason else (
-                0 if self.mode.forced else tl.may_start_calls(self.mode.parser, c.text))
+        else:  # auto: content up to where calls may begin; the rest waits for the end
+            upto = len(c.text) if c.finish_reason else tl.may_start_calls(self.mode.parser, c.text)
             upto = max(upto, self.sent)
             piece = c.text[self.sent:upto]
             if c.finish_reason is None and (piece or lp):
