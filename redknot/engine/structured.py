@@ -62,6 +62,7 @@ class GrammarCache:
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
+        self.info = info  # its decoded_vocab: each token's bytes, whatever the tokenizer's kind
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
         self.vocab_size, self.capacity = vocab_size, capacity
         # tokens holding a raw control character (U+0000-U+001F): never valid in JSON without

@@ -234,7 +234,7 @@ class _Server:
         self.engine, self.llm, self.model_name, self.limits = engine, engine.llm, model_name, limits
         self.api_keys, self.per_key_cache, self.honours_salt, self.pool = api_keys, per_key_cache, honours_salt, pool
         self.tool_parser = tool_parser
-        self.token_text = TokenText(self.llm.tokenizer)
+        self.token_text = TokenText(self.llm.tokenizer, lambda: self.llm.grammars.info.decoded_vocab)
         self.errors = 0  # requests that failed inside the server (5xx)
         self.metrics = ServerMetrics(engine, model_name, lambda: self.errors)
         engine.observer = self.metrics

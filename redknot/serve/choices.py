@@ -18,10 +18,14 @@ from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChoiceLogp
 
 
 class TokenText:
-    """Token strings for logprobs (each token decoded alone, special tokens kept), memoised."""
+    """Token strings for logprobs (each token decoded alone, special tokens kept) and their bytes
+    (the token's own bytes, so a character split over tokens joins back), memoised."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer, self._memo = tokenizer, {}
+    def __init__(self, tokenizer, vocab_bytes=None):
+        """``vocab_bytes``: a callable giving the byte list of every token id (xgrammar's decoded
+        vocabulary), made on first use; None: a token's bytes are its decoded text's."""
+        self.tokenizer, self._vocab_bytes, self._memo = tokenizer, vocab_bytes, {}
+        self._vocab = None
 
     def __call__(self, token: int) -> str:
         s = self._memo.get(token)
@@ -29,12 +33,20 @@ class TokenText:
             s = self._memo[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return s
 
+    def bytes(self, token: int) -> list[int]:
+        if self._vocab is None and self._vocab_bytes is not None:
+            try:
+                self._vocab = self._vocab_bytes()
+            except Exception:  # no byte-level view of this tokenizer: the decoded text's bytes
+                self._vocab_bytes = None
+        b = self._vocab[token] if self._vocab is not None and token < len(self._vocab) else b""
+        return list(b) if b else list(self(token).encode("utf-8"))
+
     def chat(self, entries, token_ids) -> list[TokenLogprob]:
         out = []
         for t, (lp, top) in zip(token_ids, entries):
-            s = self(t)
-            out.append(TokenLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")),
-                                    top_logprobs=[TopLogprob(token=self(i), logprob=v, bytes=list(self(i).encode("utf-8")))
+            out.append(TokenLogprob(token=self(t), logprob=lp, bytes=self.bytes(t),
+                                    top_logprobs=[TopLogprob(token=self(i), logprob=v, bytes=self.bytes(i))
                                                   for i, v in top]))
         return out
 
