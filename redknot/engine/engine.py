@@ -762,13 +762,13 @@ class Engine:
         seq.reuse_done = True
         seq.exact_kv = False  # reused chunk KV: never offered to the prefix cache
         if recovering:
-            seq.recovery = self.reuse.policy(cp, seq.method)
+            seq.recovery = self.reuse.policy(cp, seq.method, seq.budget)
             cached = len(cp.prefix) if seq.method == "redknot_exact" else cp.suffix_start
             seq.cached_tokens = max(0, cached - seq.fresh_chunk_tokens)
             return
         seq.recomputed = []
         if seq.method == "epic":
-            e = self.reuse.options.epic_tokens
+            e = (seq.budget or {}).get("epic_tokens", self.reuse.options.epic_tokens)
             spans = [(s, min(e, len(c))) for c, s in zip(cp.chunks, cp.chunk_starts)]
             if spans:
                 self.runner.forward("dense", [seq.seq_id] * len(spans),

@@ -13,7 +13,7 @@ from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolv
 from ..models.resolve import bundled_model_path
 from ..models.tokenizer import make_tokenizer
 from ..models.fingerprint import model_fingerprint
-from ..reuse.methods import ReuseOptions
+from ..reuse.methods import ReuseOptions, parse_method
 from ..reuse.prompt import build_prompt, is_conversation
 from .engine import METHODS, Engine, EngineConfig, prefills_through_reuse, uses_chunks
 from .sampling import SamplingParams
@@ -130,14 +130,15 @@ class LLM:
                       cache_salt: str | None = None) -> Sequence:
         """Validate and tokenise one request; raises ValueError/TypeError on bad input.
         ``cache_salt`` names the cache namespace the request's content belongs to (``Sequence.cache_salt``)."""
-        method = self.check_method(method or self.method)
+        method, budget = parse_method(method or self.method)  # "cacheblend@0.3": this request's budget
+        method = self.check_method(method)
         cp = None
         if documents is None and not is_conversation(prompt) and not uses_chunks(method):
             ids = self._encode(prompt)
         else:  # the reuse engine needs the prompt's layout: prefix, documents, suffix
             cp = build_prompt(self.tokenizer, prompt, documents)
             ids = self._check_ids(cp.token_ids)
-        seq = Sequence(ids, params, method=method, chunked_prompt=cp, cache_salt=cache_salt)
+        seq = Sequence(ids, params, method=method, chunked_prompt=cp, cache_salt=cache_salt, budget=budget or None)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         if params.structured_outputs is not None:  # compiled here (cached), never in the step loop
@@ -205,7 +206,9 @@ class LLM:
         return self.generate(prompt, params, documents=documents, method=method)[0].first_token_logits
 
     def check_method(self, method: str) -> str:
-        return self.engine.check_method(method)
+        """``method`` (with any budget after "@", ``parse_method``) if the engine runs it; else ValueError."""
+        self.engine.check_method(parse_method(method)[0])
+        return method
 
     def context_limits(self, method: str | None = None) -> tuple[int, int]:
         """(most tokens of prompt + max_tokens, most prompt tokens) one request of ``method`` can
@@ -216,7 +219,7 @@ class LLM:
         at the question, the whole prompt counts, an upper bound)."""
         from .engine import PLAN_OF, RequestTooLarge
 
-        method = self.check_method(method or self.method)
+        method = parse_method(self.check_method(method or self.method))[0]
         plan, engine = PLAN_OF[method], self.engine
         pool, chunk = engine.pool, engine.cfg.max_num_batched_tokens
         heads = self.config.num_hidden_layers * self.config.num_key_value_heads

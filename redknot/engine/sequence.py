@@ -17,6 +17,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     method: str = "dense"
+    budget: dict | None = None  # the method's knobs for this request ("cacheblend@0.3": reuse.parse_method)
     chunked_prompt: object | None = None  # reuse methods: the ChunkedPrompt (prefix, documents, suffix)
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)

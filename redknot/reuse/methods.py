@@ -24,7 +24,7 @@ redknot_exact  the redknot code path with every head global, dense FFN, every ch
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -40,6 +40,42 @@ CHUNK_METHODS = ("full_reuse", "epic", "cacheblend", "redknot", "redknot_kv", "r
 REUSE_METHODS = ("dense", "prefix") + CHUNK_METHODS
 # Also runnable through the engine (benchmarks): no reuse, each head sees only its visible set.
 ENGINE_METHODS = REUSE_METHODS + ("headsparse",)
+
+
+# Knobs a request may set after "@" in its method (``cacheblend@0.3``): method -> (field, type).
+BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
+                "redknot": ("keep_fraction", float), "redknot_kv": ("keep_fraction", float)}
+_REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens")
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``, ``"epic@32"`` ->
+    tokens recomputed per chunk, ``"redknot_kv@0.2"`` -> the sparse FFN's keep fraction (with
+    ``+sN``: each chunk's first N tokens among the kept rows; without it none); a plain name ->
+    (name, {}). Raises ValueError naming what is wrong."""
+    name, at, value = spec.partition("@")
+    if not at:
+        return name, {}
+    if name not in BUDGET_KNOBS:
+        raise ValueError(f"method {spec!r}: only {', '.join(BUDGET_KNOBS)} take a budget after '@'")
+    value, *extras = value.split("+")
+    field_, kind = BUDGET_KNOBS[name]
+    try:
+        v = kind(value)
+    except ValueError:
+        raise ValueError(f"method {spec!r}: {value!r} is not a {kind.__name__} ({field_})") from None
+    if v < 0 or (kind is float and (v != v or v > 1)) or (field_ == "keep_fraction" and v == 0):
+        raise ValueError(f"method {spec!r}: {field_} out of range")
+    knobs = {field_: v}
+    if field_ == "keep_fraction":
+        knobs["chunk_start_tokens"] = 0
+        for extra in extras:
+            if not extra.startswith("s") or not extra[1:].isdigit():
+                raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16')")
+            knobs["chunk_start_tokens"] = int(extra[1:])
+    elif extras:
+        raise ValueError(f"method {spec!r}: only redknot and redknot_kv take '+sN'")
+    return name, knobs
 
 
 @dataclass
@@ -380,9 +416,10 @@ class ReuseEngine:
         return PrefillResult(rec, int(cached.sum()) if method != "redknot_exact" else p, off,
                              sum(s for _, s in offline))
 
-    def policy(self, prompt: ChunkedPrompt, method: str) -> tuple[Policy, torch.Tensor]:
+    def policy(self, prompt: ChunkedPrompt, method: str, budget: dict | None = None) -> tuple[Policy, torch.Tensor]:
         """The chunk method's recovery policy over ``prompt`` and the positions whose K/V it
-        takes from the cache (bool [N]: the prompt prefix and every chunk, relocated)."""
+        takes from the cache (bool [N]: the prompt prefix and every chunk, relocated).
+        ``budget``: a request's own knobs (``parse_method``), over the engine's options."""
         n = len(prompt)
         cached = torch.zeros(n, dtype=torch.bool, device=self.device)
         cached[:len(prompt.prefix)] = True
@@ -392,13 +429,18 @@ class ReuseEngine:
             chunk_id[at:at + len(ids)] = i
             is_chunk[at:at + len(ids)] = True
         cached |= is_chunk
-        return self._policy(method, prompt, is_chunk, chunk_id), cached
+        options, sparse = self.options, self.sparse
+        if budget:  # one request's knobs over the engine's options
+            options = replace(options, **{k: v for k, v in budget.items() if k in _REUSE_KNOBS})
+            sparse = replace(sparse, **{k: v for k, v in budget.items() if k not in _REUSE_KNOBS})
+        return self._policy(method, prompt, is_chunk, chunk_id, options, sparse), cached
 
-    def _policy(self, method: str, prompt: ChunkedPrompt, is_chunk: torch.Tensor, chunk_id: torch.Tensor) -> Policy:
+    def _policy(self, method: str, prompt: ChunkedPrompt, is_chunk: torch.Tensor, chunk_id: torch.Tensor,
+                options: ReuseOptions | None = None, sparse: SparseFFNConfig | None = None) -> Policy:
         dev, n = self.device, len(prompt)
         suffix = torch.arange(prompt.suffix_start, n, device=dev)
         body = torch.arange(len(prompt.prefix), n, device=dev)  # chunks + suffix
-        o = self.options
+        o = options or self.options
         if method == "full_reuse":
             return FixedSet(suffix, *self.global_vis)
         if method == "epic":
@@ -421,7 +463,7 @@ class ReuseEngine:
         # FLOPs and moves it away from exact. Recovery starts at the second chunk.
         first = prompt.chunk_starts[1] if len(prompt.chunks) > 1 else prompt.suffix_start
         body = torch.arange(first, n, device=dev)
-        return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, self.sparse,
+        return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, sparse or self.sparse,
                        min(o.observation_tokens, len(prompt.suffix)), keep_cached=method == "redknot_kv",
                        chunk_id=chunk_id)
 

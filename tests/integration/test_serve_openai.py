@@ -236,6 +236,10 @@ def test_chat_template_options_and_token_endpoints(server):
     assert post(server, "/v1/completions", auto).status_code == 200
     r3 = post(server, "/v1/completions", auto)
     assert r3.status_code == 200 and r3.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, r3.text
+    r4 = post(server, "/v1/completions", {**auto, "method": "cacheblend@0.5"})  # a budget for this request
+    assert r4.status_code == 200 and r4.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, r4.text
+    r5 = post(server, "/v1/completions", {**auto, "method": "dense@0.5"})
+    assert r5.status_code == 400 and r5.json()["error"]["param"] == "method", r5.text
 
 
 def test_streamed_choices_interleave_and_a_client_that_leaves_frees_them_all(server):
