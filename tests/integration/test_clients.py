@@ -5,6 +5,8 @@ completions) and LlamaIndex ``OpenAILike`` (chat, complete, ``structured_predict
 must succeed; structured outputs must validate and tool calls parse, which on a random-weight
 model only guided decoding can give."""
 
+import os
+
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -37,12 +39,17 @@ def get_weather(city: str, unit: str) -> str:
     return f"sunny in {city}, 21 {unit}"
 
 
+# REDKNOT_CLIENT_MODEL=bundled (the bundled testbed model) or a shelf name / checkpoint runs the same
+# calls on that model (minutes on a CPU); by default a tiny random checkpoint keeps them quick.
+CLIENT_MODEL = os.environ.get("REDKNOT_CLIENT_MODEL")
+
+
 @pytest.fixture(scope="module")
 def base(tiny_checkpoint):
     # a 320-token context: a request without max_tokens runs to its end quickly, and LangChain's
     # OpenAI default of max_tokens=256 still fits with its prompt
-    llm = LLM(model=tiny_checkpoint("llama"), method="dense", device="cpu", page_size=16, kv_pages=512,
-              max_model_len=320)
+    model = tiny_checkpoint("llama") if not CLIENT_MODEL else None if CLIENT_MODEL == "bundled" else CLIENT_MODEL
+    llm = LLM(model=model, method="dense", device="cpu", page_size=16, kv_pages=512, max_model_len=320)
     srv = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=16), MODEL)
     yield f"{srv.base}/v1"
     srv.stop()
