@@ -49,7 +49,8 @@ def base(tiny_checkpoint):
     # a 320-token context: a request without max_tokens runs to its end quickly, and LangChain's
     # OpenAI default of max_tokens=256 still fits with its prompt
     model = tiny_checkpoint("llama") if not CLIENT_MODEL else None if CLIENT_MODEL == "bundled" else CLIENT_MODEL
-    llm = LLM(model=model, method="dense", device="cpu", page_size=16, kv_pages=512, max_model_len=320)
+    llm = LLM(model=model, method="dense", device="cpu", page_size=16, kv_pages=None if CLIENT_MODEL else 512,
+              max_model_len=320)
     srv = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=16), MODEL)
     yield f"{srv.base}/v1"
     srv.stop()
