@@ -1,9 +1,9 @@
-"""Popular OpenAI clients against a real server, unchanged but for their base URL: the official
-``openai`` SDK, LangChain (``ChatOpenAI`` with library defaults, ``with_structured_output`` in
-json_schema and function-calling modes, ``bind_tools`` with one tool round trip, ``OpenAI``
-completions) and LlamaIndex ``OpenAILike`` (chat, complete, ``structured_predict``). Every call
-must succeed; structured outputs must validate and tool calls parse, which on a random-weight
-model only guided decoding can give."""
+"""Popular OpenAI clients against a real server on the bundled model, unchanged but for their base
+URL: the official ``openai`` SDK, LangChain (``ChatOpenAI`` with library defaults,
+``with_structured_output`` in json_schema and function-calling modes, ``bind_tools`` with one tool
+round trip, ``OpenAI`` completions) and LlamaIndex ``OpenAILike`` (chat, complete,
+``structured_predict``). Every call must succeed; structured outputs must validate and tool calls
+parse, which on a model this small only guided decoding can give."""
 
 import os
 
@@ -18,7 +18,7 @@ from redknot import LLM  # noqa: E402
 from redknot.engine.async_engine import AsyncLLMEngine  # noqa: E402
 from redknot.serve.background import BackgroundServer  # noqa: E402
 
-MODEL = "tiny-llama"
+MODEL = "redknot-testbed"  # the served name clients send
 
 
 class City(BaseModel):
@@ -29,7 +29,7 @@ class City(BaseModel):
 
 
 class WeatherArgs(BaseModel):
-    # bounded, so a random-weight model's guided call always closes within the context
+    # bounded, so a small model's guided call always closes within the context
     city: str = Field(max_length=10)
     unit: str = Field(pattern="^[cf]$")
 
@@ -39,17 +39,18 @@ def get_weather(city: str, unit: str) -> str:
     return f"sunny in {city}, 21 {unit}"
 
 
-# REDKNOT_CLIENT_MODEL=bundled (the bundled testbed model) or a shelf name / checkpoint runs the same
-# calls on that model (minutes on a CPU); by default a tiny random checkpoint keeps them quick.
-CLIENT_MODEL = os.environ.get("REDKNOT_CLIENT_MODEL")
+# The bundled testbed model by default (answers in seconds on a CPU); REDKNOT_CLIENT_MODEL names another
+# (a shelf name such as smollm2, or a checkpoint), or "tiny" for a tiny random checkpoint.
+CLIENT_MODEL = os.environ.get("REDKNOT_CLIENT_MODEL", "bundled")
 
 
 @pytest.fixture(scope="module")
 def base(tiny_checkpoint):
-    # a 320-token context: a request without max_tokens runs to its end quickly, and LangChain's
-    # OpenAI default of max_tokens=256 still fits with its prompt
-    model = tiny_checkpoint("llama") if not CLIENT_MODEL else None if CLIENT_MODEL == "bundled" else CLIENT_MODEL
-    llm = LLM(model=model, method="dense", device="cpu", page_size=16, kv_pages=None if CLIENT_MODEL else 512,
+    # a 320-token context: a request without max_tokens ends within it, and LangChain's OpenAI
+    # default of max_tokens=256 still fits with its prompt
+    tiny = CLIENT_MODEL == "tiny"
+    model = tiny_checkpoint("llama") if tiny else None if CLIENT_MODEL == "bundled" else CLIENT_MODEL
+    llm = LLM(model=model, method="dense", device="cpu", page_size=16, kv_pages=512 if tiny else None,
               max_model_len=320)
     srv = BackgroundServer(AsyncLLMEngine(llm, max_num_seqs=16), MODEL)
     yield f"{srv.base}/v1"
