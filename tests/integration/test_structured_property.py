@@ -1,7 +1,8 @@
 """Property: whatever JSON schema a request sends (random schemas of every kind xgrammar bounds),
 the guided output parses as strict JSON and validates against it. Sizes are bounded in the
 schemas (string lengths, integer ranges, item counts), so every output must also finish.
-``REDKNOT_SCHEMA_CASES`` sets how many schemas run (CI: 20; 200 for the full check)."""
+``REDKNOT_SCHEMA_CASES`` sets how many schemas run (CI: 20; 200 for the full check), on the bundled
+model (``REDKNOT_SCHEMA_MODEL``: another)."""
 
 import json
 import os
@@ -55,9 +56,15 @@ SCHEMAS = st.recursive(LEAVES, lambda c: st.one_of(_object(c), _array(c), st.lis
     lambda alts: {"anyOf": alts})), max_leaves=6)
 
 
+MODEL = os.environ.get("REDKNOT_SCHEMA_MODEL", "bundled")  # or "tiny" (a random checkpoint), a shelf name, a path
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):
-    return LLM(model=tiny_checkpoint("llama"), method="dense", device="cpu", page_size=16, kv_pages=512)
+    tiny = MODEL == "tiny"
+    model = tiny_checkpoint("llama") if tiny else None if MODEL == "bundled" else MODEL
+    return LLM(model=model, method="dense", device="cpu", page_size=16, kv_pages=512 if tiny else None,
+               max_model_len=1024)
 
 
 def test_random_schemas_give_valid_json(llm):
