@@ -13,8 +13,16 @@ def _generate(args) -> int:
               dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    out = llm.generate([args.prompt], params)[0].outputs[0]
+    if args.raw and args.documents:
+        raise SystemExit("redknot generate: --raw takes no --documents (documents go inside the chat template)")
+    docs = [open(f, encoding="utf-8").read() for f in args.documents] if args.documents else None
+    prompt = args.prompt
+    if getattr(llm.tokenizer, "chat_template", None) is not None and not args.raw:
+        # a chat model gets its template under every method, so every method sees the same tokens
+        prompt = [{"role": "user", "content": args.prompt}]
+    out = llm.generate(prompt, params, documents=docs)[0].outputs[0]
     print(out.text)
+    print(f"[finish_reason: {out.finish_reason}, {len(out.token_ids)} tokens]", file=sys.stderr)
     return 0
 
 
@@ -145,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("--model", default=None, help="HF checkpoint directory")
     g.add_argument("--prompt", required=True)
+    g.add_argument("--documents", nargs="+", default=None, metavar="FILE",
+                   help="text files served as documents before the question (reused as chunks by reuse methods)")
+    g.add_argument("--raw", action="store_true",
+                   help="the prompt as it is, without the model's chat template (no documents)")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)

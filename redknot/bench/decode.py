@@ -9,6 +9,11 @@ the whole engine loop (scheduling, sampling, detokenisation, CUDA-graph replay) 
 The bound of a step is (weight bytes + KV bytes the plan reads) / bandwidth; the table shows
 tok/s, its fraction of the bound, and HF transformers' eager ``generate`` in the same run (its
 decode time is generate(N tokens) - generate(1 token), so its prefill is not counted).
+
+``--structured-output json`` adds, beside each row, the same decode with every sequence under a
+JSON-schema grammar (xgrammar bitmasks in the sampler): the cost of guided decoding, in one run.
+Its grammar works on a tokenizer of the architecture's vocabulary: ``--tokenizer DIR`` (the real
+one), else a byte-level BPE of that size trained on Python's standard-library sources.
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the host reads each step's tokens before the next step is launched")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also run 4 eager (graph-free) steps of each case under torch.profiler; op tables in DIR")
+    p.add_argument("--structured-output", default="none", choices=("none", "json"),
+                   help="json: also time each row with every sequence under a JSON-schema grammar")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="HF tokenizer of the architecture (the grammar's vocabulary; default: a BPE of its "
+                        "vocabulary size trained on Python's sources)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None)
 
@@ -100,13 +110,49 @@ def _fill_random(pool) -> None:
             t[i:i + 4096].normal_(generator=g)
 
 
-def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profile: str | None = None) -> dict:
+# The guided rows' schema: a long array of small records, so the grammar constrains every timed step.
+BENCH_SCHEMA = {"type": "array", "minItems": 512, "items": {
+    "type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
+                                     "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                                              "maxItems": 4}},
+    "required": ["id", "name", "tags"], "additionalProperties": False}}
+
+
+def corpus_tokenizer(vocab_size: int):
+    """A byte-level BPE of ``vocab_size`` tokens trained on Python's standard-library sources: a
+    realistic vocabulary for grammar masks where no real tokenizer is at hand."""
+    import sysconfig
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts, size = [], 0
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        try:
+            texts.append(f.read_text(errors="ignore"))
+        except OSError:
+            continue
+        size += len(texts[-1])
+        if size > 8 << 20:
+            break
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profile: str | None = None,
+                 structured=None) -> dict:
     from ..engine.detokenizer import IncrementalDetokenizer
     from ..engine.sampling import SamplingParams
 
     engine = llm.engine
     vocab = llm.config.vocab_size
-    params = SamplingParams(max_tokens=tokens + 2, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens + 2, temperature=0, ignore_eos=True, structured_outputs=structured)
     seqs = []
     g = torch.Generator().manual_seed(batch * 7 + context)
     cfg = llm.config
@@ -170,10 +216,13 @@ def _time_engine(llm, method: str, batch: int, context: int, tokens: int, profil
             os.makedirs(profile, exist_ok=True)
             with open(os.path.join(profile, f"decode_{method}_{batch}x{context}.txt"), "w") as f:
                 f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+        # guided rows: how many sequences were still inside their grammar when the timing ended
+        constrained = sum(1 for s in seqs if s.grammar is not None and not s.grammar.terminated)
     finally:
         for s in seqs:
             engine.abort(s)
     return {"s_per_step": dt / tokens, "tok_s": batch * tokens / dt, "graph_s_per_step": graph_s,
+            "constrained_at_end": constrained if structured is not None else None,
             "phases_s_per_step": host, "pages_held_at_start": held, "budget_checks": checks,
             "kv_bytes_held_at_start": held * engine.pool.bytes_per_page}
 
@@ -251,17 +300,37 @@ def run(args) -> dict:
                   cuda_graphs=not args.no_cuda_graphs, chunk_cache_bytes=0,
                   async_decode=False if getattr(args, "no_async_decode", False) else None)
         _fill_random(llm.pool)
+        guided = None
+        if getattr(args, "structured_output", "none") == "json":
+            from transformers import AutoTokenizer
+
+            from ..engine.structured import StructuredOutputs
+            llm.tokenizer = llm.engine.tokenizer = (AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer
+                                                    else corpus_tokenizer(cfg.vocab_size))
+            guided = StructuredOutputs(json=BENCH_SCHEMA)
+            llm.grammars.compile(guided)  # compiled once, before any timing
         weights = _weight_bytes(llm.model)
         result["weight_bytes"] = weights
         vis = {"dense": llm.engine.runner.plans["dense"], "headsparse": llm.engine.runner.plans["headsparse"]}
+        runs = [(m, None) for m in ours] + ([(m, guided) for m in ours] if guided is not None else [])
         for b, n in cases:
-            for m in ours:
+            for m, structured in sorted(runs, key=lambda r: ours.index(r[0])):
                 base = _use_selection(llm, m, args)
+                label = m if structured is None else f"{m}+json"
                 try:
-                    r = _time_engine(llm, base, b, n, args.tokens, args.profile)
+                    r = _time_engine(llm, base, b, n, args.tokens, args.profile, structured)
                 except Exception as e:  # e.g. a dense 64 x 32K pool does not fit: the row says so
-                    rows.append({"method": m, "batch": b, "context": n, "error": f"{type(e).__name__}: {e}"[:300]})
-                    print(f"{m:<11} B={b:>3} ctx={n:>6}: {rows[-1]['error']}", flush=True)
+                    rows.append({"method": label, "batch": b, "context": n, "error": f"{type(e).__name__}: {e}"[:300]})
+                    print(f"{label:<11} B={b:>3} ctx={n:>6}: {rows[-1]['error']}", flush=True)
+                    continue
+                if structured is not None:
+                    plain = next((x for x in rows if x["method"] == m and x["batch"] == b and x["context"] == n
+                                  and "tok_s" in x), None)
+                    rows.append({"method": label, "batch": b, "context": n, **r,
+                                 "of_unguided": r["tok_s"] / plain["tok_s"] if plain else None})
+                    print(f"{label:<11} B={b:>3} ctx={n:>6}: {r['tok_s']:9.1f} tok/s"
+                          + (f" ({rows[-1]['of_unguided']:.3f} of unguided)" if plain else "")
+                          + f", {r['constrained_at_end']}/{b} sequences still inside the grammar", flush=True)
                     continue
                 kv = (r["kv_bytes_held_at_start"] if m in SELECTIVE
                       else _kv_read_bytes(cfg, vis[base][0].cpu(), vis[base][1].cpu(), n, b, itemsize))
@@ -302,7 +371,14 @@ def _use_selection(llm, method: str, args) -> str:
 
 
 def print_table(result: dict) -> None:
-    rows = [r for r in result["rows"] if "tok_s" in r]
+    guided = [r for r in result["rows"] if r["method"].endswith("+json") and "tok_s" in r]
+    if guided:
+        print("\nguided decoding (JSON schema, xgrammar bitmasks) against the same decode without one:")
+        print(f"{'method':<16}{'B x ctx':>13}{'tok/s':>10}{'of unguided':>13}{'constrained':>13}")
+        for r in guided:
+            print(f"{r['method']:<16}{r['batch']:>5} x {r['context']:<6}{r['tok_s']:>10.0f}"
+                  f"{r['of_unguided'] or float('nan'):>13.3f}{r['constrained_at_end']:>10}/{r['batch']}")
+    rows = [r for r in result["rows"] if "tok_s" in r and not r["method"].endswith("+json")]
     sel = [r for r in rows if r["method"] in SELECTIVE]
     if sel:
         base = {(r["method"], r["batch"], r["context"]): r for r in rows if r["method"] in ("dense", "headsparse")}

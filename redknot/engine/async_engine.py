@@ -49,6 +49,7 @@ class StreamDelta:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: list | None = None  # the new tokens' (logprob, top-k) entries, with params.logprobs
 
 
 @dataclass
@@ -79,6 +80,9 @@ class AsyncLLMEngine:
         self.reused_tokens = 0
         self.requests_finished = 0
         self.abandoned_before_prefill = 0  # requests whose client left before they reached the engine
+        # observer.delivered(seq, arrival, new_tokens, now) after each delivery, on the worker thread
+        # (the server's Prometheus metrics); None: nothing observes
+        self.observer = None
         self.started = time.time()
         self._thread = threading.Thread(target=self._loop, name="redknot-engine", daemon=True)
         self._thread.start()
@@ -203,7 +207,10 @@ class AsyncLLMEngine:
             self._live.pop(seq.seq_id, None)
             self.requests_finished += 1
         delta = StreamDelta(seq.output_token_ids[req.sent_tokens:], text[len(req.sent_text):], seq.finish_reason,
-                            seq.num_prompt, len(seq.output_token_ids), seq.cached_tokens)
+                            seq.num_prompt, len(seq.output_token_ids), seq.cached_tokens,
+                            None if seq.logprobs is None else seq.logprobs[req.sent_tokens:])
+        if self.observer is not None:
+            self.observer.delivered(seq, req.arrival, n_new, time.perf_counter())
         req.sent_tokens, req.sent_text = len(seq.output_token_ids), text
         self._send(req, delta)
 

@@ -16,7 +16,7 @@ from ..cache import PoolExhausted
 from ..cache.chunk_cache import ChunkCache, ChunkPages
 from ..cache.chunk_store import chunk_key
 from ..reuse.options import ReuseOptions
-from ..reuse.registry import PolicyInputs, get_method
+from ..reuse.registry import PolicyInputs, get_method, with_budget
 from .scheduler import DocumentNeeds
 from .sequence import Sequence
 
@@ -172,15 +172,16 @@ class DocumentKV:
         self._copy_in(seq, entries)
         r.done = True
         seq.exact_kv = False  # reused chunk KV: never offered to the prefix cache
+        options, sparse = with_budget(self.options, self.sparse, seq.budget)
         if spec.recovers:
-            inputs = PolicyInputs(cp, self.config, self.head_config, self.sparse, self.options, self.device)
+            inputs = PolicyInputs(cp, self.config, self.head_config, sparse, options, self.device)
             r.recovery = spec.build_policy(inputs)
             cached = len(cp.prefix) if spec.cached_from == "prefix" else cp.suffix_start
             seq.cached_tokens = max(0, cached - r.fresh_chunk_tokens)
             return
         r.recomputed = []
         if spec.recompute_chunk_heads:
-            e = self.options.epic_tokens
+            e = options.epic_tokens
             spans = [(s, min(e, len(c))) for c, s in zip(cp.chunks, cp.chunk_starts)]
             if spans:
                 self.runner.forward("dense", [seq.seq_id] * len(spans),

@@ -35,7 +35,7 @@ from .memory import initial_pages, profile_pages
 from .output import OutputProcessor, StepOutput
 from .phases import phase
 from .plans import build_pool, build_runner
-from .sampling import sample
+from .sampling import Logprobs, sample
 from .scheduler import RequestTooLarge, Scheduler  # noqa: F401  (RequestTooLarge: the fronts import it here)
 from .selective import HeadSelection
 from .sequence import ReuseState, Sequence
@@ -194,7 +194,7 @@ class Engine:
 
     def sampler(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Token ids [B] sampled on the device, one per request, by its params."""
-        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return sample(logits, [s.params for s in seqs], [s.generator for s in seqs], [s.grammar for s in seqs])
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, outputs: list[StepOutput],
                 plan: str | None = None) -> None:
@@ -204,6 +204,7 @@ class Engine:
             for s, row in zip(seqs, logits):
                 if s.params.return_first_logits and s.first_logits is None:
                     s.first_logits = row.float().cpu()
+            logprobs = Logprobs(logits, [s.params for s in seqs])  # before the sampler masks the logits
             try:
                 sampled = self.sampler(logits, seqs)
                 on_way = sampled
@@ -219,6 +220,7 @@ class Engine:
                     except Exception as e:
                         self._fail(s, e, outputs)
                         tokens.append(None)
+            logprobs.record(seqs, tokens)
             self._take_tokens(seqs, tokens, outputs)
 
     def _take_tokens(self, seqs: list[Sequence], tokens: list, outputs: list[StepOutput]) -> None:

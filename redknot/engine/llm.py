@@ -17,7 +17,7 @@ from ..models.tokenizer import make_tokenizer
 from ..models.fingerprint import model_fingerprint
 from ..reuse.options import ReuseOptions
 from ..reuse.prompt import ChunkedPrompt, build_prompt, is_conversation
-from ..reuse.registry import METHOD_NAMES as METHODS, get_method
+from ..reuse.registry import METHOD_NAMES as METHODS, get_method, parse_method
 from .engine import Engine, EngineConfig
 from .sampling import SamplingParams
 from .selective import SelectionOptions
@@ -32,6 +32,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list | None = None  # with SamplingParams(logprobs=k): per token (logprob, [(token, logprob)] top-k)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class LLM:
                                  kv_events=kv_events))
         self.max_model_len = self.engine.max_model_len
         self.method = self.check_method(method)
+        self._grammars = None
 
     @property
     def pool(self):
@@ -126,7 +128,7 @@ class LLM:
                       cache_salt: str | None = None) -> Sequence:
         """Validate and tokenise one request; raises ValueError/TypeError on bad input.
         ``cache_salt`` names the cache namespace the request's content belongs to (``Sequence.cache_salt``)."""
-        method = self.check_method(method or self.method)
+        method, budget = parse_method(self.check_method(method or self.method))  # "cacheblend@0.3": its budget
         cp = None
         if isinstance(prompt, ChunkedPrompt):  # the layout given: prefix, documents and question as token ids
             if documents is not None:
@@ -137,10 +139,21 @@ class LLM:
         else:  # the reuse engine needs the prompt's layout: prefix, documents, suffix
             cp = build_prompt(self.tokenizer, prompt, documents)
             ids = self._check_ids(cp.token_ids)
-        seq = Sequence(ids, params, method=method, chunked_prompt=cp, cache_salt=cache_salt)
+        seq = Sequence(ids, params, method=method, chunked_prompt=cp, cache_salt=cache_salt, budget=budget or None)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if params.structured_outputs is not None:  # compiled here (cached), never in the step loop
+            seq.grammar = self.grammars.matcher(params.structured_outputs)
         return seq
+
+    @property
+    def grammars(self):
+        """The structured-output grammar cache of this model's tokenizer (made on first use)."""
+        if self._grammars is None:
+            from .structured import GrammarCache
+
+            self._grammars = GrammarCache(self.tokenizer, self.config.vocab_size, self.config.eos_token_ids)
+        return self._grammars
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  documents=None, method: str | None = None, use_tqdm: bool = False,
@@ -183,7 +196,7 @@ class LLM:
             metrics = {"cached_tokens": s.cached_tokens, "flops": s.flops,
                        "time_to_first_token": s.first_token_time - start, "preemptions": s.num_preemptions}
             outputs.append(RequestOutput(i, prompt if isinstance(prompt, str) else None, s.prompt_token_ids,
-                                         [CompletionOutput(0, s.text, s.output_token_ids, s.finish_reason)],
+                                         [CompletionOutput(0, s.text, s.output_token_ids, s.finish_reason, s.logprobs)],
                                          metrics, s.first_logits))
         return outputs
 
@@ -194,14 +207,18 @@ class LLM:
         return self.generate(prompt, params, documents=documents, method=method)[0].first_token_logits
 
     def check_method(self, method: str) -> str:
-        return self.engine.check_method(method)
+        """``method`` (a registry name or alias, with any budget after "@": ``parse_method``) if the
+        engine runs it, its name resolved; else ValueError."""
+        name, _ = parse_method(method)
+        self.engine.check_method(name)
+        return name + method[method.index("@"):] if "@" in method else name
 
     def context_limits(self, method: str | None = None) -> tuple[int, int]:
         """(most tokens of prompt + max_tokens, most prompt tokens) one request of ``method`` can
         ever hold, documents aside: the model's max_model_len, or less where the page pool is
         smaller than that under the method's head plan. Both come from the scheduler's admission
         arithmetic (``Scheduler.check_fits``)."""
-        method = self.check_method(method or self.method)
+        method = parse_method(self.check_method(method or self.method))[0]
 
         def make_seq(n: int) -> Sequence:
             seq = Sequence([0] * n, SamplingParams(max_tokens=1), method=method)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import needs_each_sample
 from .sequence import Sequence
 
 
@@ -91,8 +92,10 @@ def finish_ahead(engine) -> list | None:
 
 
 def may_look_ahead(engine, decoding: int) -> bool:
-    """Async decode is on, the decode is of every running request, and no waiting request could
-    start at the next step (none waits, or every slot is taken)."""
+    """Async decode is on, the decode is of every running request, no waiting request could start
+    at the next step (none waits, or every slot is taken), and no request needs the host to see
+    each sample before the next (a grammar, logprobs)."""
     sch = engine.scheduler
     return (engine.async_decode and decoding == len(sch.running)
-            and (not sch.waiting or len(sch.running) >= sch.max_num_seqs))
+            and (not sch.waiting or len(sch.running) >= sch.max_num_seqs)
+            and not any(needs_each_sample(s) for s in sch.running))

@@ -14,6 +14,7 @@ comes from the same functions admission uses.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -231,6 +232,8 @@ class Scheduler:
         self.pool.add_sequence(seq.seq_id, seq.plan)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
+        if seq.scheduled_time is None:
+            seq.scheduled_time = time.perf_counter()
         seq.committed_pages = adm.steady
         self.committed += adm.steady
 

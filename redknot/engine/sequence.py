@@ -34,6 +34,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     method: str = "dense"  # a registry name (reuse.registry)
+    budget: dict | None = None  # the method's knobs for this request ("cacheblend@0.3": registry.parse_method)
     chunked_prompt: object | None = None  # methods reading document KV: the ChunkedPrompt (prefix, documents, suffix)
     seq_id: int = field(default_factory=lambda: next(_ids))
     token_ids: list[int] = field(default_factory=list)
@@ -62,6 +63,9 @@ class Sequence:
     cache_salt: str | None = None
     abandoned: bool = False  # its client has gone: nothing it computes is read any more
     page_mass: torch.Tensor | None = None  # float32 [L, Hkv, pages]: budgeted heads' accumulated mass
+    grammar: object | None = None  # structured.GrammarState, with params.structured_outputs
+    logprobs: list | None = None  # per output token: (logprob, [(token, logprob)] top-k), with params.logprobs
+    scheduled_time: float | None = None  # time.perf_counter() when it was first admitted (queue time ends)
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -24,7 +24,7 @@ redknot_exact  the redknot code path with every head global, dense FFN, every ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable
 
@@ -183,3 +183,49 @@ def canonical_name(name: str) -> str:
 
 def get_method(name: str) -> MethodSpec:
     return METHODS[canonical_name(name)]
+
+
+# Knobs a request may set after "@" in its method (``cacheblend@0.3``): method -> (field, type). The
+# first two are ReuseOptions fields, keep_fraction a SparseFFNConfig one.
+BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
+                "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float)}
+REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens")
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``, ``"epic@32"`` ->
+    tokens recomputed per chunk, ``"redknot@0.2"`` -> the sparse FFN's keep fraction (with
+    ``+sN``: each chunk's first N tokens among the kept rows; without it none); a plain name ->
+    (its registry name, {}). Raises ValueError naming what is wrong."""
+    name, at, value = spec.partition("@")
+    name = canonical_name(name)
+    if not at:
+        return name, {}
+    if name not in BUDGET_KNOBS:
+        raise ValueError(f"method {spec!r}: only {', '.join(BUDGET_KNOBS)} take a budget after '@'")
+    value, *extras = value.split("+")
+    field_, kind = BUDGET_KNOBS[name]
+    try:
+        v = kind(value)
+    except ValueError:
+        raise ValueError(f"method {spec!r}: {value!r} is not a {kind.__name__} ({field_})") from None
+    if v < 0 or (kind is float and (v != v or v > 1)) or (field_ == "keep_fraction" and v == 0):
+        raise ValueError(f"method {spec!r}: {field_} out of range")
+    knobs = {field_: v}
+    if field_ == "keep_fraction":
+        knobs["chunk_start_tokens"] = 0
+        for extra in extras:
+            if not extra.startswith("s") or not extra[1:].isdigit():
+                raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16')")
+            knobs["chunk_start_tokens"] = int(extra[1:])
+    elif extras:
+        raise ValueError(f"method {spec!r}: only redknot and redknot_paper take '+sN'")
+    return name, knobs
+
+
+def with_budget(options: ReuseOptions, sparse: SparseFFNConfig, budget: dict | None):
+    """(options, sparse) with one request's knobs (``parse_method``) over the engine's."""
+    if not budget:
+        return options, sparse
+    return (replace(options, **{k: v for k, v in budget.items() if k in REUSE_KNOBS}),
+            replace(sparse, **{k: v for k, v in budget.items() if k not in REUSE_KNOBS}))

@@ -27,6 +27,7 @@ from typing import AsyncIterator
 
 import torch
 from fastapi import FastAPI, Request
+from pydantic import ValidationError
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -35,9 +36,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine.async_engine import AsyncLLMEngine, EngineOverloaded, RequestFailed, StreamDelta
 from ..engine.scheduler import RequestTooLarge
 from ..engine.sampling import SamplingParams
-from .protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest,
-                       ChatCompletionResponse, CompletionChoice, CompletionRequest, CompletionResponse, DeltaMessage,
-                       ErrorInfo, ErrorResponse, ModelCard, ModelList, Usage, new_id, now)
+from ..engine.structured import StructuredOutputs
+from . import tools as tl
+from .metrics import ServerMetrics
+from .choices import ChatStream, Choice, TokenText, ToolMode, chat_choice, completion_choice, merge
+from .protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+                       CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
+                       ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, Usage, new_id, now)
 
 log = logging.getLogger("redknot.serve")
 
@@ -102,8 +107,11 @@ def tenant_salt(key: str) -> str:
 
 
 def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: ServerLimits | None = None,
-              share_cache_across_keys: bool = False) -> FastAPI:
+              share_cache_across_keys: bool = False, tool_call_parser: str = "hermes",
+              chat_template: str | None = None) -> FastAPI:
     """The FastAPI app. ``api_keys``: keys accepted on every ``/v1`` route (none: open).
+    ``tool_call_parser``: how ``tool_choice: auto`` outputs become tool calls (``tools.PARSERS``).
+    ``chat_template``: a Jinja template (or a file holding one) replacing the tokenizer's.
     With several keys, each key's requests get their own cache namespace unless
     ``share_cache_across_keys``; that needs an engine that namespaces its caches by
     ``Sequence.cache_salt`` (``Engine.honours_cache_salt``), so without one it is refused here."""
@@ -115,14 +123,77 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
     if per_key_cache and not honours_salt:
         raise ValueError("this engine cannot give each API key its own cache namespace (it does not honour "
                          "cache_salt); pass share_cache_across_keys (--share-cache-across-keys) to let keys share it")
-    app = FastAPI(title="redknot", description="OpenAI-compatible redknot server")
+    if tool_call_parser not in tl.PARSERS:
+        raise ValueError(f"unknown tool-call parser {tool_call_parser!r} (available: {', '.join(tl.PARSERS)})")
+    if chat_template is not None:
+        llm.tokenizer.chat_template = load_chat_template(chat_template)
+    app = FastAPI(title="redknot", description="OpenAI-compatible redknot server", version=_version())
     pool = ThreadPoolExecutor(max_workers=max(1, limits.tokenizer_workers), thread_name_prefix="redknot-tokenize")
     app.state.engine, app.state.limits, app.state.tokenizer_pool = engine, limits, pool
     app.add_middleware(_Guard, api_keys=api_keys, max_body_bytes=limits.max_body_bytes)
     _add_error_handlers(app)
-    _add_routes(app, _Server(engine, model_name, limits, api_keys, per_key_cache, honours_salt, pool))
+    srv = _Server(engine, model_name, limits, api_keys, per_key_cache, honours_salt, pool, tool_call_parser)
+    _add_routes(app, srv)
+    _add_token_routes(app, srv)
     app.openapi = lambda: _openapi(app, bool(api_keys))
     return app
+
+
+def load_chat_template(template: str) -> str:
+    """A template given inline or as the path of a file holding it (vLLM's --chat-template)."""
+    from pathlib import Path
+
+    if "{" not in template and Path(template).is_file():
+        return Path(template).read_text()
+    if "{" not in template:
+        raise ValueError(f"chat template {template!r} is neither a file nor a Jinja template")
+    return template
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("redknot")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
+def _add_token_routes(app: FastAPI, srv: "_Server") -> None:
+    """vLLM's /tokenize, /detokenize and /version."""
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        srv.check_model(req.model)
+        tok = srv.llm.tokenizer
+        if req.messages is not None:
+            try:
+                chat = ChatCompletionRequest(model=req.model, messages=req.messages, chat_template=req.chat_template,
+                                             chat_template_kwargs=req.chat_template_kwargs,
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message)
+            except ValidationError as e:
+                msg = str(e.errors()[0].get("msg", "invalid request")).removeprefix("Value error, ")
+                param = msg.split(":", 1)[0] if ": " in msg and msg.split(":", 1)[0].isidentifier() else None
+                raise APIError(400, msg, param=param) from None
+            ids, _ = await asyncio.get_running_loop().run_in_executor(srv.pool, _chat_prompt, srv.llm, chat)
+        else:
+            ids = await asyncio.get_running_loop().run_in_executor(
+                srv.pool, lambda: tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return TokenizeResponse(count=len(ids), max_model_len=srv.llm.max_model_len, tokens=list(ids))
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        srv.check_model(req.model)
+        vocab = srv.llm.config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: token id {bad[0]} is outside the vocabulary (vocab_size={vocab})",
+                           param="tokens")
+        return DetokenizeResponse(prompt=srv.llm.tokenizer.decode(req.tokens))
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": _version()}
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -159,10 +230,14 @@ class _Server:
     """What the routes share: the request checks, tokenising in the pool, submitting to the engine."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, limits: ServerLimits, api_keys: tuple,
-                 per_key_cache: bool, honours_salt: bool, pool: ThreadPoolExecutor):
+                 per_key_cache: bool, honours_salt: bool, pool: ThreadPoolExecutor, tool_parser: str = "hermes"):
         self.engine, self.llm, self.model_name, self.limits = engine, engine.llm, model_name, limits
         self.api_keys, self.per_key_cache, self.honours_salt, self.pool = api_keys, per_key_cache, honours_salt, pool
-
+        self.tool_parser = tool_parser
+        self.token_text = TokenText(self.llm.tokenizer, lambda: self.llm.grammars.info.decoded_vocab)
+        self.errors = 0  # requests that failed inside the server (5xx)
+        self.metrics = ServerMetrics(engine, model_name, lambda: self.errors)
+        engine.observer = self.metrics
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist (serving `{self.model_name}`).",
@@ -170,7 +245,7 @@ class _Server:
 
     def check_limits(self, req) -> None:
         """The per-request caps, checked before anything is tokenised."""
-        docs = req.documents or []
+        docs = req.document_texts() or []
         if len(docs) > self.limits.max_documents:
             raise APIError(400, f"documents: {len(docs)} documents, this server takes at most {self.limits.max_documents} "
                                 f"per request", param="documents")
@@ -200,27 +275,70 @@ class _Server:
             parts.append("salt:" + req.cache_salt)
         return "\x1f".join(parts) or None
 
-    def sampling_params(self, req, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, req, max_tokens: int, seed: int | None, logprobs: int | None,
+                        structured) -> SamplingParams:
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, seed=req.seed, stop=req.stop, ignore_eos=req.ignore_eos,
-                                  stop_token_ids=list(req.stop_token_ids or []))
+                                  top_k=req.top_k, seed=seed, stop=req.stop, ignore_eos=req.ignore_eos,
+                                  stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
+                                  structured_outputs=structured)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def build_sequence(self, req, prompt, documents, salt):
-        """Tokenise and check one request (in the tokenizer pool): the engine's Sequence."""
-        param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
-        if isinstance(req, ChatCompletionRequest):
-            prompt, documents = _chat_prompt(self.llm, req)
-        elif documents is None and isinstance(prompt, str):  # a raw completion, whatever the method: no chat template
+    def structured(self, req):
+        """The request's output constraint (a forced tool call's, or its structured-output field's),
+        compiled here so a bad schema answers 400 naming its field."""
+        if isinstance(req, ChatCompletionRequest) and req.uses_tools:
+            field = "tools"
+            so = StructuredOutputs(json=tl.forced_schema(req.tools, req.tool_choice, req.parallel_tool_calls))
+        else:
             try:
-                prompt = self.llm.prompt_ids(prompt)
-            except (ValueError, TypeError) as e:
-                raise APIError(400, str(e), param=param) from None
-        params = self.sampling_params(req, 1 if req.max_tokens is None else req.max_tokens)
+                got = req.structured()
+            except ValueError as e:
+                name = str(e).split(":", 1)[0]
+                raise APIError(400, str(e), param=name) from None
+            if got is None:
+                return None
+            field, so = got
         try:
-            seq = self.llm.make_sequence(prompt, params, documents, req.method, cache_salt=salt)
+            self.llm.grammars.compile(so)
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", param=field) from None
+        return so
+
+    def build_sequences(self, req, prompts, documents, salt) -> list:
+        """Tokenise and check a request (in the tokenizer pool): one engine Sequence per prompt and
+        choice (choice i of a seeded request samples with seed + i)."""
+        chat = isinstance(req, ChatCompletionRequest)
+        param = "messages" if chat else "prompt"
+        structured = self.structured(req)
+        if chat:
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            prompts, documents = _chat_prompt(self.llm, req)
+            prompts = [prompts]
+        else:
+            logprobs = req.logprobs
+        seqs = []
+        for prompt in prompts:
+            if not chat and documents is None and isinstance(prompt, str):  # raw completion: no chat template
+                try:
+                    prompt = self.llm.prompt_ids(prompt)
+                except (ValueError, TypeError) as e:
+                    raise APIError(400, str(e), param=param) from None
+            for i in range(req.n):
+                seed = None if req.seed is None else req.seed + i
+                params = self.sampling_params(req, 1 if req.max_tokens is None else req.max_tokens, seed, logprobs,
+                                              structured)
+                seqs.append(self._sequence(req, prompt, documents, params, salt, param))
+        return seqs
+
+    def _sequence(self, req, prompt, documents, params, salt, param):
+        method = req.method
+        if method == "auto":  # the best reuse method this model runs, whatever the server's default
+            from .cli import default_method
+            method = default_method(self.llm)
+        try:
+            seq = self.llm.make_sequence(prompt, params, documents, method, cache_salt=salt)
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e), param="method" if "method" in str(e) else param) from None
         if req.max_tokens is None:  # what the context and the pool leave it, as vLLM does
@@ -232,12 +350,12 @@ class _Server:
             seq.params = replace(params, max_tokens=most)
         return seq
 
-    async def tokenize(self, request: Request, req, prompt=None, documents=None):
+    async def tokenize(self, request: Request, req, prompts=None, documents=None) -> list:
         self.check_model(req.model)
         self.check_limits(req)
         salt = self.cache_salt(req, request)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self.build_sequence, req, prompt, documents, salt)
+        return await loop.run_in_executor(self.pool, self.build_sequences, req, prompts, documents, salt)
 
     def failed(self, e: RequestFailed) -> APIError:
         cause = e.__cause__
@@ -249,44 +367,75 @@ class _Server:
         eid = _log_failure("request failed in the engine", cause or e)
         return APIError(500, f"the request failed inside the engine (error id {eid})", type="server_error")
 
-    async def start(self, request: Request, seq) -> tuple[AsyncIterator[StreamDelta], StreamDelta]:
-        """Submit to the engine and wait for the first delta: input errors surface here as 4xx/503."""
-        gen = self.engine.generate(sequence=seq)
+    async def start(self, request: Request, seqs, n: int = 1) -> tuple[list, list]:
+        """Submit every choice's sequence and wait for each one's first delta: input errors surface
+        here as 4xx/503. With ``n`` > 1 the first choice of each prompt runs first: once it has its
+        first token, its prompt's KV is in the prefix cache (documents in the chunk cache), so the
+        other choices map those pages instead of computing them again. Returns (streams, engine
+        generators): each stream yields its deltas."""
+        gens = [None] * len(seqs)
+        firsts = [None] * len(seqs)
+        waves = [list(range(0, len(seqs), n))] + ([[i for i in range(len(seqs)) if i % n]] if n > 1 else [])
         try:
-            first = await _unless_disconnected(request, gen.__anext__())
-        except RequestFailed as e:
-            raise self.failed(e) from None
-        except (ValueError, TypeError) as e:  # raised before queueing: RequestTooLarge and bad input
-            raise APIError(400, str(e)) from None
-        except EngineOverloaded as e:
-            raise APIError(503, str(e), type="server_overloaded", code="engine_overloaded") from None
+            for wave in waves:
+                for i in wave:
+                    gens[i] = self.engine.generate(sequence=seqs[i])
+                got = await _unless_disconnected(
+                    request, asyncio.gather(*(gens[i].__anext__() for i in wave), return_exceptions=True))
+                for i, f in zip(wave, got):
+                    firsts[i] = f
+                err = next((f for f in got if isinstance(f, BaseException)), None)
+                if err is not None:
+                    break
         except _ClientGone:
-            await gen.aclose()
+            await _close([g for g in gens if g is not None])
             raise
-        except StopAsyncIteration:
-            raise APIError(500, "the engine returned no output", type="server_error") from None
-        return gen, first
+        if err is not None:
+            await _close([g for g in gens if g is not None])
+            self.errors += not isinstance(err, (ValueError, TypeError, EngineOverloaded))
+            try:
+                raise err
+            except RequestFailed as e:
+                raise self.failed(e) from None
+            except (ValueError, TypeError) as e:  # raised before queueing: RequestTooLarge and bad input
+                raise APIError(400, str(e)) from None
+            except EngineOverloaded as e:
+                raise APIError(503, str(e), type="server_overloaded", code="engine_overloaded") from None
+            except StopAsyncIteration:
+                raise APIError(500, "the engine returned no output", type="server_error") from None
+        return [_chain(f, g) for f, g in zip(firsts, gens)], gens
 
-    async def rest(self, request: Request, gen, first: StreamDelta) -> tuple[str, StreamDelta]:
-        async def drain():
-            text, last = first.text, first
-            while last.finish_reason is None:
-                last = await gen.__anext__()
-                text += last.text
-            return text, last
+    async def collect(self, request: Request, streams, gens) -> list[Choice]:
+        """Every choice to its end (non-streamed responses)."""
+        async def drain(i, stream):
+            c = Choice(i)
+            async for d in stream:
+                c.add(d)
+            return c
         try:
-            return await _unless_disconnected(request, drain())
+            return await _unless_disconnected(request, asyncio.gather(*(drain(i, s) for i, s in enumerate(streams))))
         except RequestFailed as e:
+            self.errors += 1
             raise self.failed(e) from None
         finally:
-            await gen.aclose()
+            await _close(streams + gens)
 
-    def usage(self, d: StreamDelta) -> Usage:
-        return Usage.of(d.prompt_tokens, d.completion_tokens, d.cached_tokens)
+    def usage(self, choices, n: int) -> Usage:
+        """Usage of a request: each prompt counted once (choice p*n is prompt p's first)."""
+        firsts = choices[::n]
+        return Usage.of(sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
+                        sum(c.cached_tokens for c in firsts))
+
+    def tool_mode(self, req: ChatCompletionRequest) -> ToolMode:
+        if not req.tools or req.tool_choice == "none":
+            return ToolMode()
+        if req.uses_tools:
+            return ToolMode(choice=req.tool_choice)
+        return ToolMode(parser=self.tool_parser, names=frozenset(t.function.name for t in req.tools))
 
     def card(self) -> ModelCard:
         """The model card; ``max_model_len`` is the most a request of the default method can hold."""
-        return ModelCard(id=self.model_name, max_model_len=self.llm.max_context())
+        return ModelCard(id=self.model_name, root=self.model_name, max_model_len=self.llm.max_context())
 
 
 def _add_routes(app: FastAPI, srv: _Server) -> None:
@@ -309,69 +458,90 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
 
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
-        seq = await srv.tokenize(request, req)
-        gen, first = await srv.start(request, seq)
-        rid, created = new_id("chatcmpl"), now()
+        seqs = await srv.tokenize(request, req)
+        streams, gens = await srv.start(request, seqs, req.n)
+        rid, created, mode = new_id("chatcmpl"), now(), srv.tool_mode(req)
+        # echo: the last message's content leads the answer when it is the assistant's (vLLM)
+        echo = req.messages[-1].text if req.echo and req.messages[-1].role == "assistant" else ""
         if req.stream:
-            def chunk(delta: DeltaMessage | None, finish=None, usage_=None):
-                choices = [] if delta is None else [ChatChunkChoice(delta=delta, finish_reason=finish)]
+            def chunk(choices, usage_=None):
                 return _sse(ChatCompletionChunk(id=rid, created=created, model=srv.model_name, choices=choices,
                                                 usage=usage_))
 
             async def body():
+                states = [ChatStream(i, mode, srv.token_text, req.logprobs) for i in range(len(seqs))]
                 try:
-                    yield chunk(DeltaMessage(role="assistant", content=""))
-                    async for d in _chain(first, gen):
-                        if d.text or d.finish_reason:
-                            yield chunk(DeltaMessage(content=d.text), d.finish_reason)
-                        last = d
+                    for st in states:
+                        for ch in st.first(echo):
+                            yield chunk([ch])
+                    async for i, d in merge(streams):
+                        for ch in states[i].feed(d):
+                            yield chunk([ch])
                     if req.include_usage:
-                        yield chunk(None, usage_=srv.usage(last))
+                        yield chunk([], srv.usage([st.choice for st in states], req.n))
                 except Exception as e:  # the stream has started: report in-band
+                    srv.errors += 1
                     yield _stream_error("chat stream failed", e)
                 finally:
-                    await gen.aclose()
+                    await _close(streams + gens)
                 yield "data: [DONE]\n\n"
             return _SSEResponse(body(), media_type="text/event-stream")
-        text, last = await srv.rest(request, gen, first)
-        return ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(last), choices=[
-            ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)])
+        choices = await srv.collect(request, streams, gens)
+        return ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(choices, req.n),
+                                      choices=[chat_choice(c, mode, srv.token_text, req.logprobs, echo)
+                                               for c in choices])
 
     @app.post("/v1/completions", responses=_responses(CompletionResponse))
     async def completions(req: CompletionRequest, request: Request):
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo: with logprobs it needs the prompt's logprobs, which this server does not "
+                                "compute; drop one of them", param="echo")
+        prompts = req.prompts()
         # no documents and an empty list are the same request (a raw prompt, no chat template)
-        seq = await srv.tokenize(request, req, req.prompt, req.documents or None)
-        gen, first = await srv.start(request, seq)
+        seqs = await srv.tokenize(request, req, prompts, req.document_texts() or None)
+        streams, gens = await srv.start(request, seqs, req.n)
         rid, created = new_id("cmpl"), now()
+        tok = srv.llm.tokenizer
+        echoes = [(p if isinstance(p, str) else tok.decode(p)) if req.echo else "" for p in prompts for _ in range(req.n)]
+        want_lp = req.logprobs is not None
         if req.stream:
-            def chunk(choice: CompletionChoice | None, usage_=None):
-                return _sse(CompletionResponse(id=rid, created=created, model=srv.model_name,
-                                               choices=[] if choice is None else [choice], usage=usage_))
+            def chunk(choices, usage_=None):
+                return _sse(CompletionResponse(id=rid, created=created, model=srv.model_name, choices=choices,
+                                               usage=usage_))
 
             async def body():
+                states = [Choice(i) for i in range(len(seqs))]
+                offsets = [len(e) for e in echoes]
                 try:
-                    async for d in _chain(first, gen):
-                        if d.text or d.finish_reason:
-                            yield chunk(CompletionChoice(text=d.text, finish_reason=d.finish_reason))
-                        last = d
+                    for i, e in enumerate(echoes):
+                        if e:
+                            yield chunk([CompletionChoice(index=i, text=e)])
+                    async for i, d in merge(streams):
+                        states[i].add(d)
+                        lp = srv.token_text.completion(d.logprobs or [], d.token_ids, offsets[i]) if want_lp else None
+                        offsets[i] += sum(len(x) for x in lp.tokens) if lp else 0
+                        if d.text or d.finish_reason or lp:
+                            yield chunk([CompletionChoice(index=i, text=d.text, logprobs=lp,
+                                                          finish_reason=d.finish_reason)])
                     if req.include_usage:
-                        yield chunk(None, srv.usage(last))
+                        yield chunk([], srv.usage(states, req.n))
                 except Exception as e:
+                    srv.errors += 1
                     yield _stream_error("completion stream failed", e)
                 finally:
-                    await gen.aclose()
+                    await _close(streams + gens)
                 yield "data: [DONE]\n\n"
             return _SSEResponse(body(), media_type="text/event-stream")
-        text, last = await srv.rest(request, gen, first)
-        return CompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(last),
-                                  choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)])
+        choices = await srv.collect(request, streams, gens)
+        return CompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(choices, req.n),
+                                  choices=[completion_choice(c, srv.token_text, want_lp, echoes[c.index])
+                                           for c in choices])
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format 0.0.4",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
-        return PlainTextResponse(render_metrics(srv.engine.stats()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 # ---- guard, errors, schema ---------------------------------------------------------------------
@@ -530,21 +700,43 @@ class _Guard:
 
 # ---- prompts ----------------------------------------------------------------------------------
 
+# Keys of chat_template_kwargs that the request's own fields set.
+_TEMPLATE_RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding", "truncation"}
+
+
 def _chat_prompt(llm, req: ChatCompletionRequest):
     """(prompt, documents) for the engine: the rendered conversation as token ids, or, with
-    documents, the question string (the engine puts the documents before it in the user turn)."""
+    documents, the conversation (the engine renders the documents before its last message in
+    the same user turn, with the model's own template)."""
     messages = req.messages
-    if getattr(llm.tokenizer, "chat_template", None) is None:
-        raise APIError(400, "the model has no chat template; use /v1/completions", param="messages")
-    conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
-    if req.documents is not None:
+    if getattr(llm.tokenizer, "chat_template", None) is None and req.chat_template is None:
+        raise APIError(400, "the model has no chat template; use /v1/completions or send chat_template",
+                       param="messages")
+    conversation = [tl.template_message(m) for m in messages]
+    kwargs = dict(req.chat_template_kwargs or {})
+    bad = sorted(_TEMPLATE_RESERVED & set(kwargs))
+    if bad:
+        raise APIError(400, f"chat_template_kwargs: {bad[0]!r} is set by the request itself, not through "
+                            f"chat_template_kwargs", param="chat_template_kwargs")
+    tools = tl.template_tools(req.tools) if req.tools and req.tool_choice != "none" else None
+    documents = req.document_texts()
+    if documents is not None:
+        for name, on in (("chat_template", req.chat_template is not None), ("chat_template_kwargs", bool(kwargs)),
+                         ("tools", tools is not None), ("continue_final_message", req.continue_final_message),
+                         ("add_generation_prompt", not req.add_generation_prompt)):
+            if on:
+                raise APIError(400, f"{name}: cannot be combined with documents (their prompt is rendered with the "
+                                    f"model's own template, documents inside the last user turn)", param=name)
         if messages[-1].role != "user":
             raise APIError(400, "with documents, the last message must be the user's: its content is the question, "
                                 "and the documents go before it in the same user turn", param="messages")
-        return conversation, req.documents  # earlier messages (system, turns) render before the documents
+        return conversation, documents  # earlier messages (system, turns) render before the documents
     try:
-        ids = llm.tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True,
-                                                return_dict=False)
+        ids = llm.tokenizer.apply_chat_template(
+            conversation, tools=tools, chat_template=req.chat_template, tokenize=True, return_dict=False,
+            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+            **kwargs)
     except Exception as e:  # jinja2 TemplateError: roles out of order, unsupported role, ...
         raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     if hasattr(ids, "keys"):  # some transformers versions return a BatchEncoding regardless
@@ -553,6 +745,12 @@ def _chat_prompt(llm, req: ChatCompletionRequest):
 
 
 # ---- streaming helpers ------------------------------------------------------------------------
+
+async def _close(gens) -> None:
+    for g in gens:
+        with suppress(Exception):
+            await g.aclose()
+
 
 async def _chain(first: StreamDelta, gen) -> AsyncIterator[StreamDelta]:
     yield first
@@ -591,77 +789,3 @@ def _stream_error(what: str, e: Exception) -> str:
     eid = _log_failure(what, e.__cause__ if isinstance(e, RequestFailed) and e.__cause__ else e)
     return _sse({"error": {"message": f"the request failed inside the server (error id {eid})",
                            "type": "server_error", "param": None, "code": None}})
-
-
-# ---- metrics ----------------------------------------------------------------------------------
-
-def render_metrics(stats: dict) -> str:
-    """Prometheus text exposition (format 0.0.4) of ``AsyncLLMEngine.stats()``."""
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples):
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            label = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-            lines.append(f"{name}{label} {_num(value)}")
-
-    count = stats.get("ttft_count", 0)
-    buckets = [({"le": _num(float(b))}, n) for b, n in stats.get("ttft_buckets", [])] + [({"le": "+Inf"}, count)]
-    name = "redknot_time_to_first_token_seconds"
-    lines += [f"# HELP {name} Time from a request's arrival to its first generated token.",
-              f"# TYPE {name} histogram"]
-    lines += [f'{name}_bucket{{le="{lab["le"]}"}} {n}' for lab, n in buckets]
-    lines += [f"{name}_sum {_num(float(stats.get('ttft_sum', 0.0)))}", f"{name}_count {count}"]
-
-    uptime = max(stats.get("uptime_s", 0.0), 1e-9)
-    generated = stats.get("generated_tokens", 0)
-    metric("redknot_generation_tokens_total", "counter", "Tokens generated since start.", [({}, generated)])
-    metric("redknot_generation_tokens_per_second", "gauge", "Tokens generated per second since start.",
-           [({}, generated / uptime)])
-    metric("redknot_reused_chunk_tokens_total", "counter", "Prompt tokens served from the chunk cache.",
-           [({}, stats.get("reused_tokens", 0))])
-    metric("redknot_requests_finished_total", "counter", "Requests that finished (not aborted).",
-           [({}, stats.get("requests_finished", 0))])
-    metric("redknot_requests_running", "gauge", "Requests running (prefilled, decoding).",
-           [({}, stats.get("running", 0))])
-    metric("redknot_requests_waiting", "gauge", "Requests waiting for admission.", [({}, stats.get("waiting", 0))])
-    metric("redknot_kv_cache_bytes", "gauge", "Device bytes of KV held by running requests.",
-           [({}, stats.get("kv_bytes", 0))])
-    pool = stats.get("pool_pages") or {}
-    if pool:
-        metric("redknot_kv_pool_pages", "gauge", "SegPaged KV pool pages in use, by the owner head's class.",
-               [({"head_class": c}, pool.get(c, 0)) for c in ("global", "local")])
-        metric("redknot_kv_pool_free_pages", "gauge", "SegPaged KV pool pages free.", [({}, pool.get("free", 0))])
-        metric("redknot_kv_pool_total_pages", "gauge", "SegPaged KV pool size in pages.", [({}, pool.get("total", 0))])
-        page = stats.get("page_bytes", 0)
-        metric("redknot_kv_pool_bytes", "gauge", "SegPaged KV pool bytes in use, by the owner head's class.",
-               [({"head_class": c}, pool.get(c, 0) * page) for c in ("global", "local")])
-    metric("redknot_requests_preempted_total", "counter", "Requests preempted (pages freed, re-queued).",
-           [({}, stats.get("preemptions", 0))])
-    metric("redknot_prefix_cache_pages", "gauge", "Pool pages the prefix cache references.",
-           [({}, stats.get("prefix_cache_pages", 0))])
-    metric("redknot_chunk_cache_pages", "gauge", "Pool pages cached document KV holds.",
-           [({}, (stats.get("chunk_cache") or {}).get("pages", 0))])
-    tiers = (stats.get("chunk_cache") or {}).get("tiers")
-    if tiers:
-        names = [t for t in ("cpu", "disk", "redis") if t in tiers]
-        for key, kind, help_ in (("hits", "counter", "Document KV reads a tier served (whole or per head)."),
-                                 ("misses", "counter", "Document KV reads a tier did not hold."),
-                                 ("rejected", "counter", "Tier entries read back corrupt or mismatched: dropped and "
-                                                         "recomputed."),
-                                 ("errors", "counter", "Tier operations that failed (I/O, connection)."),
-                                 ("skipped", "counter", "Tier operations not tried (tier disabled or unreachable)."),
-                                 ("bytes_read", "counter", "Payload bytes read from a tier."),
-                                 ("bytes_written", "counter", "Payload bytes written to a tier.")):
-            metric(f"redknot_kv_tier_{key}_total", kind, help_, [({"tier": t}, tiers[t].get(key, 0)) for t in names])
-        held = [t for t in names if "bytes" in tiers[t]]
-        metric("redknot_kv_tier_bytes", "gauge", "Bytes a tier holds (this process's view).",
-               [({"tier": t}, tiers[t]["bytes"]) for t in held])
-        metric("redknot_kv_tier_loads_total", "counter", "Pool misses served by loading document KV from a tier.",
-               [({"tier": t}, n) for t, n in tiers.get("hits", {}).items()])
-    return "\n".join(lines) + "\n"
-
-
-def _num(x) -> str:
-    return repr(float(x)) if isinstance(x, float) else str(x)

@@ -45,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-max-len", type=int, default=0,
                    help="capture decode CUDA graphs for contexts up to this many tokens at start-up "
                         "(default 0: each one is captured when first met)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, replacing the tokenizer's (vLLM's flag)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=("hermes", "llama3_json"),
+                   help="how tool calls are read from outputs under tool_choice auto: Hermes/Qwen <tool_call> "
+                        "blocks or Llama 3 JSON (required and named tool choices are guided, whatever the parser)")
     p.add_argument("--log-level", default="info")
     g = p.add_argument_group("security and limits")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -102,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     engine = AsyncLLMEngine(llm, max_num_seqs=args.max_num_seqs)
     try:
         app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"), api_keys=api_keys,
-                        limits=limits, share_cache_across_keys=args.share_cache_across_keys)
+                        limits=limits, share_cache_across_keys=args.share_cache_across_keys,
+                        tool_call_parser=args.tool_call_parser, chat_template=args.chat_template)
     except ValueError as e:
         engine.shutdown()
         raise SystemExit(f"redknot serve: {e}") from None

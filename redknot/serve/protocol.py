@@ -2,11 +2,14 @@
 
 Requests are validated strictly (no "5" for 5, no true for 1, no NaN or infinities, no subnormal
 floats, integers within 64 bits); unknown fields are ignored, except the ones that would silently
-change the answer (``n`` > 1, logprobs, penalties, tools, ``logit_bias``, ``response_format``, and
-the vLLM sampling extensions redknot does not implement), which are refused naming the field.
-redknot extensions in the body: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``documents``
-(strings reused as position-independent chunks), ``method`` (one of ``redknot.engine.METHODS``) and
-``cache_salt`` (vLLM's name: requests with different salts never share cached content).
+change the answer (penalties, ``logit_bias``, beam search and the other vLLM sampling extensions
+redknot does not implement), which are refused naming the field. Implemented beyond the basics:
+``n``, logprobs, ``echo``, structured output (``response_format``, vLLM's ``structured_outputs``
+and ``guided_*``), tools, and the chat-template options. redknot extensions in the body:
+``top_k``, ``ignore_eos``, ``stop_token_ids``, ``documents`` (strings or ``{"title", "text"}``
+objects reused as position-independent chunks), ``method`` (one of ``redknot.engine.METHODS``)
+and ``cache_salt`` (vLLM's name: requests with different salts never share cached content).
+docs/serving.md lists every field and whether it is honoured.
 """
 
 from __future__ import annotations
@@ -26,32 +29,40 @@ _INT64 = (-(2 ** 63), 2 ** 63 - 1)
 # ignoring it would silently change the answer.
 UNSUPPORTED_FIELDS: dict[str, tuple] = {
     "logit_bias": (None, {}),
-    "response_format": (None, {"type": "text"}),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None, 0),
     "repetition_penalty": (None, 1, 1.0),
     "length_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0),
-    "best_of": (None, 1),
     "use_beam_search": (None, False),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "bad_words": (None, []),
     "allowed_token_ids": (None, []),
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structural_tag": (None,),
     "prediction": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "add_special_tokens": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
     "modalities": (None, ["text"]),
     "audio": (None,),
 }
+
+
+# Fields of the OpenAI and vLLM request bodies that never change the answer, so they are accepted
+# and ignored (docs/serving.md lists them beside the honoured and the refused ones).
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                  "request_id", "priority")
 
 
 def _check_number(v: Any, where: str) -> None:
@@ -83,6 +94,46 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class Document(_Request):
+    """A document with a title: served as its title, a newline, then its text."""
+    title: str | None = None
+    text: str
+
+    def render(self) -> str:
+        return f"{self.title}\n{self.text}" if self.title else self.text
+
+
+class JSONSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` body field (exactly one constraint)."""
+    json_: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# Most choices one request may ask for (n); each is its own sequence in the engine.
+MAX_N = 16
+
+
 class _SamplingRequest(_Request):
     model: str
     max_tokens: int | None = None  # None: whatever the context has left
@@ -94,12 +145,20 @@ class _SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (as in vLLM)
-    documents: list[str] | None = None  # extension: reusable document chunks
+    documents: list[str | Document] | None = None  # extension: reusable document chunks
     method: str | None = None  # extension: dense, headsparse, full_reuse, redknot, ...
     stop_token_ids: list[int] | None = None  # extension (as in vLLM): token ids that end the output
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # extension (as in vLLM)
-    # Accepted only at their no-op values: refusing beats silently ignoring them.
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = Field(default=None, ge=1)  # only as many as n: choices are not ranked
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # accepted only at their no-op values: refusing beats silently ignoring them
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
@@ -112,13 +171,6 @@ class _SamplingRequest(_Request):
                     hint = "omit it" if off[-1] is None else f"omit it or send {off[-1]!r}"
                     raise ValueError(f"{name}: not supported by this server ({hint})")
         return data
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -133,6 +185,66 @@ class _SamplingRequest(_Request):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
+    @model_validator(mode="after")
+    def _best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of equal to n is supported (got best_of={self.best_of}, "
+                             f"n={self.n}); omit it")
+        return self
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = self.constraint_fields()
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one structured-output constraint per request "
+                             f"(also got {given[0]})")
+        return self
+
+    def constraint_fields(self) -> list[str]:
+        """The structured-output fields this request sets (at most one is accepted)."""
+        given = []
+        if self.response_format is not None and self.response_format.type != "text":
+            given.append("response_format")
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                given.append(name)
+        return given
+
+    def structured(self):
+        """(field name, StructuredOutputs) of the request's constraint, or None; raises ValueError
+        naming the field when it is malformed."""
+        from ..engine.structured import StructuredOutputs
+
+        given = self.constraint_fields()
+        if not given:
+            return None
+        name = given[0]
+        try:
+            if name == "response_format":
+                rf = self.response_format
+                if rf.type == "json_object":
+                    return name, StructuredOutputs(json_object=True)
+                schema = rf.json_schema.schema_
+                return name, (StructuredOutputs(json=schema) if schema is not None
+                              else StructuredOutputs(json_object=True))
+            if name == "structured_outputs":
+                so = self.structured_outputs
+                return name, StructuredOutputs(json=so.json_, regex=so.regex, grammar=so.grammar,
+                                               choice=None if so.choice is None else tuple(so.choice),
+                                               json_object=bool(so.json_object))
+            value = getattr(self, name)
+            kind = name.removeprefix("guided_")
+            if kind == "choice":
+                value = tuple(value)
+            return name, StructuredOutputs(**{kind: value})
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+
+    def document_texts(self) -> list[str] | None:
+        if self.documents is None:
+            return None
+        return [d if isinstance(d, str) else d.render() for d in self.documents]
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -143,9 +255,23 @@ class TextPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # the call a tool message answers
 
     @property
     def text(self) -> str:
@@ -154,31 +280,47 @@ class ChatMessage(_Request):
         return self.content or ""
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # the newer name of max_tokens
     logprobs: bool = False
-    tools: list | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # chat-template options (vLLM's)
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
 
     @field_validator("messages")
     @classmethod
     def _not_empty(cls, v: list) -> list:
         if not v:
             raise ValueError("messages must contain at least one message")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
         return v
 
     @model_validator(mode="after")
@@ -189,33 +331,87 @@ class ChatCompletionRequest(_SamplingRequest):
             self.max_tokens = self.max_completion_tokens
         return self
 
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (send "
+                             "add_generation_prompt: false)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ValueError("tool_choice: needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice: no tool named {choice.function.name!r} in tools")
+        if self.uses_tools and self.constraint_fields():
+            raise ValueError(f"{self.constraint_fields()[0]}: cannot be combined with a tool_choice that "
+                             f"forces a call")
+        return self
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether a tool call is forced (required or named): guided decoding makes it valid."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
-    logprobs: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, v):
         if v:
-            raise ValueError("suffix is not supported")
+            raise ValueError("suffix: not supported by this server (fill-in-the-middle); omit it")
         return v
+
+    def prompts(self) -> list:
+        """The request's prompts: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or not p:
+            return [p]
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize body: a prompt, or messages rendered with the chat template."""
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("prompt: send exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages: must contain at least one message")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str
+    tokens: list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -245,15 +441,41 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] = []
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None
 
 
@@ -266,15 +488,28 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
 
     @field_serializer("delta")
@@ -291,10 +526,17 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -312,6 +554,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "redknot"
+    root: str | None = None  # vLLM's: the model the name serves
+    parent: str | None = None
     max_model_len: int
 
 

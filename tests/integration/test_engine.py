@@ -346,10 +346,10 @@ def test_a_row_the_sampler_rejects_fails_only_its_own_request(tiny_checkpoint, m
 
     real = engine_mod.sample
 
-    def picky(logits, params, generators):
+    def picky(logits, params, generators, grammars=None):
         if any(p.seed == 666 for p in params):
             raise RuntimeError("this row cannot be sampled")
-        return real(logits, params, generators)
+        return real(logits, params, generators, grammars)
 
     llm = LLM(model=tiny_checkpoint("llama"), device=DEVICE, page_size=16)
     ref = llm.generate("Hello there", greedy(5))[0].outputs[0].token_ids

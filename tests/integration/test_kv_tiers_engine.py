@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from redknot import LLM, SamplingParams
-from redknot.serve.app import render_metrics
+from redknot.serve.metrics import ServerMetrics
 from redknot.testbed.records import generate_records
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,9 +58,9 @@ def test_an_evicted_document_comes_back_from_the_cpu_tier(requests, cold):
     stats = tier_stats(llm)
     assert stats["hits"]["cpu"] == len(requests[0][1]) + 1  # every document and the prompt prefix
     assert stats["cpu"]["rejected"] == 0 and stats["write_errors"] == 0
-    metrics = render_metrics(llm.engine.stats())
-    assert f'redknot_kv_tier_loads_total{{tier="cpu"}} {len(requests[0][1]) + 1}' in metrics
-    assert 'redknot_kv_tier_rejected_total{tier="cpu"} 0' in metrics
+    metrics = ServerMetrics(_Front(llm), MODEL_NAME).render().decode()
+    assert f'redknot:kv_tier_loads_total{{model_name="{MODEL_NAME}",tier="cpu"}} {len(requests[0][1]) + 1}.0' in metrics
+    assert f'redknot:kv_tier_rejected_total{{model_name="{MODEL_NAME}",tier="cpu"}} 0.0' in metrics
 
 
 def test_a_small_pool_evicts_into_the_tiers_and_a_small_tier_evicts_without_errors(requests, cold, tmp_path):
@@ -81,7 +81,7 @@ def test_a_small_pool_evicts_into_the_tiers_and_a_small_tier_evicts_without_erro
 WRITER = """
 import json, sys
 from redknot import LLM, SamplingParams
-from redknot.serve.app import render_metrics
+from redknot.serve.metrics import ServerMetrics
 question, docs, disk = json.loads(sys.argv[1])
 llm = LLM(kv_offload={"disk_dir": disk, "disk_bytes": 256 << 20})
 out = llm.generate(question, SamplingParams(max_tokens=3, temperature=0), documents=docs, method="full_reuse")[0]
@@ -168,3 +168,16 @@ def test_redis_killed_mid_run_fails_no_request(requests, cold, tmp_path):
         if server.poll() is None:
             server.kill()
             server.wait(timeout=10)
+
+
+MODEL_NAME = "tiered"
+
+
+class _Front:
+    """What the server's metrics read of the serving front: its stats and its engine."""
+
+    def __init__(self, llm):
+        self.engine = llm.engine
+
+    def stats(self) -> dict:
+        return self.engine.stats()

@@ -208,8 +208,9 @@ def test_bad_requests_get_openai_errors(server):
         (400, dict(json={**good, "max_tokens": 0})),
         (400, dict(json={**good, "max_tokens": 5000})),
         (400, dict(json={**good, "method": "magic"})),
-        (400, dict(json={**good, "n": 2})),
-        (400, dict(json={**good, "stream": True, "n": 2})),
+        (400, dict(json={**good, "n": 0})),
+        (400, dict(json={**good, "stream": True, "n": 17})),
+        (400, dict(json={**good, "frequency_penalty": 0.5})),
         (400, dict(json={**good, "documents": ["a doc"],
                          "messages": good["messages"] + [{"role": "assistant", "content": "Hi."}]})),
         (400, dict(json={**good, "documents": "a doc"})),
@@ -217,7 +218,9 @@ def test_bad_requests_get_openai_errors(server):
         (400, dict(json={**good, "max_tokens": 700, "method": "headsparse"})),  # needs > 128 pages: never fits
         (400, dict(json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4}, url="/v1/completions")),
         (400, dict(json={"model": MODEL, "prompt": [], "max_tokens": 4}, url="/v1/completions")),
-        (400, dict(json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 4}, url="/v1/completions")),
+        (400, dict(json={"model": MODEL, "prompt": ["a", []], "max_tokens": 4}, url="/v1/completions")),
+        (400, dict(json={"model": MODEL, "prompt": "a", "suffix": "b", "max_tokens": 4}, url="/v1/completions")),
+        (400, dict(json={"model": MODEL, "prompt": "a", "best_of": 3, "max_tokens": 4}, url="/v1/completions")),
     ]
     for status, kw in cases:
         target = server.base + kw.pop("url") if "url" in kw else url
@@ -226,7 +229,8 @@ def test_bad_requests_get_openai_errors(server):
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"], err
     with pytest.raises(openai.BadRequestError):
-        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2)
+        server.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              presence_penalty=1.0)
     with pytest.raises(openai.NotFoundError):
         server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
     r = httpx.post(url, json=good)  # the server keeps serving
@@ -259,23 +263,36 @@ def test_metrics(server):
     r = httpx.get(f"{server.base}/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
-    for name in ['redknot_time_to_first_token_seconds_bucket{le="0.1"}', 'redknot_time_to_first_token_seconds_bucket{le="+Inf"}',
-                 "redknot_time_to_first_token_seconds_sum", "redknot_time_to_first_token_seconds_count",
-                 "redknot_generation_tokens_total", "redknot_generation_tokens_per_second",
-                 "redknot_reused_chunk_tokens_total", 'redknot_kv_pool_pages{head_class="global"}',
-                 'redknot_kv_pool_pages{head_class="local"}', "redknot_kv_pool_free_pages",
-                 "redknot_requests_running", "redknot_requests_waiting"]:
+    lab = 'model_name="tiny-llama"'
+    for name in [f'redknot:time_to_first_token_seconds_bucket{{le="0.1",{lab}}}',
+                 f'redknot:time_to_first_token_seconds_bucket{{le="+Inf",{lab}}}',
+                 "redknot:time_to_first_token_seconds_sum", "redknot:inter_token_latency_seconds_count",
+                 "redknot:request_time_per_output_token_seconds_count", "redknot:e2e_request_latency_seconds_count",
+                 "redknot:request_queue_time_seconds_count", "redknot:prompt_tokens_total",
+                 "redknot:generation_tokens_total", f'redknot:request_success_total{{finished_reason="length",{lab}}}',
+                 "redknot:num_requests_running", "redknot:num_requests_waiting", "redknot:kv_cache_usage_perc",
+                 "redknot:prefix_cache_queries_total", "redknot:prefix_cache_hits_total",
+                 "redknot:chunk_cache_queries_total", "redknot:chunk_cache_hits_total", "redknot:request_errors_total",
+                 f'redknot:kv_pool_pages{{head_class="global",{lab}}}']:
         assert name in text, name
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if not line.startswith("#")}
-    assert values["redknot_time_to_first_token_seconds_count"] >= 2
-    assert values['redknot_time_to_first_token_seconds_bucket{le="+Inf"}'] == values[
-        "redknot_time_to_first_token_seconds_count"]
-    assert values["redknot_generation_tokens_total"] >= 6 and values["redknot_reused_chunk_tokens_total"] > 0
-    assert values["redknot_requests_running"] == 0 and values["redknot_requests_waiting"] == 0
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+
+    def v(name, **labels):
+        key = name + "{" + ",".join(f'{k}="{x}"' for k, x in sorted({**labels, "model_name": "tiny-llama"}.items())) + "}"
+        return values[key]
+    assert v("redknot:time_to_first_token_seconds_count") >= 2
+    assert v("redknot:time_to_first_token_seconds_bucket", le="+Inf") == v("redknot:time_to_first_token_seconds_count")
+    assert v("redknot:e2e_request_latency_seconds_count") >= 2
+    assert v("redknot:request_success_total", finished_reason="length") >= 2
+    assert v("redknot:generation_tokens_total") >= 6 and v("redknot:chunk_reused_tokens_total") > 0
+    assert v("redknot:num_requests_running") == 0 and v("redknot:num_requests_waiting") == 0
+    assert v("redknot:chunk_cache_hits_total") >= 1  # the second request found DOCS[1] cached
+    assert 0 < v("redknot:kv_cache_usage_perc") <= 1
     # the two requests' documents stay cached in pool pages, counted in bytes by head class
-    assert values["redknot_chunk_cache_pages"] > 0 and values["redknot_requests_preempted_total"] == 0
-    used = values['redknot_kv_pool_pages{head_class="global"}'] + values['redknot_kv_pool_pages{head_class="local"}']
-    assert values['redknot_kv_pool_bytes{head_class="global"}'] + values['redknot_kv_pool_bytes{head_class="local"}'] \
+    assert v("redknot:chunk_cache_pages") > 0 and v("redknot:num_preemptions_total") == 0
+    used = v("redknot:kv_pool_pages", head_class="global") + v("redknot:kv_pool_pages", head_class="local")
+    assert v("redknot:kv_pool_bytes", head_class="global") + v("redknot:kv_pool_bytes", head_class="local") \
         == used * server.llm.pool.bytes_per_page
 
 

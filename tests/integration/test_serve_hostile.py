@@ -110,7 +110,7 @@ def test_an_attackers_sampling_values_leave_neighbours_unchanged(server, monkeyp
 def test_errors_keep_the_connection_usable(server, monkeypatch):
     """400s keep the keep-alive connection; an unexpected 500 has a clean body (no internal text)
     and says Connection: close, so the client's next request opens a fresh connection."""
-    bad = ['"temperature": NaN', '"top_p": 5e-324', '"logit_bias": {"5": 10}', '"n": 2']
+    bad = ['"temperature": NaN', '"top_p": 5e-324', '"logit_bias": {"5": 10}', '"n": 17']
     with httpx.Client(base_url=server.base, headers=server.auth, timeout=60) as c:
         for i in range(12):
             body = json.dumps(chat(max_tokens=2))[:-1] + ", " + bad[i % len(bad)] + "}"
@@ -300,8 +300,9 @@ def test_requests_past_the_concurrency_limit_get_a_json_503_and_health_stays_up(
 # ---- 4. fields, lengths and the schema -----------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"}), ("repetition_penalty", 1.2),
-    ("top_logprobs", 2), ("min_p", 0.1), ("best_of", 3), ("tool_choice", "auto"), ("guided_json", {})])
+    ("logit_bias", {"5": 10}), ("response_format", {"type": "json_schema"}), ("repetition_penalty", 1.2),
+    ("top_logprobs", 2), ("min_p", 0.1), ("best_of", 3), ("tool_choice", "auto"), ("guided_regex", "[a-"),
+    ("use_beam_search", True), ("min_tokens", 2)])
 def test_unimplemented_fields_are_400_naming_them(server, field, value):
     r = server.http.post("/v1/chat/completions", json=chat(**{field: value}))
     assert r.status_code == 400 and r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
