@@ -1,9 +1,11 @@
-"""Paged attention: the one attention layer of every method, over the one page pool.
+"""Attention backends: the one attention layer of every method, over the one page pool.
 
 Each layer stores its new K/V into the pages of each KV head (only the pages the batch's head
 plan keeps exist) and attends with the mask-free SegPaged kernel. Everything it needs comes from
 the forward batch the runner builds and the model passes down: block tables, lengths and the
-plan's windows and sinks; a recovery forward also passes its row plan.
+plan's windows and sinks; a recovery forward also passes its row plan. A backend is chosen once
+(``attention_backend``): ``TritonAttention`` (the kernels) or ``TorchAttention`` (their torch
+reference, with a batched CPU decode path); ``init_batch`` builds its own per-batch metadata.
 """
 
 from __future__ import annotations
@@ -15,19 +17,26 @@ from ..forward_batch import ForwardBatch
 from ..kernels import reference
 
 
+def attention_backend(pool: PagePool, scale: float, kernel: str = "auto") -> "PagedAttention":
+    """The backend for ``kernel``: "triton", "torch", or "auto" (Triton on CUDA, torch elsewhere)."""
+    if kernel == "auto":
+        kernel = "triton" if pool.device.type == "cuda" else "torch"
+    backends = {"triton": TritonAttention, "torch": TorchAttention}
+    if kernel not in backends:
+        raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
+    return backends[kernel](pool, scale)
+
+
 class PagedAttention:
-    def __init__(self, pool: PagePool, scale: float, kernel: str = "auto"):
+    """What every backend shares: the store-then-attend layer, recovery rows, query recording."""
+
+    kernel = ""
+
+    def __init__(self, pool: PagePool, scale: float):
         self.pool, self.scale = pool, scale
-        if kernel == "auto":
-            kernel = "triton" if pool.device.type == "cuda" else "torch"
-        if kernel == "triton":
-            from ..kernels import segpaged_attention, segpaged_store
-            self._store, self._attend = segpaged_store, segpaged_attention
-        elif kernel == "torch":
-            self._store, self._attend = reference.segpaged_store_ref, reference.segpaged_attention_ref
-        else:
-            raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
-        self.kernel = kernel
+
+    def init_batch(self, batch: ForwardBatch) -> None:
+        """Per-batch metadata of this backend, built once before the layer loop (none here)."""
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardBatch,
                   rows=None) -> torch.Tensor:
@@ -40,8 +49,8 @@ class PagedAttention:
             ctx.captured[layer] = q.index_select(0, ctx.capture_rows)
         if ctx.q_record is not None:
             ctx.q_record[layer, :q.shape[0]].copy_(q)
-        if self.kernel == "torch" and ctx.max_q_len == 1:
-            return self._decode_torch(layer, q, k, v, ctx)
+        if ctx.max_q_len == 1 and "decode_layout" in ctx.extras:
+            return self._decode_gathered(layer, q, k, v, ctx)
         self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t)
         sel = {} if ctx.sel_pos is None else {"sel_pos": ctx.sel_pos[layer], "sel_lens": ctx.sel_lens[layer]}
         return self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
@@ -78,14 +87,38 @@ class PagedAttention:
         the pages of ``block_tables`` [B, Hkv, pages]; -1 pages are skipped."""
         self._store(k, v, self.pool.k_pages, self.pool.v_pages, block_tables, cu_seqlens, seq_lens)
 
-    def _decode_torch(self, layer, q, k, v, ctx):
-        """Decode on the CPU: every layer's store slots and visibility masks are built once per
-        step (``reference.decode_layout``), so a layer costs a store and one batched attention."""
-        lay = ctx.extras.get("decode_layout")
-        if lay is None:
-            lay = ctx.extras["decode_layout"] = reference.decode_layout(
-                ctx.block_tables, ctx.seq_lens_t, ctx.window, ctx.sink, self.pool.page_size, max(ctx.seq_lens),
-                sel_pos=ctx.sel_pos, sel_lens=ctx.sel_lens)
+    def _decode_gathered(self, layer, q, k, v, ctx):
+        raise NotImplementedError
+
+
+class TritonAttention(PagedAttention):
+    kernel = "triton"
+
+    def __init__(self, pool: PagePool, scale: float):
+        super().__init__(pool, scale)
+        from ..kernels import segpaged_attention, segpaged_store
+        self._store, self._attend = segpaged_store, segpaged_attention
+
+
+class TorchAttention(PagedAttention):
+    """The torch reference kernels; decode on the CPU gathers each head's pages once per step."""
+
+    kernel = "torch"
+
+    def __init__(self, pool: PagePool, scale: float):
+        super().__init__(pool, scale)
+        self._store, self._attend = reference.segpaged_store_ref, reference.segpaged_attention_ref
+
+    def init_batch(self, batch: ForwardBatch) -> None:
+        """A decode batch's store slots and visibility masks for every layer (``reference.decode_layout``),
+        so a layer costs a store and one batched attention."""
+        if batch.max_q_len == 1 and batch.seq_lens:
+            batch.extras["decode_layout"] = reference.decode_layout(
+                batch.block_tables, batch.seq_lens_t, batch.window, batch.sink, self.pool.page_size,
+                max(batch.seq_lens), sel_pos=batch.sel_pos, sel_lens=batch.sel_lens)
+
+    def _decode_gathered(self, layer, q, k, v, ctx):
+        lay = ctx.extras["decode_layout"]
         pool = self.pool
         src, dst = lay["store_src"][layer], lay["store_rows"][layer]  # present heads' (row * Hkv + head), pool rows
         d = k.shape[-1]

@@ -15,7 +15,7 @@ import torch
 from ..cache import PagePool
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..models.adapter import ModelAdapter
-from .attention import PagedAttention
+from .attention import attention_backend
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -28,7 +28,7 @@ class ModelRunner:
         self.adapter, self.pool, self.plans = adapter, pool, plans
         self.device = pool.device
         cfg = adapter.config
-        self.attn = PagedAttention(pool, cfg.head_dim**-0.5, kernel)
+        self.attn = attention_backend(pool, cfg.head_dim**-0.5, kernel)
         adapter.set_backend(self.attn)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= max(max_num_seqs, 1)]
@@ -119,6 +119,7 @@ class ModelRunner:
         batch = self._batch(plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages)
         if capture_rows is not None:
             batch.capture_rows, batch.captured = capture_rows, captured
+        self.attn.init_batch(batch)
         hidden = self.adapter.execute(ids, positions, batch)
         return self.adapter.logits(hidden[cu[1:].long() - 1])
 
@@ -231,6 +232,7 @@ class ModelRunner:
                                              cfg.head_dim, dtype=self.pool.dtype,
                                              device=self.device)
             batch.q_record = self._q_record[:, :size]
+        self.attn.init_batch(batch)
         return self.adapter.logits(self.adapter.execute(s[0], s[1], batch))
 
     def _capture(self, plan: str, size: int, pages: int):
