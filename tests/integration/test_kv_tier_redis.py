@@ -93,3 +93,19 @@ def test_an_entry_is_sent_once_and_again_after_the_server_dropped_it(tier):
     assert tier.get(e.key, LAYOUT) is None
     tier.put(e)
     assert tier.stats.puts == 2 and tier.get(e.key, LAYOUT) is not None
+
+
+def test_a_redis_that_accepts_but_never_answers_costs_one_timeout():
+    import socket
+
+    with socket.socket() as silent:  # the kernel accepts connections; nobody ever replies
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        t = RedisTier(f"redis://127.0.0.1:{silent.getsockname()[1]}/0", timeout_s=0.2)
+        e = make(seed=5)
+        start = time.monotonic()
+        assert t.get(e.key, LAYOUT) is None
+        t.put(e)
+        assert t.get(e.key, LAYOUT) is None
+        assert time.monotonic() - start < 1.5  # one timeout, then the open circuit skips
+        assert t.stats.errors == 1 and t.stats.skipped == 2 and t.info()["circuit_open"]
