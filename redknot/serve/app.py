@@ -444,7 +444,7 @@ class _Server:
 
 
 def _add_routes(app: FastAPI, srv: _Server) -> None:
-    """/health, /v1/models, /v1/chat/completions, /v1/completions and /metrics."""  # token routes: _add_token_routes
+    """/health, /v1/models, /v1/chat/completions, /v1/completions and /metrics (the token routes: _add_token_routes)."""
     @app.get("/health")
     async def health():
         thread = getattr(srv.engine, "_thread", None)
