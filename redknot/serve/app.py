@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server over ``AsyncLLMEngine``.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text format).
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming, ``n``
+choices, logprobs, structured output; chat with tools), ``GET /v1/models``, ``POST /tokenize``,
+``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus text format,
+``metrics.py``). Each choice is one engine sequence (``choices.py``); tool calls: ``tools.py``.
 
 Every request is validated and admitted before the response starts, so bad input is a 4xx with
 an OpenAI error body (a request that can never fit: 400 with the numbers) and a full queue a 503,
@@ -439,7 +441,7 @@ class _Server:
 
 
 def _add_routes(app: FastAPI, srv: _Server) -> None:
-    """/health, /v1/models, /v1/chat/completions, /v1/completions and /metrics."""
+    """/health, /v1/models, /v1/chat/completions, /v1/completions and /metrics (the token routes: _add_token_routes)."""
     @app.get("/health")
     async def health():
         thread = getattr(srv.engine, "_thread", None)
