@@ -13,13 +13,10 @@ forward per head plan; a decode-only batch replays a CUDA graph) and samples.
 
 from __future__ import annotations
 
-import math
 import time
 
-import numpy as np
 import torch
 
-from ..cache import PoolExhausted
 from ..cache.chunk_cache import ChunkCache
 from ..cache.prefix_cache import PrefixCache
 from ..models.adapter import adapter_for

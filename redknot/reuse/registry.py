@@ -33,7 +33,7 @@ import torch
 from ..config import DEFAULT_SINK, HeadConfig, SparseFFNConfig
 from ..models.config import ModelConfig
 from .options import ReuseOptions
-from .policies import CacheBlend, FixedSet, RedKnot
+from .policies import CacheBlend, RedKnot
 from .prompt import ChunkedPrompt
 from .recovery import Policy
 
