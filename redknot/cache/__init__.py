@@ -1,6 +1,6 @@
-"""KV caches: the per-(layer, KV head) page pool (docs/segpaged.md) and the chunk KV store."""
+"""KV caches: the per-(layer, KV head) page pool (docs/segpaged.md), chunk keys and dense chunk KV."""
 
-from .chunk_store import ChunkKV, ChunkStore, chunk_key
+from .chunk_kv import ChunkKV, chunk_key
 from .pool import PagePool, PagesNeeded, PoolExhausted
 
-__all__ = ["ChunkKV", "ChunkStore", "PagePool", "PagesNeeded", "PoolExhausted", "chunk_key"]
+__all__ = ["ChunkKV", "PagePool", "PagesNeeded", "PoolExhausted", "chunk_key"]

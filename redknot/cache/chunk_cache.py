@@ -8,9 +8,8 @@ prefix tokens) are kept as they are, without a copy.
 
 A request that reuses a chunk at another position needs its keys rotated to that position, so it
 reads the entry (`gather`) and writes relocated K and the same V into its own pages; the cached
-pages are only ever read. The cache also speaks the small `get`/`put`/`contains` interface of
-`ChunkStore` (dense `ChunkKV` in and out), which the recovery prefill of the head-aware methods
-reads its chunks through.
+pages are only ever read. The cache also speaks a small `get`/`put`/`contains` interface of dense
+`ChunkKV` in and out (tests and tools that hold chunk K/V as tensors).
 
 Below the pool, optional tiers (``tiers/``: CPU, disk, Redis) keep entries the pool lets go. With
 the write-through policy every entry computed here is also written down at once (so a restart or
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .chunk_store import ChunkKV
+from .chunk_kv import ChunkKV
 from .events import block_hash, block_removed, block_stored
 from .pool import PagePool, PoolExhausted
 from .tiers import KVEntry, Layout, TierStack, plan_digest, tier_key
@@ -278,7 +277,7 @@ class ChunkCache:
 
         return read(self.pool.k_pages), read(self.pool.v_pages)
 
-    # ------------------------------------------------------------------ the ChunkStore interface
+    # ------------------------------------------------------------------ dense ChunkKV in and out
 
     def contains(self, key: str) -> bool:
         return key in self._entries

@@ -14,7 +14,7 @@ import torch
 
 from ..cache import PoolExhausted
 from ..cache.chunk_cache import ChunkCache, ChunkPages
-from ..cache.chunk_store import chunk_key
+from ..cache.chunk_kv import chunk_key
 from ..reuse.options import ReuseOptions
 from ..reuse.registry import PolicyInputs, get_method, with_budget
 from .scheduler import DocumentNeeds

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from redknot.cache.chunk_store import ChunkKV, ChunkStore, chunk_key
+from redknot.cache.chunk_kv import ChunkKV, chunk_key
+from oracles.chunk_store import ChunkStore
 from redknot.config import HeadConfig, SparseFFNConfig
 from redknot.models.config import ModelConfig
 from redknot.models.llama import LlamaForCausalLM

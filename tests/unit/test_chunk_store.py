@@ -6,7 +6,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from redknot.cache import ChunkKV, ChunkStore, chunk_key
+from redknot.cache import ChunkKV, chunk_key
+from oracles.chunk_store import ChunkStore
 
 FP = "model-a|bf16|rope10000|tok1"
 L, H, D = 2, 2, 4

@@ -79,7 +79,7 @@ def plan_digest(window, sink) -> str:
 
 def tier_key(chunk_key: str, layout: Layout) -> str:
     """The content address of a chunk's KV in every tier: xxh3-128 over the chunk key (document and
-    prefix tokens, model fingerprint and cache namespace, see ``chunk_store.chunk_key``) and the
+    prefix tokens, model fingerprint and cache namespace, see ``chunk_kv.chunk_key``) and the
     layout (fingerprint again, head plan, dtype, page size, shapes)."""
     fields = asdict(layout)
     blob = msgpack.packb([_KEY_DOMAIN, chunk_key, [fields[k] for k in sorted(fields)]])
