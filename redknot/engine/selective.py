@@ -282,7 +282,7 @@ class HeadSelection:
             if kind == "check":  # the step's checks at one length run together
                 checks.setdefault((d.name, n), []).append((s, rows))
             else:
-                self._update(s, kind, d, rows, n)
+                self._update(s, d, rows, n)
         for (name, n), items in checks.items():
             self._check(self._by_name[name], items, n)
 
@@ -292,7 +292,7 @@ class HeadSelection:
         d = self.derived.get(s.plan)
         if d is None:
             raise ValueError(f"plan {s.plan!r} has no selected heads")
-        self._update(s, "select", d, q_rows, n)
+        self._update(s, d, q_rows, n)
 
     # ------------------------------------------------------------------ the sets
 
@@ -303,7 +303,7 @@ class HeadSelection:
         (``q_rows[l]`` [1, Hq, D], at position n-1; ``items`` = [(seq, q_rows)]) adds its mass
         over what each head sees, gathered from the head's stored pages only (~ its budget), to
         the head's page mass, and the head keeps its heaviest distant pages within budget.
-        Retrieval heads keep their sets. Equal to ``_update(seq, "check", ...)`` per request, the
+        Retrieval heads keep their sets. Equal to the per-layer reference check per request (tests/oracles/budget_check.py), the
         per-layer form over every position of the context."""
         pool = self.pool
         ls, hs = np.nonzero(d.mode == 2)
@@ -381,59 +381,56 @@ class HeadSelection:
                           plan=d.name)
 
     @torch.inference_mode()
-    def _update(self, s, kind: str, d: _Derived, q_rows: list, n: int) -> None:
-        """The sets from the queries ``q_rows`` (per layer [m, Hq, D], positions n-m..n-1), layer
-        by layer over every position of the context: the selection at the end of a prompt
-        (``kind="select"``), and the reference form of a budget check (``kind="check"``) that
-        ``_check`` is tested against."""
-        pool = self.pool
-        ps = pool.page_size
-        cfg = self.config
-        L, H = d.mode.shape
-        g = cfg.num_attention_heads // H
-        scale = cfg.head_dim ** -0.5
-        table = pool.table(s.seq_id)  # [L, H, P]
+    def _update(self, s, d: _Derived, q_rows: list, n: int) -> None:
+        """The sets at the end of a prompt of n tokens from its last queries ``q_rows`` (per layer
+        [m, Hq, D], positions n-m..n-1), layer by layer over every position of the context."""
+        table = self.pool.table(s.seq_id)  # [L, H, P]
         P = table.shape[2]
-        prev = pool.selection(s.seq_id) if kind == "check" else None
-        self.checks += kind == "check"
         sets: dict[tuple[int, int], np.ndarray] = {}
-        acc = getattr(s, "page_mass", None)
-        if kind == "select" or acc is None:
-            acc = torch.zeros(L, H, P, dtype=torch.float32, device=self.device)
-        acc = _grown(acc, P)
+        acc = torch.zeros(*d.mode.shape, P, dtype=torch.float32, device=self.device)
         for l in d.layers:
-            heads = np.nonzero(d.mode[l])[0]
-            q = q_rows[l]
-            m = q.shape[0]
-            tbl = torch.from_numpy(table[l, heads].astype(np.int64)).to(self.device)  # [R, P]
-            keys = pool.k_pages[tbl.clamp_min(0)].flatten(1, 2)[:, :n]  # [R, N, D]
-            stored = (tbl >= 0).repeat_interleave(ps, 1)[:, :n]
-            qq = q.view(m, H, g, -1)[:, torch.from_numpy(heads).to(self.device)].permute(1, 2, 0, 3).reshape(len(heads), g * m, -1)
-            q_pos = torch.arange(n - m, n, device=self.device).repeat(g)
-            vis = stored[:, None, :].expand(-1, g * m, -1)
-            if kind == "check":  # what the head sees in decode: its sink, window and selection
-                vis = vis & self._visible(prev[l, heads], d.window[l, heads], d.sink[l, heads], q_pos, n)
-            mass = sel_ops.attention_mass(qq, keys, q_pos, scale, vis)  # [R, N]
-            hs = torch.from_numpy(heads).to(self.device)
-            acc[l, hs, :P] += sel_ops.page_mass(mass, ps)[:, :P]
+            heads, hs, tbl, mass = self.layer_mass(d, l, table, q_rows[l], n)
+            acc[l, hs, :P] += sel_ops.page_mass(mass, self.pool.page_size)[:, :P]
             retr = d.mode[l, heads] == 1
-            if retr.any() and kind == "select":
+            if retr.any():
                 self._retrieval_sets(d, l, heads[retr], mass[torch.from_numpy(np.nonzero(retr)[0]).to(self.device)],
                                      n, sets)
-            bud = d.mode[l, heads] == 2
-            if bud.any():
-                idx = np.nonzero(bud)[0]
-                keep = self._budget_pages(acc[l, hs[idx], :P], tbl[idx], d.window[l, heads[idx]], d.sink[l, heads[idx]],
-                                          d.budget[l, heads[idx]], n)
-                pos, lens = sel_ops.pages_to_positions(keep, ps)
-                pos, lens = pos.cpu().numpy(), lens.cpu().numpy()
-                for i, r in enumerate(idx):
-                    sets[(l, int(heads[r]))] = pos[i, :lens[i]]
-            if kind == "check":  # retrieval heads keep the set chosen at prefill
-                for r in np.nonzero(retr)[0]:
-                    row = prev[l, heads[r]]
-                    sets[(l, int(heads[r]))] = row[row >= 0]
+            self.budget_sets(d, l, heads, hs, tbl, acc, n, sets)
         self._write_sets(s, d, sets, acc)
+
+    def layer_mass(self, d: _Derived, layer: int, table: np.ndarray, q: torch.Tensor, n: int, visible=None):
+        """(heads, heads on the device, their tables [R, P], the attention mass [R, N] the queries ``q``
+        [m, Hq, D] at positions n-m..n-1 give every stored key) of a layer's selected heads;
+        ``visible(q_pos)`` -> bool [R, g * m, N] narrows what each query sees."""
+        pool, cfg = self.pool, self.config
+        H = d.mode.shape[1]
+        g = cfg.num_attention_heads // H
+        heads = np.nonzero(d.mode[layer])[0]
+        m = q.shape[0]
+        tbl = torch.from_numpy(table[layer, heads].astype(np.int64)).to(self.device)  # [R, P]
+        keys = pool.k_pages[tbl.clamp_min(0)].flatten(1, 2)[:, :n]  # [R, N, D]
+        stored = (tbl >= 0).repeat_interleave(pool.page_size, 1)[:, :n]
+        hs = torch.from_numpy(heads).to(self.device)
+        qq = q.view(m, H, g, -1)[:, hs].permute(1, 2, 0, 3).reshape(len(heads), g * m, -1)
+        q_pos = torch.arange(n - m, n, device=self.device).repeat(g)
+        vis = stored[:, None, :].expand(-1, g * m, -1)
+        if visible is not None:
+            vis = vis & visible(q_pos)
+        return heads, hs, tbl, sel_ops.attention_mass(qq, keys, q_pos, cfg.head_dim ** -0.5, vis)
+
+    def budget_sets(self, d: _Derived, layer: int, heads, hs, tbl, acc: torch.Tensor, n: int, sets: dict) -> None:
+        """Budgeted heads' sets: the pages their accumulated mass ranks highest, within the budget."""
+        bud = d.mode[layer, heads] == 2
+        if not bud.any():
+            return
+        P = tbl.shape[1]
+        idx = np.nonzero(bud)[0]
+        keep = self._budget_pages(acc[layer, hs[idx], :P], tbl[idx], d.window[layer, heads[idx]],
+                                  d.sink[layer, heads[idx]], d.budget[layer, heads[idx]], n)
+        pos, lens = sel_ops.pages_to_positions(keep, self.pool.page_size)
+        pos, lens = pos.cpu().numpy(), lens.cpu().numpy()
+        for i, r in enumerate(idx):
+            sets[(layer, int(heads[r]))] = pos[i, :lens[i]]
 
     def _retrieval_sets(self, d: _Derived, layer: int, heads: np.ndarray, mass: torch.Tensor, n: int,
                         sets: dict) -> None:

@@ -11,6 +11,7 @@ from transformers import AttentionInterface
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.engine.selective import SelectionOptions, parse_budget
 from redknot.kernels.reference import visibility_mask
+from oracles.budget_check import reference_check
 
 PROMPT = ("Attention heads differ: some look far back, most look at recent tokens and a few sinks. "
           "The ledger of Varna lists salt, amber and maps of the river delta. ") * 3
@@ -250,7 +251,7 @@ def test_batched_budget_check_equals_the_per_layer_form(tiny_checkpoint, plan):
         q = [torch.randn(1, cfg.num_attention_heads, cfg.head_dim, generator=gen) for _ in range(cfg.num_hidden_layers)]
         sel0, sel1 = (llm.engine.selection for llm in llms)
         sel0._check(sel0.derived[plan], [(a, q)], n)
-        sel1._update(b, "check", sel1.derived[plan], q, n)
+        reference_check(sel1, b, sel1.derived[plan], q, n)
         np.testing.assert_array_equal(*sets())
         budgeted = torch.from_numpy(sel0.derived[plan].mode == 2)  # the only heads whose mass is read
         torch.testing.assert_close(a.page_mass[budgeted], b.page_mass[budgeted], rtol=1e-5, atol=1e-6)
@@ -297,7 +298,7 @@ def test_checks_of_several_requests_at_once_equal_one_at_a_time(tiny_checkpoint,
               for _ in prompts]
         sel0._check(d0, list(zip(batches[0], qs)), n)
         for seq, q in zip(batches[1], qs):
-            sel1._update(seq, "check", d1, q, n)
+            reference_check(sel1, seq, d1, q, n)
         budgeted = torch.from_numpy(d0.mode == 2)
         for a, b in zip(*batches):
             np.testing.assert_array_equal(llms[0].pool.selection(a.seq_id), llms[1].pool.selection(b.seq_id))
