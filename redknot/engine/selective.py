@@ -480,19 +480,6 @@ class HeadSelection:
         heavy = tokens // ps - held
         return sel_ops.select_pages(acc, far, heavy.clamp_min(0)) | leaving
 
-    @staticmethod
-    def _visible(sel: np.ndarray, window, sink, q_pos: torch.Tensor, n: int) -> torch.Tensor:
-        """bool [R, M, n]: the decode visibility of R heads (sink, window, selected set)."""
-        dev = q_pos.device
-        j = torch.arange(n, device=dev)
-        w = torch.as_tensor(window, device=dev)[:, None, None]
-        sk = torch.as_tensor(sink, device=dev)[:, None, None]
-        vis = visibility.visible(q_pos[None, :, None], j, w, sk)
-        chosen = torch.zeros(sel.shape[0], n + 1, dtype=torch.bool, device=dev)
-        idx = torch.from_numpy(np.where((sel >= 0) & (sel < n), sel, n).astype(np.int64)).to(dev)
-        chosen.scatter_(1, idx, True)
-        return vis | (chosen[:, None, :n] & (j <= q_pos[:, None]))
-
 
 def _grown(acc: torch.Tensor, pages: int) -> torch.Tensor:
     """A page mass [L, Hkv, cap] with room for ``pages`` pages (geometric growth: a check each

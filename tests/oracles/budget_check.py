@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from redknot import visibility
 from redknot.cache import selection as sel_ops
 from redknot.engine.selective import _grown
 
@@ -29,7 +30,7 @@ def reference_check(sel, seq, d, q_rows: list, n: int) -> None:
         heads = np.nonzero(d.mode[l])[0]
 
         def decode_view(q_pos, l=l, heads=heads):  # what each head sees in decode
-            return sel._visible(prev[l, heads], d.window[l, heads], d.sink[l, heads], q_pos, n)
+            return decode_visible(prev[l, heads], d.window[l, heads], d.sink[l, heads], q_pos, n)
 
         heads, hs, tbl, mass = sel.layer_mass(d, l, table, q_rows[l], n, decode_view)
         acc[l, hs, :P] += sel_ops.page_mass(mass, sel.pool.page_size)[:, :P]
@@ -38,3 +39,16 @@ def reference_check(sel, seq, d, q_rows: list, n: int) -> None:
             row = prev[l, heads[r]]
             sets[(l, int(heads[r]))] = row[row >= 0]
     sel._write_sets(seq, d, sets, acc)
+
+
+def decode_visible(sel: np.ndarray, window, sink, q_pos: torch.Tensor, n: int) -> torch.Tensor:
+    """bool [R, M, n]: the decode visibility of R heads (sink, window, selected set)."""
+    dev = q_pos.device
+    j = torch.arange(n, device=dev)
+    w = torch.as_tensor(window, device=dev)[:, None, None]
+    sk = torch.as_tensor(sink, device=dev)[:, None, None]
+    vis = visibility.visible(q_pos[None, :, None], j, w, sk)
+    chosen = torch.zeros(sel.shape[0], n + 1, dtype=torch.bool, device=dev)
+    idx = torch.from_numpy(np.where((sel >= 0) & (sel < n), sel, n).astype(np.int64)).to(dev)
+    chosen.scatter_(1, idx, True)
+    return vis | (chosen[:, None, :n] & (j <= q_pos[:, None]))
