@@ -45,7 +45,7 @@ from pathlib import Path
 from ..qa.answers import (ANSWER_MARK, MAX_ANSWER_TOKENS, bridge_match, exact_match, f1_score,  # noqa: F401
                           final_answer, normalize_answer, restated_fact, twin_match)
 from ..qa.records import read_jsonl
-from ..reuse.registry import ALIASES
+from ..reuse.registry import ALIASES, METHODS, parse_method
 
 import torch
 
@@ -62,9 +62,7 @@ LONGBENCH_QA = ("Answer the question based on the given passages. Only give me t
                 "Question: {question}\nAnswer:")
 PROMPTS = {"plain": None, "longbench": LONGBENCH_QA}
 # Method knobs a spec may set after "@" (budgets): method -> (ReuseOptions / SparseFFNConfig field, type).
-VARIANT_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
-                 "redknot_paper": ("keep_fraction", float), "redknot": ("keep_fraction", float),
-                 "h2o": ("decode_kv_budget", float), "headsparse_h2o": ("decode_kv_budget", float)}
+SELECTION_KNOBS = ("h2o", "headsparse_h2o")  # rows that take a decode KV budget after "@"
 # Selected-set rows (redknot.engine.selective.SELECTED_METHODS): a full prefill under their base
 # plan, then the heads keep what their selection keeps; the budget rows default to 10%.
 DEFAULT_DECODE_KV_BUDGET = 0.1
@@ -135,37 +133,24 @@ def question_prompt(rec: dict, template: str | None = None) -> str:
 
 def split_variant(spec: str) -> tuple[str, dict]:
     """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``; a plain name -> (name, {}).
-    ``redknot`` and ``redknot_paper`` take ``+sN`` after their keep fraction: each chunk's first N
-    tokens among the kept rows (``"redknot@0.3+s16"``, ``SparseFFNConfig.chunk_start_tokens``);
-    without it none are (``"redknot@0.3"`` keeps no chunk starts, whatever the model's
-    ``sparse_ffn.json`` says)."""
+    Engine methods take the budgets a request may carry (``reuse.registry.parse_method``: ``redknot@0.3+s16``
+    keeps each chunk's first 16 tokens among the kept rows, ``redknot@0.3`` none, whatever the model's
+    ``sparse_ffn.json`` says); the selected-set rows ``h2o@F`` and ``headsparse_h2o@F`` take a decode
+    KV budget (tokens, or a fraction of the context)."""
     name, at, value = spec.partition("@")
-    name = ALIASES.get(name, name)
+    if name not in SELECTION_KNOBS:
+        return parse_method(spec) if name in METHODS or name in ALIASES else (name, {})
     if not at:
         return name, {}
-    if name not in VARIANT_KNOBS:
-        raise ValueError(f"method {spec!r}: only {', '.join(VARIANT_KNOBS)} take a budget after '@'")
-    value, *extras = value.split("+")
-    field, kind = VARIANT_KNOBS[name]
-    try:
-        v = kind(value)
-    except ValueError:
-        raise ValueError(f"method {spec!r}: {value!r} is not a {kind.__name__} ({field})") from None
-    if v < 0 or (field in ("cacheblend_ratio", "keep_fraction") and v > 1):
-        raise ValueError(f"method {spec!r}: {field} out of range")
-    if field == "decode_kv_budget":
-        from ..engine.selective import parse_budget
+    from ..engine.selective import parse_budget
 
-        v = next(iter(parse_budget(v).values()))  # tokens (an integer >= 1) or a fraction in (0, 1)
-    knobs = {field: v}
-    if field == "keep_fraction":  # the spec names every row setting: none from a sparse_ffn.json beside the model
-        knobs["chunk_start_tokens"] = 0
-    for extra in extras:
-        if field != "keep_fraction" or not extra.startswith("s") or not extra[1:].isdigit():
-            raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16'; redknot and "
-                             f"redknot_paper only)")
-        knobs["chunk_start_tokens"] = int(extra[1:])
-    return name, knobs
+    try:
+        v = float(value)
+    except ValueError:
+        raise ValueError(f"method {spec!r}: {value!r} is not a float (decode_kv_budget)") from None
+    if v < 0:
+        raise ValueError(f"method {spec!r}: decode_kv_budget out of range")
+    return name, {"decode_kv_budget": next(iter(parse_budget(v).values()))}  # tokens (>= 1) or a fraction
 
 
 _ROW_SALTS = itertools.count()

@@ -219,7 +219,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
                 raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16')")
             knobs["chunk_start_tokens"] = int(extra[1:])
     elif extras:
-        raise ValueError(f"method {spec!r}: only redknot and redknot_paper take '+sN'")
+        raise ValueError(f"method {spec!r}: a chunk-start count ('+{extras[0]}') is for redknot and redknot_paper only")
     return name, knobs
 
 
