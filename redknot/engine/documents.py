@@ -163,9 +163,10 @@ class DocumentKV:
     def place(self, seq: Sequence, entries: dict) -> None:
         """Copy the prompt prefix's and every chunk's cached KV into the request's own pages, keys
         rotated from the chunk's canonical position to where it sits (one store per piece, all
-        layers at once). A placed-chunk method then prefills from the question (``epic`` first
-        recomputes each chunk's first tokens in place); a recovery method holds pages for its whole
-        prompt and gets its recovery policy, run by the next forward."""
+        layers at once); no forward runs here. A placed-chunk method then prefills from the question
+        (``epic``'s first prefill forward also recomputes each chunk's first tokens in place); a
+        recovery method holds pages for its whole prompt and gets its recovery policy, run by the
+        next forward."""
         spec, cp, r = get_method(seq.method), seq.chunked_prompt, seq.reuse
         end = len(seq.token_ids) if spec.recovers else cp.suffix_start
         self.pool.ensure(seq.seq_id, end)
@@ -179,14 +180,10 @@ class DocumentKV:
             cached = len(cp.prefix) if spec.cached_from == "prefix" else cp.suffix_start
             seq.cached_tokens = max(0, cached - r.fresh_chunk_tokens)
             return
-        r.recomputed = []
-        if spec.recompute_chunk_heads:
-            e = options.epic_tokens
-            spans = [(s, min(e, len(c))) for c, s in zip(cp.chunks, cp.chunk_starts)]
-            if spans:
-                self.runner.forward("dense", [seq.seq_id] * len(spans),
-                                    [seq.token_ids[s:s + n] for s, n in spans], [s for s, _ in spans])
-                r.recomputed = [p for s, n in spans for p in range(s, s + n)]
+        r.recomputed, r.spans = [], []
+        if spec.recompute_chunk_heads:  # computed by the request's first prefill forward, beside its question
+            r.spans = [(s, min(options.epic_tokens, len(c))) for c, s in zip(cp.chunks, cp.chunk_starts)]
+            r.recomputed = [p for s, n in r.spans for p in range(s, s + n)]
         seq.num_computed = end
         seq.cached_tokens = end - r.fresh_chunk_tokens
 

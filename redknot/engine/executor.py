@@ -45,9 +45,16 @@ class Executor:
         with phase(self.timings, "forward"):
             record = self.selection.begin(plan, items) if self.selection is not None else None
             captured = [None] * self.config.num_hidden_layers if record is not None else None
-            logits = self.runner.forward(plan, [s.seq_id for s, _ in items],
-                                         [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items],
-                                         [s.num_computed for s, _ in items], record, captured)
+            # spans placed requests recompute in place (epic: each chunk's first tokens) join the
+            # batch after every request's own rows: each layer stores every row before any attends
+            spans = [(s, a, m) for s, _ in items if s.reuse is not None for a, m in s.reuse.spans]
+            logits = self.runner.forward(plan, [s.seq_id for s, _ in items] + [s.seq_id for s, _, _ in spans],
+                                         [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items]
+                                         + [s.token_ids[a:a + m] for s, a, m in spans],
+                                         [s.num_computed for s, _ in items] + [a for _, a, _ in spans],
+                                         record, captured)[:len(items)]
+            for s, _, _ in spans:
+                s.reuse.spans = []
         done = []
         for i, (s, n) in enumerate(items):
             s.num_computed += n

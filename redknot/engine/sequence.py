@@ -25,7 +25,8 @@ class ReuseState:
     prompt: object  # the ChunkedPrompt (prefix, documents, question)
     done: bool = False  # its chunks are placed (or skipped after a preemption: it re-prefills in the pool)
     fresh_chunk_tokens: int = 0  # chunk and prefix tokens computed for this request (not cache hits)
-    recomputed: list[int] = field(default_factory=list)  # positions recomputed in place before its prefill (epic)
+    recomputed: list[int] = field(default_factory=list)  # positions recomputed in place (epic)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (start, tokens) its first prefill forward recomputes
     recovery: tuple | None = None  # recovery methods before their recovery forward: (Policy, cached bool [N])
 
 
