@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -49,6 +50,8 @@ from .protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletio
 log = logging.getLogger("redknot.serve")
 
 _DISCONNECT_POLL_S = 0.2
+# "messages[0].content": the field a model-level check names at the start of its message
+_FIELD_PATH = re.compile(r"^[A-Za-z_]\w*(?:\[\d+\]|\.[^\s:]+)*$")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
 
 
@@ -63,8 +66,13 @@ class _ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
+def _printable(text: str | None) -> str | None:
+    """``text`` with lone surrogates escaped, so a message quoting the client's input always encodes."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    body = ErrorResponse(error=ErrorInfo(message=_printable(message), type=type, param=_printable(param), code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
@@ -214,7 +222,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             return _error(400, f"malformed JSON body: {detail}".rstrip(": "))
         msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
         param = ".".join(loc) or None
-        if param is None and ": " in msg and msg.split(": ", 1)[0].isidentifier():  # "field: why" from a model check
+        if param is None and ": " in msg and _FIELD_PATH.match(msg.split(": ", 1)[0]):  # "field: why" from a model check
             param = msg.split(": ", 1)[0]
             return _error(400, msg, param=param)
         return _error(400, f"{param}: {msg}" if param else msg, param=param)

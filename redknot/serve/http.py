@@ -57,6 +57,18 @@ class GuardedH11Protocol(H11Protocol):
             if self.conn.their_state is h11.DONE:  # a pipelined request already arrived
                 self._disarm_read_deadline()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse, as an OpenAI error body (uvicorn's own is
+        plain text, which OpenAI clients cannot read)."""
+        body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
+                                     "param": None, "code": None}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
     def _arm_read_deadline(self) -> None:
         self._disarm_read_deadline()
         self._read_deadline = self.loop.call_later(self.read_timeout, self._read_timed_out)

@@ -74,6 +74,29 @@ def _check_number(v: Any, where: str) -> None:
         raise ValueError(f"{where}: integer out of the 64-bit range")
 
 
+def _check_text(v: Any, where: str) -> None:
+    """Every string (dict keys included) encodes as UTF-8: JSON's escapes can spell lone surrogates
+    ("\\ud800"), which no tokenizer, byte limit or response body can take."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where or 'body'}: text with a lone surrogate (\\u{ord(v[_bad_at(v)]):04x}) is not "
+                             f"valid Unicode") from None
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            path = f"{where}.{k}" if where else str(k)
+            _check_text(k, where or "body")
+            _check_text(x, path.encode("utf-8", "backslashreplace").decode("utf-8"))
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            _check_text(x, f"{where}[{i}]")
+
+
+def _bad_at(v: str) -> int:
+    return next(i for i, c in enumerate(v) if 0xD800 <= ord(c) <= 0xDFFF)
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -81,6 +104,7 @@ class _Request(BaseModel):
     @classmethod
     def _sane_numbers(cls, data):
         """Subnormal floats and integers beyond 64 bits reach no sampler (they overflow there)."""
+        _check_text(data, "")
         if isinstance(data, dict):
             for k, v in data.items():
                 if isinstance(v, (int, float)):
