@@ -71,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (uvicorn; vLLM's default)")
     g.add_argument("--read-timeout", type=float, default=30,
                    help="seconds a connection has to send each whole request (slow senders are closed)")
+    g.add_argument("--write-timeout", type=float, default=30,
+                   help="seconds a client may take none of its response before it is disconnected and its "
+                        "request aborted (KV pages freed)")
+    g.add_argument("--shutdown-timeout", type=float, default=30,
+                   help="on SIGTERM/SIGINT, seconds requests in flight get to finish; then they are aborted and "
+                        "the server exits")
     g.add_argument("--limit-concurrency", type=int, default=None,
                    help="answer 503 (JSON, Retry-After) once this many requests are in flight; /health and "
                         "/metrics are always answered (default: no limit)")
@@ -118,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
                                       timeout_keep_alive=args.timeout_keep_alive,
                                       limit_concurrency=args.limit_concurrency, read_timeout=args.read_timeout,
-                                      max_connections=args.max_connections)).run()
+                                      max_connections=args.max_connections, write_timeout=args.write_timeout,
+                                      shutdown_timeout=args.shutdown_timeout)).run()
     finally:
         engine.shutdown()
     return 0

@@ -94,3 +94,120 @@ def test_malformed_http_is_an_openai_json_400(server):
     assert json.loads(body)["error"]["type"] == "invalid_request_error"
     r = _post_raw(server, "/v1/chat/completions", CHAT + ', "max_tokens": }')
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+
+
+# ---- clients that stop reading -------------------------------------------------------------------
+
+def _stream_request(path: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def _non_reader(addr) -> socket.socket:
+    """A connection whose receive buffer is tiny and never read: the server's writes back up."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.settimeout(10)
+    s.connect(addr)
+    return s
+
+
+# every token's chunk carries 20 alternatives, so a few hundred tokens fill the socket's buffers
+BIG_STREAM = {"model": MODEL, "prompt": "the quick brown fox", "stream": True, "logprobs": 20, "ignore_eos": True,
+              "method": "dense"}
+
+
+def slow_engine(llm, monkeypatch, seconds):
+    """Every forward sleeps ``seconds`` first (a request runs for longer than the timeouts)."""
+    forward = llm.engine.runner.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "forward", slow)
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_pages_come_back(llm, monkeypatch):
+    slow_engine(llm, monkeypatch, 0.02)  # its 440 tokens would take 9 s
+    engine = AsyncLLMEngine(llm, max_num_seqs=4)
+    srv = BackgroundServer(engine, MODEL, server_kw=dict(write_timeout=1.0))
+    try:
+        # accepted sockets inherit the listener's (locked) send buffer: small, as under memory pressure
+        srv._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        finished = engine.stats()["requests_finished"]
+        s = _non_reader(_addr(srv))
+        s.sendall(_stream_request("/v1/completions", BIG_STREAM))
+        deadline = time.time() + 30
+        while engine.stats()["running"] == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.stats()["running"] == 1  # generating into buffers nobody reads
+        t0 = time.time()
+        while not llm.engine.idle() and time.time() < deadline:
+            time.sleep(0.05)
+        assert llm.engine.idle(), llm.engine.pool.occupancy()  # aborted: every page back
+        assert engine.stats()["requests_finished"] == finished  # cut off, not run to its end
+        print(f"cut off after {time.time() - t0:.1f} s")
+        s.settimeout(5)
+        with pytest.raises((ConnectionResetError, socket.timeout)):
+            while s.recv(1 << 16):  # what was buffered, then the reset
+                pass
+            raise ConnectionResetError
+        s.close()
+        r = httpx.post(f"{srv.base}/v1/completions", json={**BIG_STREAM, "stream": False, "max_tokens": 4},
+                       timeout=30)
+        assert r.status_code == 200
+    finally:
+        srv.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_with_a_client_that_never_reads_exits_within_the_shutdown_timeout(tiny_checkpoint):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "redknot.cli", "serve", "--model", str(tiny_checkpoint("llama")),
+                             "--device", "cpu", "--kv-pages", "512", "--page-size", "16", "--method", "dense",
+                             "--port", str(port), "--served-model-name", MODEL, "--write-timeout", "600",
+                             "--shutdown-timeout", "1", "--log-level", "warning"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    socks = []
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read().decode()[-2000:]
+            time.sleep(0.2)
+        for _ in range(2):  # 4 choices x ~1000 tokens x 20 alternatives each: more than the buffers hold
+            s = _non_reader(("127.0.0.1", port))
+            s.sendall(_stream_request("/v1/completions", {**BIG_STREAM, "n": 4}))
+            socks.append(s)
+        assert socks[0].recv(16).startswith(b"HTTP/1.1 200")
+        time.sleep(1.5)  # generation is over; the responses sit in full buffers
+        t0 = time.time()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server was still up 15 s after SIGTERM")
+        assert time.time() - t0 < 1 + 5  # the shutdown timeout, then the engine worker's exit
+    finally:
+        for s in socks:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
