@@ -17,6 +17,8 @@ clients, and the uvicorn config both the CLI and ``BackgroundServer`` run.
 ``ConcurrencyLimit`` answers requests past ``--limit-concurrency`` in flight with an OpenAI-style
 JSON 503 and a Retry-After header (uvicorn's own limit answers plain text, which OpenAI clients
 cannot parse); ``/health`` and ``/metrics`` are never refused, so probes see a busy server as up.
+It counts requests whose body has fully arrived, not connections: a client trickling a body holds
+no slot (the read timeout closes it).
 """
 
 from __future__ import annotations
@@ -119,14 +121,17 @@ class ConcurrencyLimit:
 
     EXEMPT = ("/health", "/metrics")
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: int, max_body_bytes: int = 1 << 20):
         if limit < 1:
             raise ValueError(f"limit_concurrency must be >= 1, got {limit}")
-        self.app, self.limit, self.in_flight = app, limit, 0
+        self.app, self.limit, self.in_flight, self.max_body = app, limit, 0, max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in self.EXEMPT:
             return await self.app(scope, receive, send)
+        messages = await self._body(receive)
+        if messages is None:  # the client left before its body arrived
+            return
         if self.in_flight >= self.limit:
             body = json.dumps({"error": {"message": f"the server is at its limit of {self.limit} requests in flight "
                                                     f"(--limit-concurrency); retry later",
@@ -137,10 +142,26 @@ class ConcurrencyLimit:
             await send({"type": "http.response.body", "body": body})
             return
         self.in_flight += 1
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, replay, send)
         finally:
             self.in_flight -= 1
+
+    async def _body(self, receive) -> list | None:
+        """The request's body messages, read before it takes a slot (past ``max_body`` bytes the
+        rest is left to the app, whose size guard answers 413); None if the client disconnected."""
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False) or size > self.max_body:
+                return messages
 
 
 def default_max_connections() -> int:
@@ -176,7 +197,8 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, *, log_level:
     import uvicorn
 
     if limit_concurrency is not None:
-        app = ConcurrencyLimit(app, limit_concurrency)
+        limits = getattr(getattr(app, "state", None), "limits", None)  # build_app's: buffer no more than it takes
+        app = ConcurrencyLimit(app, limit_concurrency, getattr(limits, "max_body_bytes", None) or 1 << 20)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
                           http=protocol_class(read_timeout, max_connections, write_timeout),
                           timeout_graceful_shutdown=shutdown_timeout)

@@ -211,3 +211,42 @@ def test_sigterm_with_a_client_that_never_reads_exits_within_the_shutdown_timeou
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---- bodies that never finish --------------------------------------------------------------------
+
+def test_trickled_bodies_hold_no_concurrency_slot(llm, monkeypatch):
+    """Under --limit-concurrency 4, four connections that sent headers and 1 byte of a 200-byte
+    body do not make a fifth, whole request wait or get 503: slots count requests that arrived."""
+    srv = BackgroundServer(AsyncLLMEngine(llm), MODEL, server_kw=dict(limit_concurrency=4, read_timeout=30))
+    socks = []
+    try:
+        for _ in range(4):
+            s = socket.create_connection(_addr(srv), timeout=5)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 200\r\n\r\n{")
+            socks.append(s)
+        time.sleep(0.3)  # every trickler is in the app, waiting for the rest of its body
+        for _ in range(3):
+            r = httpx.post(f"{srv.base}/v1/completions", timeout=10,
+                           json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "method": "dense"})
+            assert r.status_code == 200, r.text
+        slow_engine(llm, monkeypatch, 0.05)  # the four streams below stay in flight for seconds
+        with httpx.Client(base_url=srv.base, timeout=30) as c:  # the limit itself still holds
+            with c.stream("POST", "/v1/completions", json={**BIG_STREAM, "max_tokens": 64}) as first:
+                assert first.status_code == 200
+                c2 = httpx.Client(base_url=srv.base, timeout=30)
+                streams = [c2.stream("POST", "/v1/completions", json={**BIG_STREAM, "max_tokens": 64})
+                           for _ in range(3)]
+                held = [st.__enter__() for st in streams]
+                assert all(h.status_code == 200 for h in held)
+                busy = httpx.post(f"{srv.base}/v1/completions", timeout=10,
+                                  json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+                assert busy.status_code == 503
+                for st in streams:
+                    st.__exit__(None, None, None)
+                c2.close()
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
