@@ -250,3 +250,34 @@ def test_trickled_bodies_hold_no_concurrency_slot(llm, monkeypatch):
         for s in socks:
             s.close()
         srv.stop()
+
+
+# ---- /metrics behind a key -----------------------------------------------------------------------
+
+def test_metrics_needs_the_metrics_key_or_an_api_key(llm):
+    def get(srv, key=None):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.get(f"{srv.base}/metrics", headers=headers, timeout=10)
+
+    with_keys = BackgroundServer(AsyncLLMEngine(llm), MODEL, app_kw=dict(api_keys=("a", "b"),
+                                                                         share_cache_across_keys=True))
+    try:
+        assert get(with_keys).status_code == 401 and get(with_keys, "wrong").status_code == 401
+        assert get(with_keys).json()["error"]["code"] == "invalid_api_key"
+        assert get(with_keys, "b").status_code == 200 and "redknot:" in get(with_keys, "a").text
+        assert httpx.get(f"{with_keys.base}/health", timeout=10).status_code == 200  # probes stay open
+    finally:
+        with_keys.stop()
+    own = BackgroundServer(AsyncLLMEngine(llm), MODEL, app_kw=dict(api_keys=("a",), metrics_key="scraper"))
+    try:
+        assert get(own, "a").status_code == 401 and get(own).status_code == 401
+        assert get(own, "scraper").status_code == 200
+        assert httpx.get(f"{own.base}/v1/models", headers={"Authorization": "Bearer scraper"},
+                         timeout=10).status_code == 401  # the metrics key opens nothing else
+    finally:
+        own.stop()
+    open_srv = BackgroundServer(AsyncLLMEngine(llm), MODEL)
+    try:
+        assert get(open_srv).status_code == 200  # no key anywhere: open, as before
+    finally:
+        open_srv.stop()
