@@ -74,27 +74,26 @@ def _check_number(v: Any, where: str) -> None:
         raise ValueError(f"{where}: integer out of the 64-bit range")
 
 
-def _check_text(v: Any, where: str) -> None:
+def _check_text(data: Any, where: str) -> None:
     """Every string (dict keys included) encodes as UTF-8: JSON's escapes can spell lone surrogates
-    ("\\ud800"), which no tokenizer, byte limit or response body can take."""
-    if isinstance(v, str):
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"{where or 'body'}: text with a lone surrogate (\\u{ord(v[_bad_at(v)]):04x}) is not "
-                             f"valid Unicode") from None
-    elif isinstance(v, dict):
-        for k, x in v.items():
-            path = f"{where}.{k}" if where else str(k)
-            _check_text(k, where or "body")
-            _check_text(x, path.encode("utf-8", "backslashreplace").decode("utf-8"))
-    elif isinstance(v, (list, tuple)):
-        for i, x in enumerate(v):
-            _check_text(x, f"{where}[{i}]")
-
-
-def _bad_at(v: str) -> int:
-    return next(i for i, c in enumerate(v) if 0xD800 <= ord(c) <= 0xDFFF)
+    ("\\ud800"), which no tokenizer, byte limit or response body can take. A loop, not recursion:
+    nesting as deep as the JSON parser allows must not exhaust the stack here."""
+    stack = [(data, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{at or 'body'}: text with a lone surrogate (\\u{ord(v[e.start]):04x}) is not "
+                                 f"valid Unicode") from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(x, (str, dict, list, tuple)):
+                    stack.append((x, f"{at}.{k}" if at else str(k)))
+                stack.append((k, at or "body"))  # popped first: a bad key is named by where it is
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v) if isinstance(x, (str, dict, list, tuple)))
 
 
 class _Request(BaseModel):
