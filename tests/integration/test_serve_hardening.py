@@ -143,17 +143,16 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_pages_come_back(llm, mon
         while engine.stats()["running"] == 0 and time.time() < deadline:
             time.sleep(0.02)
         assert engine.stats()["running"] == 1  # generating into buffers nobody reads
-        t0 = time.time()
         while not llm.engine.idle() and time.time() < deadline:
             time.sleep(0.05)
         assert llm.engine.idle(), llm.engine.pool.occupancy()  # aborted: every page back
         assert engine.stats()["requests_finished"] == finished  # cut off, not run to its end
-        print(f"cut off after {time.time() - t0:.1f} s")
         s.settimeout(5)
-        with pytest.raises((ConnectionResetError, socket.timeout)):
-            while s.recv(1 << 16):  # what was buffered, then the reset
+        try:
+            while s.recv(1 << 16):  # what was buffered, then the end: the server has dropped it
                 pass
-            raise ConnectionResetError
+        except ConnectionResetError:
+            pass
         s.close()
         r = httpx.post(f"{srv.base}/v1/completions", json={**BIG_STREAM, "stream": False, "max_tokens": 4},
                        timeout=30)
