@@ -7,8 +7,8 @@ choices, logprobs, structured output; chat with tools), ``GET /v1/models``, ``PO
 
 Every request is validated and admitted before the response starts, so bad input is a 4xx with
 an OpenAI error body (a request that can never fit: 400 with the numbers) and a full queue a 503,
-even for streams. Before any of that, ``_Guard`` checks the API key of every ``/v1`` route (401)
-and the body size (413). Tokenisation runs in a small worker pool, never on the event loop. A
+even for streams. Before any of that, ``_Guard`` checks the API key of every ``/v1`` route and of
+``/metrics`` (401) and the body size (413). Tokenisation runs in a small worker pool, never on the event loop. A
 client that goes away closes the engine's generator, which aborts its request and frees its KV
 pages; one that goes away while its request is still queued is never prefilled. An unexpected
 failure answers a clean 500 (details in the log, under the id the body names) with
