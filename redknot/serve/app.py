@@ -7,8 +7,8 @@ choices, logprobs, structured output; chat with tools), ``GET /v1/models``, ``PO
 
 Every request is validated and admitted before the response starts, so bad input is a 4xx with
 an OpenAI error body (a request that can never fit: 400 with the numbers) and a full queue a 503,
-even for streams. Before any of that, ``_Guard`` checks the API key of every ``/v1`` route (401)
-and the body size (413). Tokenisation runs in a small worker pool, never on the event loop. A
+even for streams. Before any of that, ``_Guard`` checks the API key of every ``/v1`` route and of
+``/metrics`` (401) and the body size (413). Tokenisation runs in a small worker pool, never on the event loop. A
 client that goes away closes the engine's generator, which aborts its request and frees its KV
 pages; one that goes away while its request is still queued is never prefilled. An unexpected
 failure answers a clean 500 (details in the log, under the id the body names) with
@@ -21,6 +21,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -49,6 +50,8 @@ from .protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletio
 log = logging.getLogger("redknot.serve")
 
 _DISCONNECT_POLL_S = 0.2
+# "messages[0].content": the field a model-level check names at the start of its message
+_FIELD_PATH = re.compile(r"^[A-Za-z_]\w*(?:\[\d+\]|\.[^\s:]+)*$")
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
 
 
@@ -63,8 +66,13 @@ class _ClientGone(Exception):
     """The client disconnected before the response started."""
 
 
+def _printable(text: str | None) -> str | None:
+    """``text`` with lone surrogates escaped, so a message quoting the client's input always encodes."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    body = ErrorResponse(error=ErrorInfo(message=_printable(message), type=type, param=_printable(param), code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 
 
@@ -110,8 +118,9 @@ def tenant_salt(key: str) -> str:
 
 def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: ServerLimits | None = None,
               share_cache_across_keys: bool = False, tool_call_parser: str = "hermes",
-              chat_template: str | None = None) -> FastAPI:
+              chat_template: str | None = None, metrics_key: str | None = None) -> FastAPI:
     """The FastAPI app. ``api_keys``: keys accepted on every ``/v1`` route (none: open).
+    ``/metrics`` takes ``metrics_key`` when given, else any of ``api_keys`` (open with neither).
     ``tool_call_parser``: how ``tool_choice: auto`` outputs become tool calls (``tools.PARSERS``).
     ``chat_template``: a Jinja template (or a file holding one) replacing the tokenizer's.
     With several keys, each key's requests get their own cache namespace unless
@@ -132,12 +141,13 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
     app = FastAPI(title="redknot", description="OpenAI-compatible redknot server", version=_version())
     pool = ThreadPoolExecutor(max_workers=max(1, limits.tokenizer_workers), thread_name_prefix="redknot-tokenize")
     app.state.engine, app.state.limits, app.state.tokenizer_pool = engine, limits, pool
-    app.add_middleware(_Guard, api_keys=api_keys, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(_Guard, api_keys=api_keys, max_body_bytes=limits.max_body_bytes,
+                       metrics_keys=(metrics_key,) if metrics_key else api_keys)
     _add_error_handlers(app)
     srv = _Server(engine, model_name, limits, api_keys, per_key_cache, honours_salt, pool, tool_call_parser)
     _add_routes(app, srv)
     _add_token_routes(app, srv)
-    app.openapi = lambda: _openapi(app, bool(api_keys))
+    app.openapi = lambda: _openapi(app, bool(api_keys), bool(api_keys or metrics_key))
     return app
 
 
@@ -214,7 +224,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             return _error(400, f"malformed JSON body: {detail}".rstrip(": "))
         msg = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
         param = ".".join(loc) or None
-        if param is None and ": " in msg and msg.split(": ", 1)[0].isidentifier():  # "field: why" from a model check
+        if param is None and ": " in msg and _FIELD_PATH.match(msg.split(": ", 1)[0]):  # "field: why" from a model check
             param = msg.split(": ", 1)[0]
             return _error(400, msg, param=param)
         return _error(400, f"{param}: {msg}" if param else msg, param=param)
@@ -541,7 +551,7 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format 0.0.4",
-                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}, 401: _ERRORS[401]})
     async def metrics():
         return PlainTextResponse(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -564,7 +574,7 @@ def _responses(model) -> dict:
     return {**ok, **_ERRORS}
 
 
-def _openapi(app: FastAPI, auth: bool) -> dict:
+def _openapi(app: FastAPI, auth: bool, metrics_auth: bool = False) -> dict:
     """FastAPI's schema, corrected to what the server does: validation errors are 400 (never 422)."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
@@ -573,10 +583,10 @@ def _openapi(app: FastAPI, auth: bool) -> dict:
                 op.get("responses", {}).pop("422", None)
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
-        if auth:
+        if auth or metrics_auth:
             schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             for p, path in schema.get("paths", {}).items():
-                if p.startswith("/v1"):
+                if (auth and p.startswith("/v1")) or (metrics_auth and p == "/metrics"):
                     for op in path.values():
                         op["security"] = [{"bearer": []}]
         app.openapi_schema = schema
@@ -605,12 +615,14 @@ def _err_body(message: str, type: str = "invalid_request_error", param=None, cod
 
 class _Guard:
     """Pure ASGI middleware in front of every route: the API key on ``/v1`` routes (401, as vLLM
-    checks it), the body size (413: at once when Content-Length announces far more, else once the
+    checks it; ``/metrics`` against ``metrics_keys``), the body size (413: at once when Content-Length announces far more, else once the
     body passes the limit and the rest, if not far more, is read and dropped), and a clean 500 with ``Connection: close`` for any error
     nothing else handled (the exception's text goes to the log only)."""
 
-    def __init__(self, app, api_keys=(), max_body_bytes: int = 1 << 20):
+    def __init__(self, app, api_keys=(), max_body_bytes: int = 1 << 20, metrics_keys=()):
         self.app, self.keys, self.max_body = app, tuple(k.encode("utf-8") for k in api_keys), max_body_bytes
+        # /metrics shows every tenant's token counts and timings: it is behind a key whenever one exists
+        self.metrics_keys = tuple(k.encode("utf-8") for k in metrics_keys if k)
         # a body up to this much past the limit is read (and dropped) before the 413, so the client
         # sees the answer rather than a reset from closing on unread data; larger ones are cut off
         self.drain = max(max_body_bytes, 1 << 20)
@@ -632,6 +644,10 @@ class _Guard:
                     "missing or incorrect API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"),
                     extra=[(b"www-authenticate", b"Bearer")])
             scope.setdefault("state", {})["api_key_index"] = index
+        elif self.metrics_keys and scope["path"] == "/metrics" and self._key_index(scope, self.metrics_keys) is None:
+            return await _send_json(send, 401, _err_body(
+                "missing or incorrect key for /metrics: send it as 'Authorization: Bearer <key>'",
+                code="invalid_api_key"), extra=[(b"www-authenticate", b"Bearer")])
         receive = await self._bounded_body(scope, receive, send)
         if receive is None:
             return
@@ -650,14 +666,14 @@ class _Guard:
                 await _send_json(send, 500, _err_body(f"internal server error (error id {eid})", "server_error"),
                                  close=True)
 
-    def _key_index(self, scope) -> int | None:
+    def _key_index(self, scope, keys=None) -> int | None:
         auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
         scheme, _, token = auth.partition(b" ")
         if scheme.lower() != b"bearer" or not token:
             return None
         token = token.strip()
         found = None
-        for i, key in enumerate(self.keys):  # compare with every key: the time says nothing about which matched
+        for i, key in enumerate(self.keys if keys is None else keys):  # compare with every key: the time says nothing about which matched
             if hmac.compare_digest(token, key) and found is None:
                 found = i
         return found

@@ -9,7 +9,8 @@ import time
 
 class BackgroundServer:
     """``app_kw`` go to ``build_app`` (api_keys, limits, ...), ``server_kw`` to ``uvicorn_config``
-    (timeout_keep_alive, limit_concurrency, read_timeout, max_connections)."""
+    (timeout_keep_alive, limit_concurrency, read_timeout, max_connections,
+    write_timeout, shutdown_timeout)."""
 
     def __init__(self, engine, model_name: str, host: str = "127.0.0.1", app_kw: dict | None = None,
                  server_kw: dict | None = None):

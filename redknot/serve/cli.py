@@ -54,7 +54,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("security and limits")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every /v1 route (repeat for several keys; "
-                        "default: $REDKNOT_API_KEY, else open). /health and /metrics stay open")
+                        "default: $REDKNOT_API_KEY, else open). /metrics takes these keys too (or --metrics-key); "
+                        "/health stays open")
+    g.add_argument("--metrics-key", default=None, metavar="KEY",
+                   help="the key /metrics requires instead of the API keys (e.g. a scraper's own; default: "
+                        "$REDKNOT_METRICS_KEY, else the API keys; open when there are none)")
     g.add_argument("--share-cache-across-keys", action="store_true",
                    help="with several API keys, let them share cached prompt content (default: each key its own "
                         "cache namespace, which needs an engine that honours cache_salt)")
@@ -71,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle keep-alive connection stays open (uvicorn; vLLM's default)")
     g.add_argument("--read-timeout", type=float, default=30,
                    help="seconds a connection has to send each whole request (slow senders are closed)")
+    g.add_argument("--write-timeout", type=float, default=30,
+                   help="seconds a client may take none of its response before it is disconnected and its "
+                        "request aborted (KV pages freed)")
+    g.add_argument("--shutdown-timeout", type=float, default=30,
+                   help="on SIGTERM/SIGINT, seconds requests in flight get to finish; then they are aborted and "
+                        "the server exits")
     g.add_argument("--limit-concurrency", type=int, default=None,
                    help="answer 503 (JSON, Retry-After) once this many requests are in flight; /health and "
                         "/metrics are always answered (default: no limit)")
@@ -108,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"), api_keys=api_keys,
                         limits=limits, share_cache_across_keys=args.share_cache_across_keys,
-                        tool_call_parser=args.tool_call_parser, chat_template=args.chat_template)
+                        tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
+                        metrics_key=args.metrics_key or os.environ.get("REDKNOT_METRICS_KEY") or None)
     except ValueError as e:
         engine.shutdown()
         raise SystemExit(f"redknot serve: {e}") from None
@@ -118,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Server(uvicorn_config(app, args.host, args.port, log_level=args.log_level,
                                       timeout_keep_alive=args.timeout_keep_alive,
                                       limit_concurrency=args.limit_concurrency, read_timeout=args.read_timeout,
-                                      max_connections=args.max_connections)).run()
+                                      max_connections=args.max_connections, write_timeout=args.write_timeout,
+                                      shutdown_timeout=args.shutdown_timeout)).run()
     finally:
         engine.shutdown()
     return 0

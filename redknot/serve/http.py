@@ -7,6 +7,9 @@ clients, and the uvicorn config both the CLI and ``BackgroundServer`` run.
   ``read_timeout`` seconds of the connection opening or of the previous response; otherwise it
   is closed (slowloris clients trickling headers otherwise hold a socket forever, since uvicorn's
   keep-alive timer stops at the first byte);
+* a write timeout: a client that takes none of the response for ``write_timeout`` seconds (the
+  socket's buffers stay full that long) is cut off; its request is then aborted like any other
+  disconnect, so its KV pages come back instead of filling with output nobody reads;
 * a connection cap: past ``max_connections`` open connections a new one is closed as soon as it
   is accepted, so idle sockets can never use up the file descriptors (accept() then fails and
   the server stops answering anything, /health included).
@@ -14,6 +17,8 @@ clients, and the uvicorn config both the CLI and ``BackgroundServer`` run.
 ``ConcurrencyLimit`` answers requests past ``--limit-concurrency`` in flight with an OpenAI-style
 JSON 503 and a Retry-After header (uvicorn's own limit answers plain text, which OpenAI clients
 cannot parse); ``/health`` and ``/metrics`` are never refused, so probes see a busy server as up.
+It counts requests whose body has fully arrived, not connections: a client trickling a body holds
+no slot (the read timeout closes it).
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ RESERVED_FDS = 128
 
 class GuardedH11Protocol(H11Protocol):
     read_timeout: float = 30.0
+    write_timeout: float = 30.0
     max_connections: int = 4096
 
     def connection_made(self, transport) -> None:
+        self._read_deadline = self._write_deadline = None
         super().connection_made(transport)
-        self._read_deadline = None
         if len(self.connections) > self.max_connections:
             self.logger.warning("connection refused: %d connections open (--max-connections)", len(self.connections) - 1)
             transport.abort()
@@ -43,7 +49,30 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc) -> None:
         self._disarm_read_deadline()
+        self._disarm_write_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        # the buffers are full: the client must take some of it within write_timeout
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.write_timeout, self._write_timed_out)
+
+    def resume_writing(self) -> None:
+        self._disarm_write_deadline()
+        super().resume_writing()
+
+    def _disarm_write_deadline(self) -> None:
+        if getattr(self, "_write_deadline", None) is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_timed_out(self) -> None:
+        self._write_deadline = None
+        self.logger.warning("connection closed: the client read nothing for %.0f s (--write-timeout)",
+                            self.write_timeout)
+        # abort, not close: close would wait for the unread buffer to drain, which is the problem
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -56,6 +85,18 @@ class GuardedH11Protocol(H11Protocol):
             self._arm_read_deadline()  # the next request on this connection has the same budget
             if self.conn.their_state is h11.DONE:  # a pipelined request already arrived
                 self._disarm_read_deadline()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse, as an OpenAI error body (uvicorn's own is
+        plain text, which OpenAI clients cannot read)."""
+        body = json.dumps({"error": {"message": f"malformed HTTP request: {msg}", "type": "invalid_request_error",
+                                     "param": None, "code": None}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def _arm_read_deadline(self) -> None:
         self._disarm_read_deadline()
@@ -80,14 +121,17 @@ class ConcurrencyLimit:
 
     EXEMPT = ("/health", "/metrics")
 
-    def __init__(self, app, limit: int):
+    def __init__(self, app, limit: int, max_body_bytes: int = 1 << 20):
         if limit < 1:
             raise ValueError(f"limit_concurrency must be >= 1, got {limit}")
-        self.app, self.limit, self.in_flight = app, limit, 0
+        self.app, self.limit, self.in_flight, self.max_body = app, limit, 0, max_body_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in self.EXEMPT:
             return await self.app(scope, receive, send)
+        messages = await self._body(receive)
+        if messages is None:  # the client left before its body arrived
+            return
         if self.in_flight >= self.limit:
             body = json.dumps({"error": {"message": f"the server is at its limit of {self.limit} requests in flight "
                                                     f"(--limit-concurrency); retry later",
@@ -98,10 +142,26 @@ class ConcurrencyLimit:
             await send({"type": "http.response.body", "body": body})
             return
         self.in_flight += 1
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, replay, send)
         finally:
             self.in_flight -= 1
+
+    async def _body(self, receive) -> list | None:
+        """The request's body messages, read before it takes a slot (past ``max_body`` bytes the
+        rest is left to the app, whose size guard answers 413); None if the client disconnected."""
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if not message.get("more_body", False) or size > self.max_body:
+                return messages
 
 
 def default_max_connections() -> int:
@@ -119,21 +179,26 @@ def default_max_connections() -> int:
     return max(16, soft - RESERVED_FDS)
 
 
-def protocol_class(read_timeout: float = 30.0, max_connections: int | None = None) -> type[H11Protocol]:
+def protocol_class(read_timeout: float = 30.0, max_connections: int | None = None,
+                   write_timeout: float = 30.0) -> type[H11Protocol]:
     """A ``GuardedH11Protocol`` with these limits (``max_connections`` None: ``default_max_connections``)."""
     return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"read_timeout": float(read_timeout),
+                {"read_timeout": float(read_timeout), "write_timeout": float(write_timeout),
                  "max_connections": default_max_connections() if max_connections is None else int(max_connections)})
 
 
 def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info",
                    timeout_keep_alive: float = 5, limit_concurrency: int | None = None, read_timeout: float = 30.0,
-                   max_connections: int | None = None):
+                   max_connections: int | None = None, write_timeout: float = 30.0, shutdown_timeout: float = 30.0):
     """uvicorn's Config for ``app`` with the guarded protocol and, with ``limit_concurrency``, the
-    JSON 503 limit on requests in flight; ``timeout_keep_alive`` is vLLM's default (5 s)."""
+    JSON 503 limit on requests in flight; ``timeout_keep_alive`` is vLLM's default (5 s). On
+    shutdown, requests in flight get ``shutdown_timeout`` seconds to finish; then they are
+    cancelled (each cancelled stream aborts its engine request) and the server exits."""
     import uvicorn
 
     if limit_concurrency is not None:
-        app = ConcurrencyLimit(app, limit_concurrency)
+        limits = getattr(getattr(app, "state", None), "limits", None)  # build_app's: buffer no more than it takes
+        app = ConcurrencyLimit(app, limit_concurrency, getattr(limits, "max_body_bytes", None) or 1 << 20)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
-                          http=protocol_class(read_timeout, max_connections))
+                          http=protocol_class(read_timeout, max_connections, write_timeout),
+                          timeout_graceful_shutdown=shutdown_timeout)

@@ -74,6 +74,28 @@ def _check_number(v: Any, where: str) -> None:
         raise ValueError(f"{where}: integer out of the 64-bit range")
 
 
+def _check_text(data: Any, where: str) -> None:
+    """Every string (dict keys included) encodes as UTF-8: JSON's escapes can spell lone surrogates
+    ("\\ud800"), which no tokenizer, byte limit or response body can take. A loop, not recursion:
+    nesting as deep as the JSON parser allows must not exhaust the stack here."""
+    stack = [(data, where)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{at or 'body'}: text with a lone surrogate (\\u{ord(v[e.start]):04x}) is not "
+                                 f"valid Unicode") from None
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(x, (str, dict, list, tuple)):
+                    stack.append((x, f"{at}.{k}" if at else str(k)))
+                stack.append((k, at or "body"))  # popped first: a bad key is named by where it is
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{at}[{i}]") for i, x in enumerate(v) if isinstance(x, (str, dict, list, tuple)))
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -81,6 +103,7 @@ class _Request(BaseModel):
     @classmethod
     def _sane_numbers(cls, data):
         """Subnormal floats and integers beyond 64 bits reach no sampler (they overflow there)."""
+        _check_text(data, "")
         if isinstance(data, dict):
             for k, v in data.items():
                 if isinstance(v, (int, float)):

@@ -230,7 +230,8 @@ def test_api_key_on_every_v1_route(server):
     for key in KEYS:
         assert httpx.get(f"{server.base}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
     assert httpx.get(f"{server.base}/health").status_code == 200  # open, as in vLLM
-    assert httpx.get(f"{server.base}/metrics").status_code == 200
+    assert httpx.get(f"{server.base}/metrics").status_code == 401  # it shows every tenant's numbers
+    assert httpx.get(f"{server.base}/metrics", headers={"Authorization": f"Bearer {KEYS[1]}"}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.base}/v1", api_key="wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=f"{server.base}/v1", api_key=KEYS[1], max_retries=0)
@@ -372,6 +373,7 @@ def test_openapi_matches_the_server(server):
         assert "text/event-stream" in responses["200"]["content"]
     assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert spec["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
+    assert spec["paths"]["/metrics"]["get"]["security"] == [{"bearer": []}]
     assert "security" not in spec["paths"]["/health"]["get"]
 
 
