@@ -1,7 +1,9 @@
 """Serving front: one worker thread drives ``Engine.step()``; requests stream tokens back.
 
 Requests enter through a thread-safe inbox; the worker moves them into the engine, steps it,
-and hands each request's new text to its asyncio queue. A request whose consumer goes away is
+and hands each request's new text to its consumer: what the consumer has not taken yet is merged
+into one pending delta (vLLM's output collector), so a client that reads slowly holds one growing
+delta, never a queue of them. A request whose consumer goes away is
 aborted and its pages freed; one abandoned while still queued never reaches the engine. One that
 can never fit (context or page pool) is refused with ``RequestTooLarge`` (a ValueError: the server
 answers 400) and a full queue with ``EngineOverloaded`` (503), both before anything is queued.
@@ -56,11 +58,40 @@ class StreamDelta:
 class _Request:
     seq: Sequence
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    ready: asyncio.Event  # set on the loop when ``pending`` holds something
     arrival: float = field(default_factory=time.perf_counter)
     sent_tokens: int = 0
     sent_text: str = ""
     aborted: bool = False
+    pending: object = None  # StreamDelta(s) merged, or the failure, not yet taken by the consumer
+    woken: bool = False  # a wake-up is on its way to the loop
+    guard: threading.Lock = field(default_factory=threading.Lock)
+
+    def put(self, item) -> None:
+        """On the worker thread: merge ``item`` into what waits, and wake the consumer once."""
+        with self.guard:
+            if isinstance(self.pending, BaseException):
+                return  # a failure ends the stream: nothing after it is read
+            self.pending = item if self.pending is None or isinstance(item, BaseException) else _merged(self.pending, item)
+            wake, self.woken = not self.woken, True
+        if wake:
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def take(self):
+        """On the loop: everything delivered since the last take (one delta, or the failure)."""
+        while True:
+            await self.ready.wait()
+            with self.guard:
+                item, self.pending, self.woken = self.pending, None, False
+                self.ready.clear()
+            if item is not None:
+                return item
+
+
+def _merged(a: StreamDelta, b: StreamDelta) -> StreamDelta:
+    logprobs = None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or [])
+    return StreamDelta(a.token_ids + b.token_ids, a.text + b.text, b.finish_reason, b.prompt_tokens,
+                       b.completion_tokens, b.cached_tokens, logprobs)
 
 
 class AsyncLLMEngine:
@@ -97,7 +128,7 @@ class AsyncLLMEngine:
         seq = sequence if sequence is not None else self.llm.make_sequence(prompt, params, documents, method)
         seq.stream = True
         self.engine.prepare(seq)  # RequestTooLarge (a ValueError): it can never fit, whatever else runs
-        req = _Request(seq, asyncio.get_running_loop(), asyncio.Queue())
+        req = _Request(seq, asyncio.get_running_loop(), asyncio.Event())
         with self._lock:
             if len(self._inbox) + len(self.engine.waiting) >= self.max_waiting:
                 raise EngineOverloaded(f"{len(self.engine.waiting)} requests are waiting; try again later")
@@ -105,7 +136,7 @@ class AsyncLLMEngine:
             self._lock.notify()
         try:
             while True:
-                item = await req.queue.get()
+                item = await req.take()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -216,4 +247,4 @@ class AsyncLLMEngine:
 
     @staticmethod
     def _send(req: _Request, item) -> None:
-        req.loop.call_soon_threadsafe(req.queue.put_nowait, item)
+        req.put(item)

@@ -315,3 +315,30 @@ def test_a_default_server_reuses_documents(tiny_checkpoint):
     assert first["usage"]["completion_tokens"] == 4 and cached > 0
     llm_plain = LLM(model=tiny_checkpoint("llama"), device="cpu")
     assert set_default_method(llm_plain) == "cacheblend"  # no head config: still a reuse method
+
+
+def test_a_consumer_that_does_not_read_holds_one_merged_delta(tiny_checkpoint):
+    """What a slow consumer has not taken is merged into one pending delta (never a queue of them);
+    taking it later gives every token and the whole text, in order, as reading along would."""
+    import asyncio
+
+    llm = LLM(model=tiny_checkpoint("llama"), head_config=head_config(), **LLM_KW)
+    engine = AsyncLLMEngine(llm, max_num_seqs=4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = llm.generate("Who founded Varna?", params)[0].outputs[0]
+
+    async def slow():
+        gen = engine.generate("Who founded Varna?", params)
+        first = await gen.__anext__()  # the first token, then nothing read while the rest is generated
+        while engine._live:  # the engine finishes the request meanwhile
+            await asyncio.sleep(0.05)
+        rest = [d async for d in gen]
+        return first, rest
+
+    try:
+        first, rest = asyncio.run(slow())
+    finally:
+        engine.shutdown()
+    assert len(rest) == 1 and rest[0].finish_reason == "length"  # eleven tokens, one delta
+    assert first.token_ids + rest[0].token_ids == want.token_ids
+    assert first.text + rest[0].text == want.text and rest[0].completion_tokens == 12
