@@ -376,7 +376,7 @@ def rescore(results_path: str | Path, records: list[dict]) -> dict:
 
 def run(args) -> dict:
     from ..engine import LLM, SamplingParams
-    from ..models.resolve import bundled_model_path
+    from ..models.resolve import bundled_model_path, resolve_model
 
     if args.rescore:  # no model
         if args.limit is not None:
@@ -388,7 +388,8 @@ def run(args) -> dict:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(format_table(result))
         return result
-    args.model = Path(args.model) if args.model else bundled_model_path()
+    # a shelf name or a GGUF file becomes its HF directory first, so its heads.json is found beside it
+    args.model = Path(resolve_model(args.model)) if args.model else bundled_model_path()
     if args.head_config is None and (args.model / "heads.json").is_file():
         args.head_config = args.model / "heads.json"
     methods = parse_methods(args.methods, args.head_config)
