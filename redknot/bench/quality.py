@@ -374,9 +374,22 @@ def rescore(results_path: str | Path, records: list[dict]) -> dict:
     return result
 
 
+def _checkpoint_dir(model) -> Path:
+    """The HF directory a ``--model`` names (a shelf name or a GGUF file converted, as the engine
+    would), so its heads.json is found beside it; as given when it names nothing yet (the load
+    reports that, after the data is checked)."""
+    from ..models.resolve import bundled_model_path, resolve_model
+
+    if not model:
+        return bundled_model_path()
+    try:
+        return Path(resolve_model(model))
+    except FileNotFoundError:
+        return Path(model)
+
+
 def run(args) -> dict:
     from ..engine import LLM, SamplingParams
-    from ..models.resolve import bundled_model_path, resolve_model
 
     if args.rescore:  # no model
         if args.limit is not None:
@@ -388,8 +401,7 @@ def run(args) -> dict:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(format_table(result))
         return result
-    # a shelf name or a GGUF file becomes its HF directory first, so its heads.json is found beside it
-    args.model = Path(resolve_model(args.model)) if args.model else bundled_model_path()
+    args.model = _checkpoint_dir(args.model)
     if args.head_config is None and (args.model / "heads.json").is_file():
         args.head_config = args.model / "heads.json"
     methods = parse_methods(args.methods, args.head_config)
