@@ -342,6 +342,7 @@ def test_data_parallel_step_is_the_mean_gradient_of_every_ranks_batch(tmp_path):
     """Two ranks under torchrun (gloo, CPU): one step equals one process stepping on the mean loss of
     both ranks' batches (rank 1 draws its own shard), tokens count both, and only rank 0 logs."""
     import os
+    import shutil
     import subprocess
     import sys
 
@@ -354,9 +355,15 @@ def test_data_parallel_step_is_the_mean_gradient_of_every_ranks_batch(tmp_path):
     cli = _args_list(ddp) + ["--stages", "qa:256", "--steps-per-stage", "3",
                              "--stop-after-steps", "1", "--eval-every", "0", "--init-weights", str(first / MODEL_DIR)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          "-m", "redknot.testbed.train", *cli], capture_output=True, text=True, env=env,
-                         timeout=300)
+    for attempt in range(2):
+        shutil.rmtree(ddp, ignore_errors=True)
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                              "-m", "redknot.testbed.train", *cli], capture_output=True, text=True, env=env,
+                             timeout=300)
+        # gloo's worker threads can abort a rank while the process exits ("terminate called without an
+        # active exception"), after the step and its checkpoint are done: that abort alone is retried once
+        if res.returncode == 0 or "terminate called without an active exception" not in res.stderr:
+            break
     assert res.returncode == 0, res.stderr[-3000:]
     log = _log(ddp)
     starts = [r for r in log if r["event"] == "start"]
