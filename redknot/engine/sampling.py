@@ -13,6 +13,7 @@ from .structured import StructuredOutputs, apply_grammars
 _GREEDY_BELOW = 1e-5
 # The most top logprobs a request may ask for per token (OpenAI's top_logprobs limit).
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # seeds a JSON client and every generator agree on
 
 
 @dataclass
@@ -49,6 +50,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            # a negative seed would alias a large one (torch takes seeds modulo 2**64)
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

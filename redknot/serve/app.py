@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncLLMEngine, EngineOverloaded, RequestFailed, StreamDelta
 from ..engine.scheduler import RequestTooLarge
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_SEED, SamplingParams
 from ..engine.structured import StructuredOutputs
 from . import tools as tl
 from .metrics import ServerMetrics
@@ -338,7 +338,8 @@ class _Server:
                 except (ValueError, TypeError) as e:
                     raise APIError(400, str(e), param=param) from None
             for i in range(req.n):
-                seed = None if req.seed is None else req.seed + i
+                # choice 0 keeps the client's seed (validated as given); the others wrap past the top
+                seed = None if req.seed is None else req.seed if i == 0 else (req.seed + i) % (MAX_SEED + 1)
                 params = self.sampling_params(req, 1 if req.max_tokens is None else req.max_tokens, seed, logprobs,
                                               structured)
                 seqs.append(self._sequence(req, prompt, documents, params, salt, param))

@@ -215,6 +215,8 @@ def test_bad_requests_get_openai_errors(server):
                          "messages": good["messages"] + [{"role": "assistant", "content": "Hi."}]})),
         (400, dict(json={**good, "documents": "a doc"})),
         (400, dict(json={**good, "temperature": -1})),
+        (400, dict(json={**good, "seed": -1})),  # would alias a large seed
+        (400, dict(json={**good, "seed": 2**63})),
         (400, dict(json={**good, "max_tokens": 700, "method": "headsparse"})),  # needs > 128 pages: never fits
         (400, dict(json={"model": MODEL, "prompt": long_prompt, "max_tokens": 4}, url="/v1/completions")),
         (400, dict(json={"model": MODEL, "prompt": [], "max_tokens": 4}, url="/v1/completions")),
@@ -235,6 +237,8 @@ def test_bad_requests_get_openai_errors(server):
         server.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
     r = httpx.post(url, json=good)  # the server keeps serving
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    r = httpx.post(url, json={**good, "seed": 2**63 - 1, "n": 2, "temperature": 1.0})  # choice 1's seed wraps
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
     assert wait_pool_free(server.llm)
 
 
