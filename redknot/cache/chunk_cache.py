@@ -33,6 +33,7 @@ import torch
 from .chunk_kv import ChunkKV
 from .events import block_hash, block_removed, block_stored
 from .pool import PagePool, PoolExhausted
+from .recency import tick
 from .tiers import KVEntry, Layout, TierStack, plan_digest, tier_key
 from .tiers.entry import dtype_name
 
@@ -67,6 +68,7 @@ class ChunkCache:
         self.pool, self.fingerprint = pool, fingerprint
         self.max_pages = None if max_bytes is None else int(max_bytes // pool.bytes_per_page)
         self._entries: OrderedDict[str, ChunkPages] = OrderedDict()
+        self._used: dict[str, int] = {}  # key -> last use (recency.tick), shared with the prefix cache
         self._pages = 0
         self.hits = self.misses = self.evictions = 0
         self.tiers = tiers
@@ -116,6 +118,7 @@ class ChunkCache:
             return self._load(key)
         self.hits += 1
         self._entries.move_to_end(key)
+        self._used[key] = tick()
         return entry
 
     def peek(self, key: str) -> ChunkPages | None:
@@ -127,6 +130,7 @@ class ChunkCache:
         is capped below the entry's size; an existing entry for the key stays."""
         if key in self._entries:
             self._entries.move_to_end(key)
+            self._used[key] = tick()
             return True
         pages = np.ascontiguousarray(pages, dtype=np.int32)
         if (pages < 0).any():
@@ -142,6 +146,7 @@ class ChunkCache:
 
     def _add(self, key: str, entry: ChunkPages) -> None:
         self._entries[key] = entry
+        self._used[key] = tick()
         self._pages += entry.pages.size
         if self.events is not None:
             self.events.record(block_stored([block_hash(key)], None, entry.token_ids, entry.num_tokens))
@@ -166,6 +171,7 @@ class ChunkCache:
         self._drop(key, entry)
 
     def _drop(self, key: str, entry: ChunkPages, write_down: bool = True) -> None:
+        self._used.pop(key, None)
         if write_down:
             self._write_down(key, entry)
         if self.events is not None:
@@ -173,6 +179,21 @@ class ChunkCache:
         self.pool.release(entry.pages)
         self._pages -= entry.pages.size
         self.evictions += 1
+
+    def oldest_use(self, keep=()) -> int | None:
+        """Last use of the least recently used entry not keyed in ``keep`` (None: none)."""
+        key = next((k for k in self._entries if k not in keep), None)
+        return None if key is None else self._used.get(key, -1)
+
+    def evict_one(self, keep=()) -> int:
+        """Drop the least recently used entry not keyed in ``keep``; returns pages freed (0 while
+        another holder still maps them)."""
+        key = next((k for k in self._entries if k not in keep), None)
+        if key is None:
+            return 0
+        before = self.pool.num_free_pages
+        self._drop(key, self._entries.pop(key))
+        return self.pool.num_free_pages - before
 
     def evict(self, pages_wanted: int, keep=()) -> int:
         """Drop least recently used entries, except those keyed in ``keep`` (a request about to

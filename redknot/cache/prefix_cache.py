@@ -21,6 +21,7 @@ import numpy as np
 from ..visibility import kept_page_mask
 from .events import all_blocks_cleared, block_hash, block_removed, block_stored
 from .pool import PagePool
+from .recency import tick
 
 
 def block_keys(salt: str, token_ids, page_size: int) -> list[bytes]:
@@ -38,6 +39,7 @@ class PrefixCache:
         """``events``: where block stored/removed events go (``events.ZmqEventPublisher``), or None."""
         self.pool, self.fingerprint, self.events = pool, fingerprint, events
         self._blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()  # key -> int32 [L, Hkv] pages
+        self._used: dict[bytes, int] = {}  # key -> last use (recency.tick), shared with the chunk cache
         self._pages = 0  # page references the blocks hold
         self.hits = self.queries = 0  # prompt tokens served from the cache / looked up
 
@@ -71,6 +73,7 @@ class PrefixCache:
             if (table[need] >= 0).all():
                 for k in reversed(keys[:m]):  # parents end most recent: evicted after their children
                     self._blocks.move_to_end(k)
+                    self._used[k] = tick()
                 self.hits += n
                 return n, table
         return 0, None
@@ -83,12 +86,14 @@ class PrefixCache:
         for b, k in enumerate(keys):
             if k in self._blocks:
                 self._blocks.move_to_end(k)
+                self._used[k] = tick()
                 continue
             pages = table[:, :, b].copy()
             if (pages < 0).all():
                 continue
             self.pool.retain(pages)
             self._blocks[k] = pages
+            self._used[k] = tick()
             self._pages += int((pages >= 0).sum())
             new.append(b)
         if self.events is not None and new:
@@ -115,13 +120,33 @@ class PrefixCache:
         gone = []
         while self._blocks and self.pool.num_free_pages - before < pages_wanted:
             key, pages = self._blocks.popitem(last=False)
+            self._used.pop(key, None)
             self._drop(pages)
             gone.append(block_hash(key))
         if self.events is not None and gone:
             self.events.record(block_removed(gone))
         return self.pool.num_free_pages - before
 
+    def evict_one(self, keep=()) -> int:
+        """Drop the least recently used block; returns pages freed (0 while another holder maps them)."""
+        if not self._blocks:
+            return 0
+        before = self.pool.num_free_pages
+        key, pages = self._blocks.popitem(last=False)
+        self._used.pop(key, None)
+        self._drop(pages)
+        if self.events is not None:
+            self.events.record(block_removed([block_hash(key)]))
+        return self.pool.num_free_pages - before
+
+    def oldest_use(self, keep=()) -> int | None:
+        """Last use of the least recently used block (None: none); ``keep`` names chunk-cache
+        entries, never a block."""
+        key = next(iter(self._blocks), None)
+        return None if key is None else self._used.get(key, -1)
+
     def clear(self) -> None:
+        self._used.clear()
         while self._blocks:
             self._drop(self._blocks.popitem()[1])
         if self.events is not None:

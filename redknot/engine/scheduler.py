@@ -184,12 +184,16 @@ class Scheduler:
         return sum(c.num_pages() for c in self.caches)
 
     def reclaim(self, pages: int, keep=()) -> int:
-        """Free up to ``pages`` pages from the caches, in order, keeping the chunks keyed in ``keep``."""
+        """Free up to ``pages`` pages from the caches, least recently used first across all of them
+        (a hot prompt prefix outlives a cold document), keeping the chunks keyed in ``keep``."""
         freed = 0
-        for cache in self.caches:
-            if freed >= pages:
+        while freed < pages:
+            aged = [(age, i) for i, c in enumerate(self.caches) if (age := c.oldest_use(keep)) is not None]
+            if not aged:
                 break
-            freed += cache.evict(pages - freed, keep)
+            # one entry at a time: a prefix block and a document can share pages, and dropping the
+            # older one alone may free nothing yet; the newer entries stay until it has to be them
+            freed += self.caches[min(aged)[1]].evict_one(keep)
         return freed
 
     # ------------------------------------------------------------------ admission

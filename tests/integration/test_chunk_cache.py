@@ -211,3 +211,22 @@ def test_cache_salt_keeps_tenants_apart(llm):
 def pages_for(llm, seq) -> int:
     llm.engine.prepare_plan(seq)
     return llm.engine.scheduler.pages_for(seq)
+
+
+def test_a_hot_prompt_prefix_outlives_cold_documents(tiny_checkpoint):
+    """Eviction takes the least recently used entry across the prefix and chunk caches: documents
+    used once before a prompt that recurs go first when new documents need the pages, and the prompt
+    keeps its cached prefix (the prefix cache used to be emptied first, whatever its use)."""
+    llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=2), device="cpu", page_size=16, kv_pages=360)
+    prompt = "The archive of Varna keeps the letters of its founders and the ledgers of the salt trade. " * 4
+    prompt += "Who wrote them?"
+    docs = lambda tag: [f"{tag} document {i}: " + "the river delta maps drawn by surveyors " * 6 for i in range(3)]  # noqa: E731
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.generate("Q?", params, documents=docs("old"), method="full_reuse")
+    for _ in range(2):
+        hot = llm.generate(prompt, params, method="dense")[0].metrics["cached_tokens"]
+    assert hot > 0
+    evictions = llm.chunk_cache.evictions
+    llm.generate("Q?", params, documents=docs("new"), method="full_reuse")  # needs the old documents' pages
+    assert llm.chunk_cache.evictions > evictions
+    assert llm.generate(prompt, params, method="dense")[0].metrics["cached_tokens"] == hot

@@ -14,16 +14,20 @@ L, H, PS = 2, 2, 16
 
 
 class FakeCache:
-    """A cache holding ``pages`` pages it gives back (to the pool) when evicted."""
+    """A cache holding ``pages`` pages, last used at ``used``, that it gives back (to the pool) when evicted."""
 
-    def __init__(self, pool, pages):
+    def __init__(self, pool, pages, used=0):
         self.pool, self.held = pool, pool.allocate(pages) if pages else np.zeros(0, np.int32)
+        self.used = used
+
+    def oldest_use(self, keep=()):
+        return self.used if self.held.size else None
 
     def num_pages(self):
         return int(self.held.size)
 
-    def evict(self, pages, keep=()):
-        n = min(pages, self.held.size)
+    def evict_one(self, keep=()):
+        n = min(1, self.held.size)
         self.pool.release(self.held[:n])
         self.held = self.held[n:]
         return int(n)
@@ -140,3 +144,12 @@ def test_stuck_only_when_nothing_runs_and_the_caches_are_empty():
     sch.add(request(10))
     admit_all(sch)
     assert not sch.stuck()
+
+
+def test_reclaim_takes_the_least_recently_used_cache_first():
+    sch, pool, _ = make(num_pages=100)
+    hot, cold = FakeCache(pool, 30, used=10), FakeCache(pool, 30, used=5)
+    sch.caches = [hot, cold]  # the order they are listed in does not matter, their last use does
+    assert sch.reclaim(20) == 20 and cold.num_pages() == 10 and hot.num_pages() == 30
+    assert sch.reclaim(25) == 25 and cold.num_pages() == 0 and hot.num_pages() == 15
+    assert sch.reclaim(100) == 15 and sch.reclaim(1) == 0  # everything given back, then nothing to give
