@@ -187,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.set_defaults(func=_config_make)
 
-    from .bench import (capacity as bench_capacity, decode as bench_decode, kernel, offline as bench_offline,
-                        profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, tier_ttft as bench_tier_ttft, tiers as bench_tiers, ttft)
+    from .bench import (capacity as bench_capacity, decode as bench_decode, kernel_cli as kernel,
+                        offline as bench_offline, profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, tier_ttft as bench_tier_ttft, tiers as bench_tiers, ttft)
     from .profile import cli as profile_cli
     from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli

@@ -22,8 +22,8 @@ Methods (each in its own function, each failure recorded in the JSON, never fata
 Times are medians of CUDA events with L2 flushed before each call. Correctness: segpaged (and
 flex, sdpa_mask) vs a float64 evaluation of the rule on --rows sampled query rows.
 
-Run:  python -m redknot.bench.kernel [--shapes prefill-8k,decode-32k] [--out kernel.json]
-      python -m redknot.bench.kernel --quick --device cpu      (CPU smoke: tiny shapes)
+Run:  redknot bench kernel [--shapes prefill-8k,decode-32k] [--out kernel.json]
+      redknot bench kernel --quick --device cpu      (CPU smoke: tiny shapes)
       python -m redknot.bench.kernel --h2o                     (H2O decode shapes: kernel_h2o.py)
 """
 
@@ -963,9 +963,6 @@ def _select(arg: str, known, what: str) -> list:
 
 
 def run(args) -> dict:
-    if getattr(args, "h2o", False):
-        from .kernel_h2o import run as run_h2o
-        return run_h2o(args)
     t_run = time.perf_counter()
     g = lambda name, default: getattr(args, name, default)  # noqa: E731
     dev_name = g("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -1045,15 +1042,3 @@ def run(args) -> dict:
     write()
     print_table(result)
     return result
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m redknot.bench.kernel", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    run(p.parse_args(argv))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

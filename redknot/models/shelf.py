@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .resolve import DEFAULT_DTYPE, cache_dir, convert_cached, is_checkpoint
+from .conversions import DEFAULT_DTYPE, cache_dir, convert_cached, converted_dir, is_checkpoint
 
 
 class ShelfError(ValueError):
@@ -285,7 +285,6 @@ def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = T
         final = root / model.filename
         os.replace(part, final)
     if force:  # convert again too (a newer converter may write a different directory)
-        from .resolve import converted_dir
         shutil.rmtree(converted_dir(sha, dtype), ignore_errors=True)
     hf_dir = convert_cached(final, dtype, sha256=sha, verbose=verbose)
     install_reuse_defaults(model, hf_dir, verbose)

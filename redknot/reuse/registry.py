@@ -185,6 +185,13 @@ def get_method(name: str) -> MethodSpec:
     return METHODS[canonical_name(name)]
 
 
+def default_method(head_config) -> str:
+    """The method a request that names none gets under ``auto``: the best quality per FLOP
+    (docs/results/quality_testbed.md), ``redknot``, which needs a head config; without one
+    ``cacheblend``, the strongest head-agnostic reuse."""
+    return "redknot" if head_config is not None else "cacheblend"
+
+
 # Knobs a request may set after "@" in its method (``cacheblend@0.3``): method -> (field, type). The
 # first two are ReuseOptions fields, keep_fraction a SparseFFNConfig one.
 BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),

@@ -238,15 +238,11 @@ def capacity_summary(engine) -> str:
     return "\n".join(lines)
 
 
-def default_method(llm) -> str:
-    """The best-quality reuse method the model can run (docs/results/quality_testbed.md): redknot
-    needs a head config; without one, cacheblend is the strongest head-agnostic reuse."""
-    return "redknot" if llm.head_config is not None else "cacheblend"
-
-
 def set_default_method(llm, method: str = "auto") -> str:
-    """The method requests that name none get (``auto``: ``default_method``)."""
-    llm.method = llm.check_method(default_method(llm) if method == "auto" else method)
+    """The method requests that name none get (``auto``: ``reuse.registry.default_method``)."""
+    from ..reuse.registry import default_method
+
+    llm.method = llm.check_method(default_method(llm.head_config) if method == "auto" else method)
     return llm.method
 
 

@@ -7,14 +7,15 @@ import json
 import torch
 
 from redknot.bench import kernel as kb
+from redknot.bench import kernel_cli
 from redknot.bench import kernel_h2o as kh
 
 
 def test_h2o_quick_run(tmp_path):
     out = tmp_path / "h2o.json"
     p = argparse.ArgumentParser()
-    kb.add_arguments(p)
-    result = kb.run(p.parse_args(["--h2o", "--quick", "--device", "cpu", "--repeats", "1", "--out", str(out)]))
+    kernel_cli.add_arguments(p)
+    result = kernel_cli.run(p.parse_args(["--h2o", "--quick", "--device", "cpu", "--repeats", "1", "--out", str(out)]))
     on_disk = json.loads(out.read_text())
     assert [s["name"] for s in on_disk["shapes"]] == list(kh.QUICK_SHAPES)
     e = result["shapes"][0]

@@ -19,7 +19,7 @@ from redknot.models import UnsupportedModelError, load_model, resolve_model
 from redknot.models import shelf as shelf_mod
 from redknot.models.gguf import (GGUFError, convert_gguf, gguf_config, gguf_state_dict, gguf_tokenizer, hf_name,
                                  load_gguf, unpermute_qk)
-from redknot.models.resolve import file_sha256
+from redknot.models.conversions import file_sha256
 from redknot.tiny import llama_cpp_permute, make_tiny_gguf
 
 # a dependency of the package; an environment without it (a bare accelerator image) skips the file
@@ -320,7 +320,7 @@ def test_shelf_entries_are_consistent():
 def test_shelf_writes_its_measured_reuse_defaults_beside_the_checkpoint(fake_shelf, monkeypatch):
     """An entry's ``reuse`` defaults become heads.json / sparse_ffn.json beside the converted checkpoint;
     LLM reads them and the server's default method follows (redknot); a user's own file is kept."""
-    from redknot.serve.cli import default_method
+    from redknot.reuse.registry import default_method
 
     entry, pip_args = fake_shelf
     monkeypatch.setitem(shelf_mod.SHELF, "tiny", shelf_mod.ShelfModel(
@@ -329,7 +329,7 @@ def test_shelf_writes_its_measured_reuse_defaults_beside_the_checkpoint(fake_she
     assert json.loads((hf_dir / "sparse_ffn.json").read_text()) == {"keep_fraction": 0.2}
     llm = LLM(model=resolve_model("tiny"), device="cpu", dtype="float32")
     assert llm.head_config.class_counts()["global"] == llm.head_config.class_counts()["total"]
-    assert llm.sparse_ffn.keep_fraction == 0.2 and default_method(llm) == "redknot"
+    assert llm.sparse_ffn.keep_fraction == 0.2 and default_method(llm.head_config) == "redknot"
     (hf_dir / "sparse_ffn.json").write_text('{"keep_fraction": 0.5}')
     assert shelf_mod.get("tiny", verbose=False) == hf_dir  # fetched: defaults installed again, own file kept
     assert json.loads((hf_dir / "sparse_ffn.json").read_text()) == {"keep_fraction": 0.5}

@@ -12,9 +12,7 @@ ABOVE = ("redknot.testbed", "redknot.bench", "redknot.serve", "redknot.tiny")
 
 def imported_modules(path: Path) -> set[str]:
     """Absolute names of every module ``path`` imports (relative imports resolved)."""
-    package = ["redknot", *path.relative_to(ROOT).with_suffix("").parts]
-    if path.name != "__init__.py":
-        package = package[:-1]
+    package = ["redknot", *path.relative_to(ROOT).with_suffix("").parts][:-1]  # a module's package, or the package itself
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -58,34 +56,12 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def load_time_imports(path: Path, modules: set[str]) -> set[str]:
-    """The redknot modules ``path`` imports when it is loaded: statements outside function bodies
-    (an import inside a function runs when it is called, after every module has loaded). A
-    module's own parent packages are left out: Python initialises them before the module."""
-    package = ["redknot", *path.relative_to(ROOT).with_suffix("").parts][:-1]
-    found = set()
-
-    def visit(node):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            return
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
-            module = ".".join(x for x in (base, node.module) if x)
-            found.add(module)
-            found.update(f"{module}.{a.name}" for a in node.names)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
-    name = _module_name(path)
-    return {m for m in found if m in modules and not name.startswith(m + ".")}
-
-
 def test_no_import_cycle_inside_the_package():
+    """Imports anywhere in a module count, inside functions too: two modules that need each other are
+    one idea split in two. A module's own parent packages are left out (Python loads them first)."""
     files = {_module_name(f): f for f in ROOT.rglob("*.py")}
-    graph = {m: load_time_imports(f, set(files)) - {m} for m, f in files.items()}
+    graph = {m: {i for i in imported_modules(f) if i in files and i != m and not m.startswith(i + ".")}
+             for m, f in files.items()}
     # Tarjan's strongly connected components: any with more than one module is a cycle
     index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
 
