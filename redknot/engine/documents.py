@@ -53,12 +53,15 @@ class DocumentKV:
 
     def specs(self, seq: Sequence) -> list[tuple[str, tuple, int]]:
         """(key, canonical tokens, start) of the prompt prefix (computed alone) and of each chunk
-        (computed after the prefix, at its canonical position)."""
+        (computed after the prefix, at its canonical position); hashed once per request."""
+        if seq.reuse.specs is not None:
+            return seq.reuse.specs
         cp = seq.chunked_prompt
         prefix = tuple(cp.prefix)
         ns = self.fingerprint if seq.cache_salt is None else f"{self.fingerprint}\x1fsalt:{seq.cache_salt}"
         specs = [(chunk_key(ns, (), prefix), prefix, 0)] if prefix else []
         specs += [(chunk_key(ns, prefix, ids), prefix + tuple(ids), len(prefix)) for ids in cp.chunks]
+        seq.reuse.specs = specs
         return specs
 
     def needs(self, seq: Sequence) -> DocumentNeeds:

@@ -137,13 +137,12 @@ class Scheduler:
         """The most tokens the request can generate: the largest max_tokens ``check_fits`` accepts
         for its prompt (0 when even one does not fit). What a request that leaves max_tokens unset gets."""
         saved = seq.params.max_tokens
+
+        def fits_with(n: int) -> bool:
+            seq.params.max_tokens = n
+            return self.fits(seq)
         try:
-            lo, hi = 0, self.max_model_len - len(seq.token_ids)
-            while lo < hi:  # fits turns false once as max_tokens grows: bisect where
-                mid = (lo + hi + 1) // 2
-                seq.params.max_tokens = mid
-                lo, hi = (mid, hi) if self.fits(seq) else (lo, mid - 1)
-            return lo
+            return _largest(lambda n: n == 0 or fits_with(n), self.max_model_len - len(seq.token_ids))
         finally:
             seq.params.max_tokens = saved
 
@@ -151,17 +150,8 @@ class Scheduler:
         """(most tokens of prompt + max_tokens, most prompt tokens) one request of ``spec`` can ever
         hold, documents aside. ``make_seq(n)`` builds a request of an n-token prompt and one output
         token under the method."""
-        def largest(ok) -> int:  # ok turns false once, as the length grows: bisect where
-            if ok(self.max_model_len):
-                return self.max_model_len
-            lo, hi = 0, self.max_model_len
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
-            return lo
-
-        total = largest(lambda n: self.fits(make_seq(max(n - 1, 1))))
-        return total, min(largest(lambda n: self.fits(make_seq(n))), total)
+        total = _largest(lambda n: self.fits(make_seq(max(n - 1, 1))), self.max_model_len)
+        return total, min(_largest(lambda n: self.fits(make_seq(n)), self.max_model_len), total)
 
     # ------------------------------------------------------------------ queues
 
@@ -317,3 +307,14 @@ class Scheduler:
         self.free(seq)
         if seq.finish_reason is None:
             seq.finish("abort")
+
+
+def _largest(ok, hi: int) -> int:
+    """The largest n in [0, hi] with ``ok(n)``, where ``ok`` turns false once as n grows (0 when none)."""
+    if ok(hi):
+        return hi
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo

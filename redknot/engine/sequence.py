@@ -27,6 +27,7 @@ class ReuseState:
     fresh_chunk_tokens: int = 0  # chunk and prefix tokens computed for this request (not cache hits)
     recomputed: list[int] = field(default_factory=list)  # positions recomputed in place (epic)
     spans: list[tuple[int, int]] = field(default_factory=list)  # (start, tokens) its first prefill forward recomputes
+    specs: list | None = None  # (key, canonical tokens, start) of its prefix and chunks, hashed once
     recovery: tuple | None = None  # recovery methods before their recovery forward: (Policy, cached bool [N])
 
 

@@ -2,7 +2,7 @@
 
 from .options import ReuseOptions
 from .prompt import ChunkedPrompt, build_prompt
-from .registry import CHUNK_METHODS, METHOD_NAMES, METHODS, MethodSpec, canonical_name, get_method, parse_method
+from .registry import METHOD_NAMES, METHODS, MethodSpec, canonical_name, get_method, parse_method
 
-__all__ = ["CHUNK_METHODS", "METHOD_NAMES", "METHODS", "ChunkedPrompt", "MethodSpec", "ReuseOptions", "build_prompt",
+__all__ = ["METHOD_NAMES", "METHODS", "ChunkedPrompt", "MethodSpec", "ReuseOptions", "build_prompt",
            "canonical_name", "get_method", "parse_method"]

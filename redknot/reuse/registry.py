@@ -168,8 +168,6 @@ _SPECS = (
 METHODS: dict[str, MethodSpec] = {s.name: s for s in _SPECS}
 ALIASES = {"redknot_kv": "redknot"}
 METHOD_NAMES = tuple(METHODS)
-# Names benchmarks and evaluations also run that are not engine methods: a plan with selected sets.
-CHUNK_METHODS = tuple(s.name for s in _SPECS if s.reads_chunks)
 
 
 def canonical_name(name: str) -> str:
