@@ -19,7 +19,7 @@ import torch
 
 from ..cache.chunk_cache import ChunkCache
 from ..cache.prefix_cache import PrefixCache
-from ..models.adapter import adapter_for
+from ..models.registry import adapter_for
 from ..reuse.registry import get_method
 from . import engine_state as state
 from .admission import admit

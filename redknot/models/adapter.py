@@ -124,13 +124,3 @@ class LlamaAdapter(ModelAdapter):
     def logits(self, hidden):
         return self.model.logits(hidden)
 
-
-ADAPTERS = {"llama": LlamaAdapter, "mistral": LlamaAdapter, "qwen2": LlamaAdapter, "qwen3": LlamaAdapter}
-
-
-def adapter_for(model, config: ModelConfig) -> ModelAdapter:
-    """The adapter of ``config.model_type``; a clear error for an architecture without one."""
-    kind = getattr(config, "model_type", "llama") or "llama"
-    if kind not in ADAPTERS:
-        raise ValueError(f"model_type {kind!r} has no adapter (supported: {', '.join(sorted(ADAPTERS))})")
-    return ADAPTERS[kind](model, config)

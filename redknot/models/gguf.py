@@ -277,7 +277,7 @@ def gguf_tokenizer(path):
 
 def load_gguf(path, dtype="float32", device="cpu"):
     """(redknot model, ModelConfig) straight from a GGUF file, without writing a checkpoint."""
-    from .llama import LlamaForCausalLM
+    from .registry import model_class
 
     reader = _reader(path)
     raw = _config_from(reader, path)
@@ -286,7 +286,7 @@ def load_gguf(path, dtype="float32", device="cpu"):
     dtype = _torch_dtype(dtype)
     state = _state_dict_from(reader, raw, dtype, path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

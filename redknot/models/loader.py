@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from .registry import model_class
 
 # Buffers some checkpoints carry that our forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -54,14 +54,14 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """A model with random (PyTorch default init) weights, built directly on the device."""
     with torch.device(device):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     return model.to(dtype).eval()
 
 
-def load_model(path: str | Path, dtype=None, device=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Module, ModelConfig]:
     """``path``: an HF checkpoint directory, a ``.gguf`` file (or a directory holding one; converted
     once into the cache) or a fetched shelf name: see ``redknot.models.resolve.resolve_model``."""
     from .resolve import resolve_model
@@ -72,7 +72,7 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[LlamaForCausa
     dtype = resolve_dtype(dtype, cfg, device)
     files = weight_files(path)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

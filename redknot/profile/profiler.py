@@ -205,7 +205,7 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
 
     if not samples:
         raise ValueError("no calibration samples")
-    from ..models.adapter import adapter_for
+    from ..models.registry import adapter_for
 
     dev = next(model.parameters()).device
     adapter = adapter_for(model, cfg)  # PROFILE: embeddings, each layer's q/k/v, the rest of the layer

@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from ..models.llama import LlamaForCausalLM
 from ..visibility import visible
 from .flops import FlopReport, visible_pairs
 
@@ -75,7 +74,7 @@ class Recovered:
 
 
 @torch.inference_mode()
-def recover(model: LlamaForCausalLM, token_ids: torch.Tensor, policy: Policy,
+def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
             cache_k: list[torch.Tensor] | None = None, cache_v: list[torch.Tensor] | None = None,
             cached: torch.Tensor | None = None, kernel: str = "auto") -> Recovered:
     """Run the policy's prefill over ``token_ids`` [N].

@@ -1,0 +1,36 @@
+"""The architectures redknot runs: ``model_type`` -> (model class, adapter class).
+
+The one place a new architecture is registered; the loaders build ``model_class(cfg)`` and the
+engine and profiler talk to ``adapter_for(model, cfg)``.
+"""
+
+from __future__ import annotations
+
+from .adapter import LlamaAdapter, ModelAdapter
+from .config import ModelConfig, UnsupportedModelError
+from .llama import LlamaForCausalLM
+
+ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
+    "llama": (LlamaForCausalLM, LlamaAdapter),
+    "mistral": (LlamaForCausalLM, LlamaAdapter),
+    "qwen2": (LlamaForCausalLM, LlamaAdapter),
+    "qwen3": (LlamaForCausalLM, LlamaAdapter),
+}
+
+
+def _entry(config: ModelConfig):
+    kind = getattr(config, "model_type", "llama") or "llama"
+    if kind not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"model_type {kind!r} has no adapter (supported: {', '.join(sorted(ARCHITECTURES))})")
+    return ARCHITECTURES[kind]
+
+
+def model_class(config: ModelConfig) -> type:
+    """The ``nn.Module`` class whose forward computes ``config``'s architecture."""
+    return _entry(config)[0]
+
+
+def adapter_for(model, config: ModelConfig) -> ModelAdapter:
+    """The adapter of ``config.model_type``; a clear error for an architecture without one."""
+    return _entry(config)[1](model, config)
