@@ -32,13 +32,15 @@ def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
                       down_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """x [T, H] through its routed experts (``ids`` [T, k], ``weights`` [T, k]): the token-expert pairs
     sorted by expert, one GEMM pair per expert that has tokens; each token's k outputs are summed
-    in float32 and the sum rounded once to x's dtype. Reads the per-expert counts on the host."""
+    in float32 (float64 for float64 x) and the sum rounded once to x's dtype. Reads the per-expert
+    counts on the host."""
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    pair_weight = weights.reshape(-1).float()
-    out = torch.zeros(t * k, x.shape[1], dtype=torch.float32, device=x.device)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    pair_weight = weights.reshape(-1).to(acc)
+    out = torch.zeros(t * k, x.shape[1], dtype=acc, device=x.device)
     inter = gate_up.shape[1] // 2
     start = 0
     for e, n in enumerate(counts):
@@ -49,8 +51,8 @@ def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
         h = F.linear(x[pairs // k], gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
         a = gated_activation(h[:, :inter], h[:, inter:], activation, alpha, limit)
         y = F.linear(a, down[e], None if down_bias is None else down_bias[e])
-        out[pairs] = y.float() * pair_weight[pairs, None]
-    return out.view(t, k, -1).sum(1).to(x.dtype)
+        out[pairs] = y.to(acc) * pair_weight[pairs, None]
+    return out.view(t, k, x.shape[1]).sum(1).to(x.dtype)
 
 
 # ---- the fused kernels' steps
@@ -60,12 +62,15 @@ def align_reference(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     """Token-expert pairs (``ids`` [T, k] flattened: pair p = token p // k, its (p % k)-th expert)
     sorted by expert (stably) and each expert's run padded to a multiple of ``block_m``, in a buffer
     of the worst case T*k + E*(block_m - 1) slots. Returns (pair of each slot, T*k in padding slots,
-    int32 [P]; expert of each block of block_m slots, -1 past the last, int32 [P // block_m])."""
+    int32 [P]; expert of each block of block_m slots, -1 past the last, int32 [P // block_m]). No
+    host sync."""
     n = ids.numel()
     flat = ids.reshape(-1).long()
     size = n + num_experts * (block_m - 1)
     size = -(-size // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # counts by scatter_add, not bincount (whose size depends on the ids: a host sync on CUDA), so
+    # this is also the fused path's alignment for large batches
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded

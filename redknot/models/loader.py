@@ -15,7 +15,7 @@ from .registry import model_class
 # Buffers some checkpoints carry that our forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One expert's projection in a checkpoint (Mixtral names them w1 = gate, w3 = up, w2 = down).
-_PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)$")
+_PER_EXPERT = re.compile(r"^((?:.+\.)?experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
@@ -77,7 +77,7 @@ def expert_target(key: str, tensor: torch.Tensor, moe: MoEConfig | None):
         i = moe.intermediate_size
         half = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
         return f"{prefix}.gate_up_proj{suffix}", (int(expert), half), tensor
-    if moe.checkpoint_layout == "gpt_oss" and re.search(r"\.experts\.(gate_up_proj|down_proj)(_bias)?$", key):
+    if moe.checkpoint_layout == "gpt_oss" and re.search(r"(^|\.)experts\.(gate_up_proj|down_proj)(_bias)?$", key):
         if tensor.dim() == 3:  # weights [E, in, out] -> [E, out, in]
             tensor = tensor.transpose(1, 2)
         if ".gate_up_proj" in key:  # rows gate0, up0, gate1, up1 ... -> the gate rows, then the up rows

@@ -36,7 +36,7 @@ def _fused_experts():
 
 def route(logits: torch.Tensor, top_k: int, routing: str = "softmax_topk",
           norm_topk_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routing weights (float32 [T, k]) and expert ids (int64 [T, k]) from router logits [T, E].
+    """Routing weights (float32, float64 for float64 logits [T, k]) and expert ids (int64 [T, k]) from router logits [T, E].
     ``softmax_topk``: softmax over every expert, the k largest, renormalised to sum 1 when
     ``norm_topk_prob``; ``topk_softmax``: the k largest logits, softmax over them."""
     if routing == "softmax_topk":
@@ -46,7 +46,7 @@ def route(logits: torch.Tensor, top_k: int, routing: str = "softmax_topk",
         return weights, ids
     if routing == "topk_softmax":
         top, ids = torch.topk(logits, top_k, dim=-1)
-        return torch.softmax(top.float(), dim=-1), ids
+        return torch.softmax(top.to(torch.promote_types(top.dtype, torch.float32)), dim=-1), ids
     raise ValueError(f"routing={routing!r}: use one of {ROUTINGS}")
 
 
