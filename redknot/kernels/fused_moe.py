@@ -136,14 +136,15 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, 
 
 
 def block_config(n_pairs: int, num_experts: int) -> dict:
-    """GEMM tile sizes from the mean pairs per expert (static for a batch size: graph-safe). Few
-    pairs per expert (decode): 16-row blocks, narrow tiles, many programs to stream the weights."""
+    """Tile sizes from the mean pairs per expert (static for a batch size: graph-safe): BLOCK_M,
+    and (BLOCK_N, BLOCK_K, num_warps) of each GEMM. Few pairs per expert (decode): 16-row blocks
+    and narrow gate_up tiles (each loads a gate and an up tile), many programs streaming weights."""
     per_expert = n_pairs / num_experts
     if per_expert <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4)
+        return dict(BLOCK_M=16, gate_up=(32, 128, 4), down=(64, 128, 4))
     if per_expert <= 64:
-        return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8)
+        return dict(BLOCK_M=32, gate_up=(64, 64, 4), down=(64, 64, 4))
+    return dict(BLOCK_M=64, gate_up=(64, 64, 8), down=(128, 64, 8))
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,20 +170,19 @@ def gate_up(x, gate_up_w, slot_pair, block_expert, top_k: int, activation: str =
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r}: use one of {ACTIVATIONS}")
     cfg = config or block_config(x.shape[0] * top_k, gate_up_w.shape[0])
-    bm = slot_pair.numel() // block_expert.numel()
-    if bm != cfg["BLOCK_M"]:
-        raise ValueError(f"slots aligned to {bm}, the config's BLOCK_M is {cfg['BLOCK_M']}")
+    bm = slot_pair.numel() // block_expert.numel()  # the alignment's block: the GEMM's BLOCK_M
     x = x.contiguous()
     w = gate_up_w if gate_up_w.stride(-1) == 1 else gate_up_w.contiguous()
     e, two_i, h = w.shape
     inter = two_i // 2
     out = torch.empty(slot_pair.numel(), inter, dtype=x.dtype, device=x.device)
-    grid = (block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))
+    bn, bk, warps = cfg["gate_up"]
+    grid = (block_expert.numel(), triton.cdiv(inter, bn))
     _gate_up_kernel[grid](x, w, bias if bias is not None else w, out, slot_pair, block_expert,
                           x.shape[0] * top_k, h, inter, x.stride(0), w.stride(0), w.stride(1),
                           bias.stride(0) if bias is not None else 0, out.stride(0), float(alpha), float(limit),
                           TOP_K=top_k, ACT=activation, HAS_BIAS=bias is not None, PRECISION=_precision(x),
-                          BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return out
 
 
@@ -195,12 +195,13 @@ def down(inter, down_w, slot_pair, block_expert, weights, bias=None, config: dic
     w = down_w if down_w.stride(-1) == 1 else down_w.contiguous()
     e, h, i = w.shape
     out = torch.empty(n, h, dtype=inter.dtype, device=inter.device)
-    grid = (block_expert.numel(), triton.cdiv(h, cfg["BLOCK_N"]))
+    bn, bk, warps = cfg["down"]
+    grid = (block_expert.numel(), triton.cdiv(h, bn))
     _down_kernel[grid](inter, w, bias if bias is not None else w, out, slot_pair, block_expert,
                        weights.reshape(-1).contiguous(), n, h, i, inter.stride(0), w.stride(0), w.stride(1),
                        bias.stride(0) if bias is not None else 0, out.stride(0),
                        HAS_BIAS=bias is not None, PRECISION=_precision(inter),
-                       BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return out
 
 
@@ -221,4 +222,4 @@ def fused_experts(x: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor
     slot_pair, block_expert = align(ids, gate_up_w.shape[0], cfg["BLOCK_M"])
     inter = gate_up(x, gate_up_w, slot_pair, block_expert, k, activation, gate_up_bias, alpha, limit, cfg)
     pairs = down(inter, down_w, slot_pair, block_expert, weights, down_bias, cfg)
-    return pairs.view(t, k, x.shape[1]).sum(1, dtype=torch.float32).to(x.dtype)
+    return pairs.view(t, k, x.shape[1]).sum(1)  # accumulated in float32 for half types, one rounding
