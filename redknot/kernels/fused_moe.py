@@ -31,7 +31,7 @@ ONE_PROGRAM_PAIRS = 4096
 @triton.jit
 def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, n_pairs, n_slots, n_blocks,
                   E: tl.constexpr, EP: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                  FILL: tl.constexpr):
+                  FILL: tl.constexpr, BLOCKS: tl.constexpr):
     experts = tl.arange(0, EP)
     counts = tl.zeros([EP], dtype=tl.int32)
     for start in range(0, n_pairs, CHUNK):  # pass 1: pairs per expert
@@ -43,8 +43,8 @@ def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, n_pairs, n_slots, n_
     for s in range(0, n_slots, FILL):  # every slot padding until pass 2 writes the pairs
         offs = s + tl.arange(0, FILL)
         tl.store(slot_pair_ptr + offs, tl.full([FILL], 0, tl.int32) + n_pairs, mask=offs < n_slots)
-    for b in range(0, n_blocks, FILL):  # a block's expert: the first whose padded run ends past it
-        blk = b + tl.arange(0, FILL)
+    for b in range(0, n_blocks, BLOCKS):  # a block's expert: the first whose padded run ends past it
+        blk = b + tl.arange(0, BLOCKS)
         idx = tl.sum((ends[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(block_expert_ptr + blk, tl.where(idx < E, idx, -1), mask=blk < n_blocks)
     tl.debug_barrier()  # the padding fill lands before the pairs overwrite it
@@ -157,9 +157,10 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     slot_pair = torch.empty(size, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
     ep = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(triton.next_power_of_2(n), 16384 // ep))
+    wide = max(16, 8192 // ep)  # rows of the [rows, EP] tiles a step compares: 8K elements
     _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), slot_pair, block_expert, n, size, size // block_m,
-                        E=num_experts, EP=ep, BLOCK_M=block_m, CHUNK=chunk, FILL=1024, num_warps=8)
+                        E=num_experts, EP=ep, BLOCK_M=block_m, CHUNK=max(16, min(triton.next_power_of_2(n), wide)),
+                        FILL=1024, BLOCKS=wide, num_warps=8)
     return slot_pair, block_expert
 
 
