@@ -300,7 +300,14 @@ def run(args) -> dict:
         for b, n in cases:
             if b > args.hf_max_batch or n > args.hf_max_context:
                 continue
-            r = _time_hf(hf, b, n, min(args.tokens, 32), dev)
+            try:
+                r = _time_hf(hf, b, n, min(args.tokens, 32), dev)
+            except torch.OutOfMemoryError as e:  # a large MoE's KV cache beside its weights: the row says so
+                rows.append({"method": "hf", "batch": b, "context": n, "error": f"{type(e).__name__}: {e}"[:300]})
+                print(f"hf          B={b:>3} ctx={n:>6}: {rows[-1]['error']}", flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
             rows.append({"method": "hf", "batch": b, "context": n, **r})
             print(f"hf          B={b:>3} ctx={n:>6}: {r['tok_s']:9.1f} tok/s", flush=True)
         del hf
