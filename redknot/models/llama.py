@@ -66,10 +66,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
-        if cfg.qk_norm:  # per head, or (OLMoE) over the whole projection
-            width = 1 if cfg.qk_norm_per_head else self.n_heads
-            self.q_norm = RMSNorm(self.head_dim * width, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim * (1 if cfg.qk_norm_per_head else self.n_kv), cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head, or (OLMoE) over each whole projection
+            q_dim, k_dim = ((self.head_dim, self.head_dim) if cfg.qk_norm_per_head
+                            else (self.n_heads * self.head_dim, self.n_kv * self.head_dim))
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.head_norm = cfg.qk_norm and cfg.qk_norm_per_head
         self.clip_qkv = cfg.clip_qkv
@@ -196,7 +197,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.add_ffn(x)
 
     def add_ffn(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """x plus the FFN of its normed rows. ``rows``: the rows the FFN runs on (a sparse FFN); the
