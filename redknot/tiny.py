@@ -7,7 +7,8 @@ from pathlib import Path
 
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3",
+            "deepseek_v2")
 
 # Mixture-of-experts families: 8 experts of width 32, top-2 (the dense MLP of qwen3_moe/qwen2_moe
 # layers that mlp_only_layers or decoder_sparse_step make dense is intermediate_size wide).
@@ -17,6 +18,20 @@ MOE_OVERRIDES = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, clip_qkv=None),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                       shared_expert_intermediate_size=48),
+}
+
+# DeepSeek (multi-head latent attention): a 32-wide latent and a 16-dim RoPE key part per token, the
+# first layer dense, then 8 experts of width 32 (top-2, one shared); V3 routes by sigmoid scores in
+# 2 groups (the best one chosen), V2 greedily by softmax
+MLA_OVERRIDES = {
+    "deepseek_v3": dict(num_hidden_layers=3, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True),
+    "deepseek_v2": dict(num_hidden_layers=3, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.0,
+                        topk_method="greedy", norm_topk_prob=False),
 }
 
 ROPE_VARIANTS = {
@@ -43,7 +58,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                   "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                   "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
-                  "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[family]
+                  "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+                  "deepseek_v3": transformers.DeepseekV3Config, "deepseek_v2": transformers.DeepseekV2Config}[family]
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=num_attention_heads * head_dim, intermediate_size=96,
@@ -56,6 +72,9 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     if family in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None  # full attention unless a test asks for a window
     kwargs.update(MOE_OVERRIDES.get(family, {}))
+    if family in MLA_OVERRIDES:  # per-head widths come from the MLA fields; every head has its keys
+        kwargs.pop("head_dim")
+        kwargs.update(MLA_OVERRIDES[family], num_key_value_heads=overrides.get("num_attention_heads", num_attention_heads))
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -68,6 +87,9 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                 # a router initialised at std 0.08 routes near-uniformly; a wider one makes the choice of
                 # experts (and its ties) decisive, as in a trained model
                 p.normal_(0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero would not test it
+                b.normal_(0, 0.1)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(path)
     return path

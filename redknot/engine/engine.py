@@ -50,8 +50,9 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.adapter = adapter_for(model, config)
         self.adapter.prepare(device)
-        page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
-        pages, profile = initial_pages(cfg, config.num_hidden_layers, config.num_key_value_heads, page_bytes,
+        layout = self.adapter.state_layout()  # what a prefill stores per (layer, KV head) and token
+        page_bytes = 2 * cfg.page_size * layout.head_dim * self.dtype.itemsize
+        pages, profile = initial_pages(cfg, layout.num_layers, layout.num_kv_heads, page_bytes,
                                        self.max_model_len, device)
         self.documents = DocumentKV(self.adapter, config, fingerprint, head_config, sparse_ffn, cfg.reuse_options, device,
                                     cfg.max_num_batched_tokens)

@@ -48,7 +48,7 @@ class RecoveryRows:
                  device: torch.device):
         self.cfg, self.device = cfg, device
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         self.requests = []
         for policy, n, c in zip(policies, lengths, cached):
             r = _Request(policy, n, c.to(device), device)
@@ -318,7 +318,7 @@ class RecoveryRows:
         counts = [p for r in self.requests for _, p, _ in r.layers]
         counts = torch.stack(counts).tolist() if counts else []
         c = self.cfg
-        attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        attn = c.attention_flops()[0] // 2
         # multiply-adds per row of each layer's FFN: (skipped by a sparse FFN, run on every row)
         ffn = [tuple(f // 2 for f in c.ffn_flops_per_row(l)) for l in range(c.num_hidden_layers)]
         i = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .adapter import LlamaAdapter, ModelAdapter
 from .config import ModelConfig, UnsupportedModelError
+from .deepseek import DeepseekForCausalLM, MLAAdapter
 from .llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
@@ -20,6 +21,9 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "qwen2_moe": (LlamaForCausalLM, LlamaAdapter),
     "mixtral": (LlamaForCausalLM, LlamaAdapter),
     "olmoe": (LlamaForCausalLM, LlamaAdapter),
+    # multi-head latent attention (one cached latent per token and layer) and DeepSeek's experts
+    "deepseek_v2": (DeepseekForCausalLM, MLAAdapter),
+    "deepseek_v3": (DeepseekForCausalLM, MLAAdapter),
 }
 
 

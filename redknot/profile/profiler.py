@@ -160,14 +160,15 @@ class _Accumulator:
 
 # ---- the forward by hand ------------------------------------------------------------------------
 def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=BLOCK_ELEMS):
-    """Causal attention of q [R, Hq, D] at positions q_start.. over k/v [N, Hkv, D] at 0..N-1,
-    in fp32, one block of query rows at a time. ``stats``: (_Accumulator, first position) pairs;
-    queries at positions >= the first position feed the accumulator. Returns o [R, Hq, D] in v's dtype."""
+    """Causal attention of q [R, Hq, D] at positions q_start.. over k [N, Hkv, D] and v [N, Hkv, Dv]
+    at 0..N-1, in fp32, one block of query rows at a time. ``stats``: (_Accumulator, first position)
+    pairs; queries at positions >= the first position feed the accumulator. Returns o [R, Hq, Dv] in
+    v's dtype."""
     r_total, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, N, D]
-    out = torch.empty(r_total, hq, d, dtype=v.dtype, device=q.device)
+    out = torch.empty(r_total, hq, v.shape[-1], dtype=v.dtype, device=q.device)
     rows = max(1, block_elems // (hq * k.shape[0]))
     for r0 in range(0, r_total, rows):
         r1 = min(r0 + rows, r_total)
@@ -179,7 +180,7 @@ def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=B
         qb = q[r0:r1].float().view(r1 - r0, hkv, g, d)
         scores = torch.einsum("rhgd,hnd->hgrn", qb, kf[:, :n]) * scale
         probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)  # [Hkv, g, rows, n]
-        out[r0:r1] = torch.einsum("hgrn,hnd->rhgd", probs, vf[:, :n]).reshape(r1 - r0, hq, d).to(v.dtype)
+        out[r0:r1] = torch.einsum("hgrn,hnd->rhgd", probs, vf[:, :n]).reshape(r1 - r0, hq, -1).to(v.dtype)
         for acc, measure_from in stats:
             i0 = max(0, measure_from - (q_start + r0))  # rows are sorted by position
             if i0 < r1 - r0:
@@ -232,7 +233,7 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
         pos, pos_alt = torch.arange(ids.numel(), device=dev), torch.arange(alt.numel(), device=dev)
         h, h_alt = adapter.embed(ids), adapter.embed(alt)
         for l in range(n_layers):
-            scale, win = cfg.head_dim**-0.5, native[l]
+            scale, win = cfg.attention_scale, native[l]
             q, k, v = adapter.layer_qkv(l, h, pos)
             qa, ka, va = adapter.layer_qkv(l, h_alt, pos_alt)
             o = _attend(q, 0, k, v, scale, win, [(acc[l], measure_from), (acc_q[l], max(c1, measure_from))],

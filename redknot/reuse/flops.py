@@ -23,10 +23,9 @@ class FlopReport:
     lm_head: int = 0
 
     def add_layer(self, cfg: ModelConfig, n_tokens: int, pairs: int, n_ffn: int) -> None:
-        h, d = cfg.hidden_size, cfg.head_dim
-        qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
-        self.proj.append(2 * n_tokens * h * (qkv_out + cfg.num_attention_heads * d))
-        self.attention.append(4 * d * pairs)  # q·k and p·v
+        per_row, per_pair = cfg.attention_flops()  # projections; q·k and p·v
+        self.proj.append(n_tokens * per_row)
+        self.attention.append(per_pair * pairs)
         sparse, every = cfg.ffn_flops_per_row(len(self.ffn))  # MoE: routed experts, shared expert
         self.ffn.append(n_ffn * sparse + n_tokens * every)
         self.tokens.append(n_tokens)
