@@ -40,6 +40,9 @@ ROPE_VARIANTS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    # DeepSeek's YaRN: mscale / mscale_all_dim set the cos/sin factor, mscale_all_dim also MLA's softmax scale
+    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+                    "mscale_all_dim": 0.7},
 }
 
 def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "default",

@@ -280,6 +280,9 @@ def ablation_kl(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK, 
     from ..reuse.policies import FixedSet
     from ..reuse.recovery import recover
 
+    if cfg.mla is not None:
+        raise ValueError(f"ablation_kl runs the Llama-family recovery forward; {cfg.model_type} (latent attention) "
+                         f"has none: profile it without ablation_weight")
     dev = next(model.parameters()).device
     n_layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
     window_all, sink_all = HeadConfig.all_global(n_layers, hkv).visibility(cfg.sliding_windows)
@@ -383,7 +386,10 @@ def profile_heads(model, cfg, tokenizer, records: list[dict], *, target_global: 
                   max_tokens: int = 4096, block_elems: int = BLOCK_ELEMS, model_name: str | None = None,
                   progress: bool = True) -> HeadConfig:
     """Profile ``model`` (a redknot LlamaForCausalLM, ``cfg`` its ModelConfig) on calibration
-    ``records`` and return the head plan; its metadata["profiling"] holds metrics and parameters."""
+    ``records`` and return the head plan; its metadata["profiling"] holds metrics and parameters.
+    MLA models (one latent for every query head, no per-head selection) get no retrieval heads."""
+    if cfg.mla is not None:
+        retrieval_threshold = None
     _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, sink, ref_window, retrieval_k,
                   sensitivity_weight, max_tokens, question_weight, ablation_weight)
     max_tokens = min(max_tokens, cfg.max_position_embeddings)
