@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 ROPE_VARIANTS = {
     "default": {"rope_type": "default"},
@@ -18,11 +18,16 @@ ROPE_VARIANTS = {
 }
 
 def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "default",
-                         tie_word_embeddings: bool = False, num_hidden_layers: int = 2,
+                         tie_word_embeddings: bool = False, num_hidden_layers: int | None = None,
                          num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 16,
                          max_position_embeddings: int = 1024, seed: int = 0, sharded: bool = False,
                          **overrides) -> Path:
-    """Write a random checkpoint (config.json, safetensors, tokenizer) and return its directory."""
+    """Write a random checkpoint (config.json, safetensors, tokenizer) and return its directory.
+
+    ``num_hidden_layers`` defaults to 2 (gemma3_text: 6, so its five sliding layers to one global
+    show). gemma3_text: ``rope`` is the global layers' RoPE; the sliding layers (window 8) rotate
+    with their own base, scores scale by query_pre_attn_scalar 24 (not head_dim), and every norm
+    weight is random (HF initialises them to 0, i.e. a scale of 1)."""
     import torch
     import transformers
 
@@ -31,8 +36,11 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     path = Path(path)
     tokenizer = make_tokenizer()
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                  "gemma3_text": transformers.Gemma3TextConfig}[family]
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
+    if num_hidden_layers is None:
+        num_hidden_layers = 6 if family == "gemma3_text" else 2
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=num_attention_heads * head_dim, intermediate_size=96,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
@@ -43,6 +51,10 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     )
     if family == "mistral":
         kwargs["sliding_window"] = None  # full attention unless a test asks for a window
+    if family == "gemma3_text":
+        kwargs.update(sliding_window=8, query_pre_attn_scalar=24, rope_parameters={
+            "full_attention": {**rope_params, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -52,6 +64,11 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(0, 0.05)
+    if family == "gemma3_text":  # norm weights are offsets from 1, zero at init: make them matter
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(0, 0.3)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(path)
     return path

@@ -47,17 +47,34 @@ class ModelAdapter:
         """q [T, Hq, D], k and v [T, Hkv, D] of layer ``layer`` for the hidden states entering it."""
         raise NotImplementedError
 
+    def layer_attention(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The residual stream after layer ``layer``'s attention block, given its attention output [T, Hq, D]."""
+        raise NotImplementedError
+
+    def layer_ffn(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """What layer ``layer``'s FFN block adds to the residual stream ``hidden`` (a row the FFN
+        skips keeps its residual)."""
+        raise NotImplementedError
+
     def layer_finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The hidden states leaving layer ``layer``, given its attention output [T, Hq, D]."""
-        raise NotImplementedError
+        hidden = self.layer_attention(layer, hidden, attn_out)
+        return hidden + self.layer_ffn(layer, hidden)
 
     # ---- BUILDSTATE
     def state_layout(self) -> StateLayout:
         raise NotImplementedError
 
-    def relocate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
-        """Keys [N, Hkv, D] computed at positions p, as computed at p + delta."""
+    def relocate(self, k: torch.Tensor, delta: int, layer: int | None = None) -> torch.Tensor:
+        """Keys [N, Hkv, D] of layer ``layer`` computed at positions p, as computed at p + delta
+        (``layer`` None: keys of any layer, where every layer rotates alike)."""
         raise NotImplementedError
+
+    def relocate_layers(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys [L, N, Hkv, D] of every layer (a cached chunk) computed at positions p, as computed
+        at p + delta: one rotation for all layers where they rotate alike."""
+        L, n, h, d = k.shape
+        return self.relocate(k.reshape(L * n, h, d), delta).view(L, n, h, d)
 
     # ---- SELECTVISIBLESTATE
     def visible_state(self, head_config: HeadConfig | None) -> dict:
@@ -93,17 +110,19 @@ class LlamaAdapter(ModelAdapter):
         block = self._body.layers[layer]
         return block.self_attn.qkv(block.input_layernorm(hidden), positions)
 
-    def layer_finish(self, layer, hidden, attn_out):
+    def layer_attention(self, layer, hidden, attn_out):
+        return hidden + self._body.layers[layer].self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+
+    def layer_ffn(self, layer, hidden):
         block = self._body.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return block.mlp(block.post_attention_layernorm(hidden))
 
     def state_layout(self):
         c = self.config
         return StateLayout("kv_pages", c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
-    def relocate(self, k, delta):
-        return self._body.rotary_emb.relocate(k, delta)
+    def relocate(self, k, delta, layer=None):
+        return self._body.rotary_emb.relocate(k, delta)  # one RoPE for every layer
 
     def visible_state(self, head_config):
         c = self.config

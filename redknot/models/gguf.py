@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig, UnsupportedModelError
+from .rope import RotaryEmbedding
 
 # llama.cpp architecture name -> HF model_type. Mistral GGUFs say "llama" (same layout, permuted).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -295,8 +296,9 @@ def load_gguf(path, dtype="float32", device="cpu"):
     if missing or unexpected:
         raise GGUFError(f"{path}: weights do not match the {cfg.model_type} layout "
                         f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-    rope = model.model.rotary_emb
-    rope.inv_freq = type(rope)(cfg).inv_freq
+    for module in model.modules():  # built on the meta device: compute every RoPE's frequencies
+        if isinstance(module, RotaryEmbedding):
+            module.reset_frequencies("cpu")
     return model.to(device=device).eval(), cfg
 
 

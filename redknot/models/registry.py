@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .adapter import LlamaAdapter, ModelAdapter
 from .config import ModelConfig, UnsupportedModelError
+from .gemma3 import Gemma3Adapter, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
@@ -15,6 +16,7 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "mistral": (LlamaForCausalLM, LlamaAdapter),
     "qwen2": (LlamaForCausalLM, LlamaAdapter),
     "qwen3": (LlamaForCausalLM, LlamaAdapter),
+    "gemma3_text": (Gemma3ForCausalLM, Gemma3Adapter),
 }
 
 
