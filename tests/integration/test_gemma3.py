@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -17,6 +18,8 @@ from redknot.models import UnsupportedModelError
 from redknot.models import shelf
 from redknot.models.config import ModelConfig
 from redknot.models.conversions import convert_cached
+from redknot.models.gguf import gguf_config, gguf_state_dict, load_gguf
+from redknot.tiny import make_tiny_gguf, make_tokenizer
 from redknot.reuse.policies import FixedSet
 from redknot.reuse.recovery import recover
 from redknot.reuse.registry import METHODS
@@ -245,6 +248,44 @@ def test_cuda_bf16_and_graph_decode_follow_transformers(tiny_checkpoint, graphs)
     with torch.no_grad():
         ref16 = hf16(ids).logits[0, -1].float()
     assert cos(bf16.first_token_logits(PROMPT).float(), ref16) >= 0.999
+
+
+def test_tiny_gguf_matches_transformers_gguf_load(tmp_path):
+    """A tiny gemma3 GGUF laid out as llama.cpp writes one (norm weights plus 1, Gemma's norm names,
+    quantised projections): the weights are transformers' GGUF load's, and so are the logits and
+    greedy tokens. head_dim 256 as every real Gemma 3 below 27B (transformers' GGUF load scales
+    scores by 1/16 whatever head_dim says, llama.cpp by 1/sqrt(head_dim))."""
+    path, weights = make_tiny_gguf(tmp_path / "tiny-gemma3.gguf", "gemma3", num_hidden_layers=6,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=256, hidden_size=64)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    ours = gguf_state_dict(path)
+    ref = hf.state_dict()
+    assert set(ours) == set(ref) - {"lm_head.weight"}
+    for name, t in ours.items():
+        assert torch.equal(t, ref[name]), name
+        if name.endswith("norm.weight"):  # the +1 is off again (F32 tensors: exact but for one rounding)
+            np.testing.assert_allclose(t.numpy(), weights[name], atol=1e-6)
+    model, cfg = load_gguf(path)
+    assert cfg.sliding_windows == [8] * 5 + [None] and (cfg.rope.theta, cfg.local_rope.theta) == (1e6, 1e4)
+    llm = LLM(model=cfg, tokenizer=make_tokenizer(), device="cpu", dtype="float32")
+    llm.model.load_state_dict(model.state_dict())
+    ids = llm.tokenizer(PROMPT).input_ids
+    with torch.no_grad():
+        ref_logits = hf(torch.tensor([ids])).logits[0, -1]
+        gen = hf.generate(torch.tensor([ids]), max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, len(ids):]
+    assert rel_err(llm.first_token_logits(ids), ref_logits) <= 1e-4
+    out = llm.generate([ids], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == gen.tolist()
+
+
+def test_gguf_metadata_that_only_llama_cpp_reads(tmp_path):
+    """sliding_window_pattern and rope.freq_base_swa in the file: the config follows them."""
+    path, _ = make_tiny_gguf(tmp_path / "g.gguf", "gemma3", num_hidden_layers=6, head_dim=32, hidden_size=64,
+                             gemma_metadata={"sliding_window_pattern": 3, "rope_freq_base_swa": 500.0})
+    cfg = ModelConfig.from_dict(gguf_config(path))
+    assert cfg.sliding_windows == [8, 8, None, 8, 8, None]
+    assert (cfg.rope.theta, cfg.local_rope.theta, cfg.query_pre_attn_scalar) == (1e6, 500.0, 32)
 
 
 @pytest.mark.slow
