@@ -311,3 +311,23 @@ def test_gguf_270m_matches_transformers_gguf_load():
     assert rel_err(llm.first_token_logits(ids), ref) <= 1e-4
     out = llm.generate([ids], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].outputs[0]
     assert out.token_ids == gen.tolist()
+
+
+def test_decode_bench_runs_gemma3_with_its_transformers_baseline(tmp_path):
+    """`redknot bench decode --arch tiny-gemma3` on the CPU (the GPU runs gemma3-12b / gemma3-27b):
+    our dense and headsparse rows and transformers' Gemma3ForCausalLM row."""
+    import argparse
+
+    from redknot.bench import decode as bd
+
+    out = tmp_path / "decode.json"
+    p = argparse.ArgumentParser()
+    bd.add_arguments(p)
+    bd.run(p.parse_args(["--arch", "tiny-gemma3", "--cases", "2x64", "--methods", "dense,headsparse,hf",
+                         "--head-config", "g50-w16", "--tokens", "4", "--device", "cpu", "--no-cuda-graphs",
+                         "--out", str(out)]))
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"dense", "headsparse", "hf"} and all(r["tok_s"] > 0 for r in rows.values())
+    # the tied LM head is read every step: its bytes are in the bound
+    cfg = ModelConfig.from_dict(bd.ARCHS["tiny-gemma3"])
+    assert json.loads(out.read_text())["weight_bytes"] >= cfg.vocab_size * cfg.hidden_size * 4
