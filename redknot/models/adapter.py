@@ -4,7 +4,7 @@ PROFILE             the per-layer pieces the head profiler reads: embeddings, ea
                     keys and values for a prompt, and the rest of the layer given its attention output
 BUILDSTATE          what a prefill stores per (layer, KV head) and how it is reused elsewhere: K/V
                     pages of ``head_dim`` (the pool's layout), keys relocated by a RoPE rotation when
-                    a document moves
+                    a document moves (each layer's own, where layers rotate differently)
 SELECTVISIBLESTATE  what each head sees: a head plan's (window, sink) per (layer, KV head) through the
                     one visibility rule, with the model's own sliding-window layers folded in
 EXECUTE             the forward: token ids and positions with the batch's metadata (and a recovery's
