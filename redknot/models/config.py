@@ -73,9 +73,9 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         """The softmax scale of every attention layer's scores. The backends and every attention-mass
-        computation (recovery, selection, profiling) take it as their scale, rather than q being
-        pre-scaled by scale * sqrt(head_dim): pre-scaling rounds q once more in bf16 (Gemma 3 27B:
-        168**-0.5 against 128**-0.5) and the masses would be computed from another softmax."""
+        computation (recovery, selection, profiling) take it as their scale instead of q being
+        pre-scaled by scale * sqrt(head_dim): in bf16 a pre-scaled q is rounded once more (Gemma 3
+        27B scales by 168**-0.5, not by its head_dim 128's), so the kernels would differ from the model."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_rope(self, layer: int) -> RopeConfig:
