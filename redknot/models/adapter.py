@@ -51,6 +51,10 @@ class ModelAdapter:
         """The hidden states leaving layer ``layer``, given its attention output [T, Hq, D]."""
         raise NotImplementedError
 
+    def layer_sink_logits(self, layer: int) -> torch.Tensor | None:
+        """The learned sink logit per query head [Hq] in layer ``layer``'s softmax (gpt-oss), or None."""
+        return None
+
     # ---- BUILDSTATE
     def state_layout(self) -> StateLayout:
         raise NotImplementedError
@@ -92,6 +96,9 @@ class LlamaAdapter(ModelAdapter):
     def layer_qkv(self, layer, hidden, positions):
         block = self._body.layers[layer]
         return block.self_attn.qkv(block.input_layernorm(hidden), positions)
+
+    def layer_sink_logits(self, layer):
+        return getattr(self._body.layers[layer].self_attn, "sinks", None)
 
     def layer_finish(self, layer, hidden, attn_out):
         block = self._body.layers[layer]
