@@ -56,6 +56,8 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     # Per-layer native sliding window of the architecture (None = full causal).
     sliding_windows: list[int | None] = field(default_factory=list)
+    # A learned sink logit per query head in every attention softmax (gpt-oss: ``self_attn.sinks``).
+    attention_sinks: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
