@@ -523,3 +523,19 @@ def test_sink_logits_explicit_positions_and_bf16():
     o_g = paged_decode_attention(cb["q"], cb["k_pages"], cb["v_pages"], cb["block_tables"], cb["seq_lens"],
                                  cb["window"], cb["sink"], 64**-0.5, 100, sink_logits=sl)
     close(o_g, o_r, 2e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real head counts at bf16: compiled on a GPU (REDKNOT_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("window", [128, G])
+@pytest.mark.parametrize("q_len", [1, 4, 700])
+def test_sink_logits_bf16_gpt_oss_heads_on_gpu(window, q_len):
+    """gpt-oss-20b's attention shape (64 query heads, 8 KV heads, head_dim 64) in bf16 with the
+    built-in launch choices: sliding layers (window 128) and full ones, decode and prefill, against
+    the reference on the same GPU."""
+    seqs = [(q_len, 2000), (min(q_len, 300), 300), (1, 129)]
+    c = make_case(seqs, 64, 8, 64, 64, [window] * 8, [0] * 8, dtype=torch.bfloat16, seed=30, nan_tail=True)
+    sl = _sink_logits(64, 30)
+    o, lse = run(segpaged.segpaged_attention, c, sink_logits=_dev(sl))
+    o_r, lse_r = run(segpaged_attention_ref, c, sink_logits=_dev(sl))
+    close(o, o_r, 2e-2)
+    close(lse, lse_r, 2e-2)
