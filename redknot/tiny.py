@@ -7,7 +7,17 @@ from pathlib import Path
 
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+
+# Mixture-of-experts families: 8 experts of width 32, top-2 (the dense MLP of qwen3_moe/qwen2_moe
+# layers that mlp_only_layers or decoder_sparse_step make dense is intermediate_size wide).
+MOE_OVERRIDES = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, clip_qkv=None),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                      shared_expert_intermediate_size=48),
+}
 
 ROPE_VARIANTS = {
     "default": {"rope_type": "default"},
@@ -31,7 +41,9 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     path = Path(path)
     tokenizer = make_tokenizer()
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+                  "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+                  "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
+                  "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[family]
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=num_attention_heads * head_dim, intermediate_size=96,
@@ -41,17 +53,21 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, rope_parameters=rope_params,
     )
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None  # full attention unless a test asks for a window
+    kwargs.update(MOE_OVERRIDES.get(family, {}))
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if family == "qwen2":  # HF initialises biases to zero; make them matter in the comparison
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.05)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # HF initialises biases to zero; make them matter in the comparison
+                p.normal_(0, 0.05)
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                # a router initialised at std 0.08 routes near-uniformly; a wider one makes the choice of
+                # experts (and its ties) decisive, as in a trained model
+                p.normal_(0, 0.5)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(path)
     return path

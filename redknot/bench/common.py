@@ -15,7 +15,18 @@ ARCHS = {
     "qwen3-8b": {"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
                  "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                  "max_position_embeddings": 262144, "rope_theta": 1e6, "rms_norm_eps": 1e-6},
-    # CPU smoke test
+    # mixture of experts: 128 experts of 768, 8 per token (3.3B of 30.5B parameters active per token);
+    # intermediate_size is the dense MLP's of layers mlp_only_layers would make dense (none here)
+    "qwen3-30b-a3b": {"model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                      "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+                      "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                      "norm_topk_prob": True},
+    # CPU smoke tests
+    "tiny-moe": {"model_type": "qwen3_moe", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                 "max_position_embeddings": 4096, "num_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "norm_topk_prob": True},
     "tiny": {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
              "max_position_embeddings": 4096},
@@ -52,12 +63,13 @@ def hf_model(arch: dict, dev, dtype):
     import transformers
 
     cls = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
-           "llama": transformers.LlamaConfig}[arch["model_type"]]
+           "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch["model_type"]]
     kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta")}
     # HF's MistralConfig defaults to a 4096-token sliding window; ours reads none from the arch: the
     # baseline must compute the same attention (full causal) as our dense
     kw.setdefault("sliding_window", None)
     hf_cfg = cls(**kw, rope_parameters={"rope_type": "default", "rope_theta": arch.get("rope_theta", 1e4)})
+    # MoE: transformers' default experts implementation (grouped_mm where it dispatches)
     with torch.device(dev):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
     return model.eval()

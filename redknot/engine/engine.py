@@ -106,6 +106,8 @@ class Engine:
         seq.method = self.check_method(seq.method)
         spec = get_method(seq.method)
         seq.plan = spec.plan
+        if spec.reads_chunks and seq.chunked_prompt is not None:
+            seq.chunked_prompt = seq.chunked_prompt.packed(self.pool.page_size)  # small documents share pages
         seq.reuse = ReuseState(seq.chunked_prompt) if spec.reads_chunks else None
 
     def prepare(self, seq: Sequence) -> None:

@@ -324,14 +324,16 @@ class RecoveryRows:
         counts = torch.stack(counts).tolist() if counts else []
         c = self.cfg
         attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-        ffn = 3 * c.hidden_size * c.intermediate_size
+        # multiply-adds per row of each layer's FFN: (skipped by a sparse FFN, run on every row)
+        ffn = [tuple(f // 2 for f in c.ffn_flops_per_row(l)) for l in range(c.num_hidden_layers)]
         i = 0
         for r in self.requests:
             for t, _, n_ffn in r.layers:
                 r.flops.add_layer(self.cfg, t, counts[i] * self.group, n_ffn)
                 i += 1
-            work = sum(t * attn + n_ffn * ffn for t, _, n_ffn in r.layers)
-            r.row_share = work / max(r.n * len(r.layers) * (attn + ffn), 1)
+            work = sum(t * attn + n_ffn * ffn[l][0] + t * ffn[l][1] for l, (t, _, n_ffn) in enumerate(r.layers))
+            full = sum(attn + ffn[l][0] + ffn[l][1] for l in range(len(r.layers)))
+            r.row_share = work / max(r.n * full, 1)
             r.layers = []
             r.flops.add_lm_head(self.cfg)
         return [r.flops for r in self.requests]

@@ -84,7 +84,8 @@ class ModelAdapter:
 
 
 class LlamaAdapter(ModelAdapter):
-    """Pre-norm decoder layers with grouped-query attention, RoPE and a gated MLP (``models/llama.py``)."""
+    """Pre-norm decoder layers with grouped-query attention, RoPE and a gated MLP or a sparse MoE
+    block (``models/llama.py``, ``models/moe.py``)."""
 
     def __init__(self, model, config: ModelConfig):
         self.model, self.config = model, config
@@ -103,7 +104,7 @@ class LlamaAdapter(ModelAdapter):
     def layer_finish(self, layer, hidden, attn_out):
         block = self._body.layers[layer]
         hidden = hidden + block.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return block.add_ffn(hidden)
 
     def state_layout(self):
         c = self.config

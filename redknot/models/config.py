@@ -1,4 +1,5 @@
-"""Model configuration: the subset of an HF ``config.json`` that the Llama-family forward needs.
+"""Model configuration: the subset of an HF ``config.json`` that the Llama-family forward needs
+(dense, and the mixture-of-experts families whose layers differ from it only in the FFN).
 
 Parsing is strict: an architecture or option we do not implement raises ``UnsupportedModelError``
 naming the config field, instead of silently computing something else.
@@ -10,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -38,6 +40,34 @@ class RopeConfig:
 
 
 @dataclass
+class MoEConfig:
+    """A sparse mixture-of-experts FFN: its experts, its router and the layers that use it."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    layers: list[bool]  # per layer: the MoE block (True) or a dense MLP of ModelConfig.intermediate_size
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    # "softmax_topk": softmax over all experts, then the top k (Qwen, Mixtral, OLMoE);
+    # "topk_softmax": the top k logits, then a softmax over them (gpt-oss)
+    routing: str = "softmax_topk"
+    # "silu": silu(gate) * up; "swiglu_clamped": gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_bias: bool = False
+    expert_bias: bool = False
+    shared_expert_intermediate_size: int = 0  # > 0: a shared expert MLP gated by sigmoid(linear(x)) (Qwen2-MoE)
+    router_name: str = "gate"  # the router's module name in checkpoints ("router" in gpt-oss)
+    # Fused expert tensors in checkpoints: "gate_up_rows" is transformers' in-memory layout (gate_up
+    # [E, 2I, H] gate rows then up rows, down [E, H, I]); "gpt_oss" is [E, H, 2I] with gate and up
+    # interleaved and down [E, I, H]
+    checkpoint_layout: str = "gate_up_rows"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.layers[layer]
+
+
+@dataclass
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -53,6 +83,10 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_per_head: bool = True  # False: one RMSNorm over the whole q (and k) projection (OLMoE)
+    clip_qkv: float | None = None  # clamp q, k, v to [-clip, clip] after the norms (OLMoE)
+    o_proj_bias: bool = False
+    moe: MoEConfig | None = None
     rope: RopeConfig = field(default_factory=RopeConfig)
     # Per-layer native sliding window of the architecture (None = full causal).
     sliding_windows: list[int | None] = field(default_factory=list)
@@ -65,6 +99,21 @@ class ModelConfig:
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def ffn_flops_per_row(self, layer: int) -> tuple[int, int]:
+        """FLOPs of one row through layer ``layer``'s FFN: (the part a sparse FFN skips, the part every
+        row runs). Dense: the MLP and 0; MoE: the router and the k routed experts, and the shared
+        expert with its gate (zero without one)."""
+        h = self.hidden_size
+        if not self.is_moe_layer(layer):
+            return 2 * 3 * h * self.intermediate_size, 0
+        m = self.moe
+        shared = m.shared_expert_intermediate_size
+        return (2 * h * m.num_experts + 2 * 3 * h * m.intermediate_size * m.top_k,
+                2 * 3 * h * shared + 2 * h if shared else 0)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -106,6 +155,14 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
         n_layers = raw["num_hidden_layers"]
         eos = raw.get("eos_token_id")
+        attention_bias, o_proj_bias = _parse_attention_bias(raw, model_type)
+        if model_type == "olmoe" and head_dim * n_heads != raw["hidden_size"]:
+            # OLMoE's q norm is sized hidden_size and applied to the whole q projection
+            raise UnsupportedModelError(
+                f"config.json: head_dim={head_dim} x num_attention_heads={n_heads} must equal hidden_size for olmoe")
+        clip = raw.get("clip_qkv") if model_type == "olmoe" else None
+        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+            raise UnsupportedModelError(f"config.json: clip_qkv={clip!r} must be a positive number or null")
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -118,10 +175,13 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # qwen2 always has q/k/v bias; llama-style configs say so with attention_bias.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_per_head=model_type != "olmoe",
+            clip_qkv=float(clip) if clip is not None else None,
+            moe=_parse_moe(raw, model_type, n_layers),
             rope=_parse_rope(raw, head_dim),
             sliding_windows=_parse_sliding_windows(raw, model_type, n_layers),
             eos_token_ids=_as_int_list(eos) if eos is not None else [],
@@ -182,16 +242,78 @@ def _parse_rope(raw: dict, head_dim: int) -> RopeConfig:
     return rc
 
 
+def _parse_attention_bias(raw: dict, model_type: str) -> tuple[bool, bool]:
+    """(q/k/v projections have a bias, the output projection has one), as transformers builds them."""
+    if model_type == "qwen2":  # always q/k/v bias
+        return True, False
+    if model_type == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True)), False
+    if model_type in ("mistral", "mixtral"):  # no attention bias whatever the config says
+        return False, False
+    bias = bool(raw.get("attention_bias", False))
+    return bias, bias  # llama, qwen3, qwen3_moe, olmoe: every projection
+
+
+def _positive_int(raw: dict, key: str, default=None) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UnsupportedModelError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_moe(raw: dict, model_type: str, n_layers: int) -> MoEConfig | None:
+    """The experts of qwen3_moe / qwen2_moe (``num_experts``, ``moe_intermediate_size``, dense layers
+    by ``decoder_sparse_step`` and ``mlp_only_layers``, qwen2_moe's shared expert), mixtral (every
+    layer, ``num_local_experts`` of ``intermediate_size``, always renormalised) and olmoe (every
+    layer, ``num_experts`` of ``intermediate_size``)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    expert_key = "num_experts" if "num_experts" in raw else "num_local_experts"
+    n_experts = raw.get(expert_key)
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        if not isinstance(n_experts, int) or n_experts < 0:
+            raise UnsupportedModelError(f"config.json: {expert_key} must be a non-negative integer, got {n_experts!r}")
+        step = _positive_int(raw, "decoder_sparse_step", 1)
+        dense = raw.get("mlp_only_layers") or []
+        if not all(isinstance(i, int) and 0 <= i < n_layers for i in dense):
+            raise UnsupportedModelError(f"config.json: mlp_only_layers={dense!r} must hold layer indices < {n_layers}")
+        layers = [n_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
+        if not any(layers):
+            return None  # every layer dense: a plain decoder
+        size = _positive_int(raw, "moe_intermediate_size")
+    else:  # mixtral, olmoe: every layer, experts of intermediate_size
+        n_experts = _positive_int(raw, expert_key)
+        layers = [True] * n_layers
+        size = raw["intermediate_size"]
+    top_k = _positive_int(raw, "num_experts_per_tok")
+    if top_k > n_experts:
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok={top_k} exceeds {expert_key}={n_experts}")
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = _positive_int(raw, "shared_expert_intermediate_size")
+    norm = True if model_type == "mixtral" else raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise UnsupportedModelError(f"config.json: norm_topk_prob must be true or false, got {norm!r}")
+    return MoEConfig(num_experts=n_experts, top_k=top_k, intermediate_size=size, layers=layers,
+                     norm_topk_prob=norm, shared_expert_intermediate_size=shared)
+
+
 def _parse_sliding_windows(raw: dict, model_type: str, n_layers: int) -> list[int | None]:
     window = raw.get("sliding_window")
-    if model_type in ("llama",) or not window:
+    if model_type in ("llama", "olmoe") or not window:
         return [None] * n_layers
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return [int(window)] * n_layers
-    # qwen2 / qwen3: sliding only when enabled, on the layers `layer_types` marks.
+    # qwen2 / qwen3 / qwen2_moe / qwen3_moe: sliding only when enabled
     if not raw.get("use_sliding_window", False):
         return [None] * n_layers
+    if model_type == "qwen3_moe":  # every layer (transformers reads no layer_types for it)
+        return [int(window)] * n_layers
     types = raw.get("layer_types")
+    if types is None and model_type == "qwen2_moe":  # transformers' default: every other layer below max_window_layers
+        max_window_layers = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if (i + 1) % 2 and i < max_window_layers else "full_attention"
+                 for i in range(n_layers)]
     if types is None:
         max_window_layers = raw.get("max_window_layers", n_layers)
         types = ["sliding_attention" if i >= max_window_layers else "full_attention" for i in range(n_layers)]

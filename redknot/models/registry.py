@@ -15,6 +15,11 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "mistral": (LlamaForCausalLM, LlamaAdapter),
     "qwen2": (LlamaForCausalLM, LlamaAdapter),
     "qwen3": (LlamaForCausalLM, LlamaAdapter),
+    # mixture-of-experts: the same decoder with a sparse MoE block as the FFN (models/moe.py)
+    "qwen3_moe": (LlamaForCausalLM, LlamaAdapter),
+    "qwen2_moe": (LlamaForCausalLM, LlamaAdapter),
+    "mixtral": (LlamaForCausalLM, LlamaAdapter),
+    "olmoe": (LlamaForCausalLM, LlamaAdapter),
 }
 
 

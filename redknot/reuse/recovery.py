@@ -157,14 +157,11 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
             h = h + attn_out
         with record_function("recover.select"):
             rows = policy.ffn_rows(l, cur, info)
-        if rows is None:
-            with record_function("recover.ffn"):
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-            n_ffn = t
-        else:  # sparse FFN: only these rows; the others keep their residual
-            with record_function("recover.sparse_ffn"):
-                h = h.index_add(0, rows, layer.mlp(layer.post_attention_layernorm(h[rows])))
-            n_ffn = rows.numel()
+        # sparse FFN (rows not None): only these rows; the others keep their residual (on MoE, plus
+        # the shared expert)
+        with record_function("recover.ffn" if rows is None else "recover.sparse_ffn"):
+            h = layer.add_ffn(h, rows)
+        n_ffn = t if rows is None else rows.numel()
         with record_function("recover.bookkeeping"):
             flops.add_layer(cfg, t, pairs, n_ffn)
             out_k.append(keys)
