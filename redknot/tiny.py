@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "gpt_oss")
 
 # Mixture-of-experts families: 8 experts of width 32, top-2 (the dense MLP of qwen3_moe/qwen2_moe
 # layers that mlp_only_layers or decoder_sparse_step make dense is intermediate_size wide).
@@ -17,6 +17,10 @@ MOE_OVERRIDES = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, clip_qkv=None),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                       shared_expert_intermediate_size=48),
+    # gpt-oss: its layers alternate an 8-token sliding window and full attention (transformers'
+    # default layer_types); a SwiGLU limit of 1 makes the clamps bite on tiny activations
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+                    swiglu_limit=1.0),
 }
 
 ROPE_VARIANTS = {
@@ -25,6 +29,9 @@ ROPE_VARIANTS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    # gpt-oss's own (YaRN factor 32, untruncated ramp, theta 150000) over a 32-token original context
+    "gpt_oss": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 32, "rope_theta": 150000.0},
 }
 
 def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "default",
@@ -43,7 +50,10 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                   "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                   "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
-                  "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[family]
+                  "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+                  "gpt_oss": transformers.GptOssConfig}[family]
+    if family == "gpt_oss" and rope == "default":
+        rope = "gpt_oss"
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=num_attention_heads * head_dim, intermediate_size=96,
@@ -68,6 +78,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                 # a router initialised at std 0.08 routes near-uniformly; a wider one makes the choice of
                 # experts (and its ties) decisive, as in a trained model
                 p.normal_(0, 0.5)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share of the softmax
+                p.normal_(1.0, 1.5)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(path)
     return path

@@ -20,6 +20,8 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "qwen2_moe": (LlamaForCausalLM, LlamaAdapter),
     "mixtral": (LlamaForCausalLM, LlamaAdapter),
     "olmoe": (LlamaForCausalLM, LlamaAdapter),
+    # gpt-oss: the same decoder with attention sinks, biased projections and its own MoE options
+    "gpt_oss": (LlamaForCausalLM, LlamaAdapter),
 }
 
 
