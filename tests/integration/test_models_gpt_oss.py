@@ -287,6 +287,38 @@ def test_mxfp4_checkpoint_loads_its_dequantised_experts(ckpt, tmp_path):
         LLM(model=dirs["packed"], device="cpu")
 
 
+# ---- benchmarks (CPU smoke; the real runs are on a GPU) ---------------------------------------------
+def test_bench_baseline_is_transformers_gpt_oss_of_the_same_shape():
+    from redknot.bench.common import ARCHS, hf_model
+
+    arch = ARCHS["gpt-oss-20b"]
+    cfg = ModelConfig.from_dict(arch)
+    assert cfg.sliding_windows == [128, None] * 12 and cfg.moe.num_experts == 32 and cfg.moe.top_k == 4
+    assert cfg.rope == ModelConfig.from_dict(GPT_OSS_20B).rope
+    hf = hf_model(ARCHS["tiny-gpt-oss"], torch.device("cpu"), torch.float32)
+    assert type(hf).__name__ == "GptOssForCausalLM" and hf.config.layer_types == ["sliding_attention", "full_attention"]
+    assert hf.config.sliding_window == 8 and hf.config._attn_implementation == "eager"
+    ours, _ = rope_frequencies(ModelConfig.from_dict(ARCHS["tiny-gpt-oss"]))
+    torch.testing.assert_close(hf.model.rotary_emb.inv_freq, ours, rtol=1e-6, atol=0)
+
+
+def test_bench_decode_and_ttft_run_gpt_oss(tmp_path):
+    from redknot.cli import main
+
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--arch", "tiny-gpt-oss", "--cases", "2x100", "--methods", "dense,hf", "--tokens",
+                 "3", "--device", "cpu", "--no-cuda-graphs", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["hf"]["tok_s"] > 0 and rows["dense"]["tok_s"] > 0
+    assert rows["dense"]["weight_read_bytes"] < json.loads(out.read_text())["weight_bytes"]  # 2 of 8 experts a token
+    out = tmp_path / "ttft.json"
+    assert main(["bench", "ttft", "--archs", "tiny-gpt-oss", "--layouts", "4x64", "--repeats", "1", "--device", "cpu",
+                 "--head-configs", "g50-w16", "--methods", "hf_dense,dense,redknot", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+    assert not [r for r in rows.values() if "error" in r]
+    assert rows["hf_dense"]["speedup_vs_dense"] > 0 and rows["redknot"]["flop_reduction"] > 1
+
+
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="the Triton kernels and CUDA graphs need a GPU")
 def test_cuda_graph_decode_equals_eager_and_transformers(ckpt, reference):
     """Sinks in the compiled prefill and split-KV decode kernels, the fused experts, CUDA-graph decode:
