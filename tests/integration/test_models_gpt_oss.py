@@ -198,6 +198,27 @@ def test_exact_recovery_equals_dense_and_sparse_recovery_equals_its_oracle(reuse
         assert o.metrics["flops"] == oracle.recovered.flops.totals()
 
 
+def test_profiler_on_gpt_oss_finds_its_sliding_layers_local(ckpt, tmp_path):
+    """The head profiler (its softmax with the sinks) on gpt-oss: a sliding layer's heads read
+    nothing beyond their 8-token window, so none of them is chosen global."""
+    import argparse
+
+    import numpy as np
+
+    from redknot.profile import cli as profile_cli
+
+    p = argparse.ArgumentParser()
+    profile_cli.add_arguments(p)
+    out = tmp_path / "heads.json"
+    assert profile_cli.run(p.parse_args(["--model", str(ckpt), "--out", str(out), "--samples", "2", "--ref-window",
+                                         "64", "--max-tokens", "400", "--no-progress", "--target-global", "0.25",
+                                         "--min-global-edge", "none"])) == 0
+    plan = HeadConfig.from_json(out).validate_model(4, 2)
+    edge = np.array(plan.metadata["profiling"]["metrics"]["edge_mass"])
+    assert (edge[[0, 2]] == 0).all() and (edge[[1, 3]] > 0).all()
+    assert plan.class_counts()["global"] == 2 and all(c != "global" for layer in (0, 2) for c in plan.classes[layer])
+
+
 # ---- config ------------------------------------------------------------------------------------------
 def test_gpt_oss_20b_config_parses_as_transformers_reads_it():
     cfg = ModelConfig.from_dict(GPT_OSS_20B)
