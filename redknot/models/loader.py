@@ -139,7 +139,7 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
                     packed.setdefault(base, {})[part] = tensor
                     if len(packed[base]) < 2:
                         continue
-                    halves = packed.pop(base)
+                    halves = {k: v.to(device) for k, v in packed.pop(base).items()}  # dequantised where it runs
                     name, tensor = base, mxfp4.dequantize(halves[mxfp4.BLOCKS], halves[mxfp4.SCALES], dtype)
                 name, index, tensor = expert_target(name, tensor, cfg.moe) or (name, (slice(None),), tensor)
                 if name not in params:
