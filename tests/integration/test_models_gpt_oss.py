@@ -219,6 +219,46 @@ def test_profiler_on_gpt_oss_finds_its_sliding_layers_local(ckpt, tmp_path):
     assert plan.class_counts()["global"] == 2 and all(c != "global" for layer in (0, 2) for c in plan.classes[layer])
 
 
+def test_selected_sets_score_with_each_query_heads_sink(tiny_checkpoint, monkeypatch):
+    """Retrieval heads and an H2O decode budget on gpt-oss: the masses that choose the sets put the
+    sink of each row's own query head in its softmax (every row of a layer's selected KV head h,
+    query head h * g + i, carries that head's sink), and generation runs to the end."""
+    from redknot.cache import selection as sel_ops
+    from redknot.engine.selective import HeadSelection, SelectionOptions
+
+    path = tiny_checkpoint("gpt_oss", num_hidden_layers=4, num_key_value_heads=4, num_attention_heads=8, head_dim=8)
+    hc = HeadConfig([["global", "retrieval", "local", "retrieval"], ["retrieval", "global", "local", "global"],
+                     ["dense", "local", "retrieval", "local"], ["global", "retrieval", "global", "local"]],
+                    [[-1, 6, 23, 4], [9, -1, 40, -1], [-1, 17, 5, 1], [-1, 5, -1, 6]],
+                    [[0, 2, 0, 1], [2, 0, 1, 0], [0, 3, 0, 0], [0, 2, 0, 1]], retrieval_top_p=0.6)
+    llm = LLM(model=path, device="cpu", method="headsparse", head_config=hc, page_size=16,
+              selection=SelectionOptions(retrieval_heads=True, decode_kv_budget={"global": 24}, decode_kv_window=8))
+    sinks = torch.stack([layer.self_attn.sinks.detach() for layer in llm.model.model.layers])  # [L, Hq]
+    g = 2
+    calls, checked = [], []
+    real_mass, real_layer = sel_ops.attention_mass, HeadSelection.layer_mass
+
+    def mass(q, k, q_pos, scale, visible=None, sink_logits=None):
+        calls.append(sink_logits)
+        return real_mass(q, k, q_pos, scale, visible, sink_logits)
+
+    def layer_mass(self, d, layer, table, q, n, visible=None):
+        out = real_layer(self, d, layer, table, q, n, visible)
+        heads, m = out[0], q.shape[0]
+        want = torch.stack([sinks[layer, h * g:(h + 1) * g].repeat_interleave(m) for h in heads])
+        torch.testing.assert_close(calls[-1], want)
+        checked.append(layer)
+        return out
+
+    monkeypatch.setattr(sel_ops, "attention_mass", mass)
+    monkeypatch.setattr(HeadSelection, "layer_mass", layer_mass)
+    out = llm.generate([PROMPT + ". " + DOCS[0], PROMPT], greedy(16))  # budget checks every 16 positions
+    assert [len(o.outputs[0].token_ids) for o in out] == [16, 16]
+    assert checked and all(c is not None for c in calls) and len(calls) > len(checked)  # decode checks too
+    llm.engine.clear_caches()
+    assert llm.pool.num_free_pages == llm.pool.num_pages
+
+
 # ---- config ------------------------------------------------------------------------------------------
 def test_gpt_oss_20b_config_parses_as_transformers_reads_it():
     cfg = ModelConfig.from_dict(GPT_OSS_20B)

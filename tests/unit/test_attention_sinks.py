@@ -108,3 +108,18 @@ def test_profiler_attention_with_sinks():
     assert acc.queries == queries
     torch.testing.assert_close(acc.covered[:, -1], torch.full((hkv * g,), float(queries), dtype=torch.float64))
     assert (acc.covered[:, 0] < queries).all() and (acc.edge > 0).all()
+
+
+def test_selection_attention_mass_with_sinks_equals_float64():
+    """The retrieval / H2O scorers' mass: each row's own sink logit in its denominator."""
+    from redknot.cache.selection import attention_mass, attention_mass_ref
+
+    gen = torch.Generator().manual_seed(7)
+    r, m, n, d = 3, 4, 20, 8
+    q, k = torch.randn(r, m, d, generator=gen), torch.randn(r, n, d, generator=gen)
+    q_pos = torch.tensor([5, 9, 19, 19])
+    visible = torch.rand(r, m, n, generator=gen) > 0.3
+    sinks = torch.randn(r, m, generator=gen) * 2
+    got = attention_mass(q, k, q_pos, 0.4, visible, sinks)
+    torch.testing.assert_close(got.double(), attention_mass_ref(q, k, q_pos, 0.4, visible, sinks), atol=1e-5, rtol=1e-5)
+    assert (got.sum(-1) < attention_mass(q, k, q_pos, 0.4, visible).sum(-1)).all()  # the sinks take their share
