@@ -364,7 +364,7 @@ class HeadSelection:
                        for _, rows, _ in items])  # [C*R, g, D]
         # positions are in ``vis``; keys are compact, so the causal bound inside is always met
         sinks = None if self.sink_logits is None else self.sink_logits.view(L, H, g)[ls_t, hs_t].repeat(C, 1)
-        mass = sel_ops.attention_mass(q, keys, torch.full((g,), keys.shape[1], device=dev), cfg.head_dim ** -0.5,
+        mass = sel_ops.attention_mass(q, keys, torch.full((g,), keys.shape[1], device=dev), cfg.attention_scale,
                                       vis[:, None, :].expand(-1, g, -1), sinks)
         # each request's page mass so far (set when it selected at the end of its prompt)
         accs = [_grown(s.page_mass, P) for s, _, _ in items]
@@ -424,7 +424,7 @@ class HeadSelection:
         sinks = None  # each row's sink logit: rows are (head, query head of its group, query)
         if self.sink_logits is not None:
             sinks = self.sink_logits[layer].view(H, g)[hs].repeat_interleave(m, dim=1)
-        return heads, hs, tbl, sel_ops.attention_mass(qq, keys, q_pos, cfg.head_dim ** -0.5, vis, sinks)
+        return heads, hs, tbl, sel_ops.attention_mass(qq, keys, q_pos, cfg.attention_scale, vis, sinks)
 
     def budget_sets(self, d: _Derived, layer: int, heads, hs, tbl, acc: torch.Tensor, n: int, sets: dict) -> None:
         """Budgeted heads' sets: the pages their accumulated mass ranks highest, within the budget."""
