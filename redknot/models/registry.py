@@ -22,6 +22,8 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "mixtral": (LlamaForCausalLM, LlamaAdapter),
     "olmoe": (LlamaForCausalLM, LlamaAdapter),
     "gemma3_text": (Gemma3ForCausalLM, Gemma3Adapter),
+    # gpt-oss: the same decoder with attention sinks, biased projections and its own MoE options
+    "gpt_oss": (LlamaForCausalLM, LlamaAdapter),
 }
 
 
