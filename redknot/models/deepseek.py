@@ -178,18 +178,21 @@ class MLAAdapter(ModelAdapter):
         k, v = attn.expanded_kv(rows)
         return torch.cat([q_nope, q_rope], dim=-1), k, v
 
-    def layer_finish(self, layer, hidden, attn_out):
-        block = self._body.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        return block.add_ffn(hidden)
+    def layer_attention(self, layer, hidden, attn_out):
+        """attn_out [T, H, v_head_dim]: every head's output (the expanded values' weighted sum)."""
+        return hidden + self._body.layers[layer].self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+
+    def layer_ffn(self, layer, hidden, rows=None):
+        return self._body.layers[layer].add_ffn(hidden, rows)
 
     # ---- BUILDSTATE: one [k_rope | latent] row per token and layer, as the pool's K and V halves
     def state_layout(self):
         c = self.config
         return StateLayout("kv_pages", c.num_hidden_layers, 1, c.mla.latent_dim // 2)
 
-    def relocate(self, k, delta):
-        """K halves [N, 1, w] computed at p, as at p + delta: only their RoPE part turns."""
+    def relocate(self, k, delta, layer=None):
+        """K halves [N, 1, w] computed at p, as at p + delta: only their RoPE part turns (every
+        layer alike)."""
         return self._body.rotary_emb.relocate(k, delta)
 
     # ---- SELECTVISIBLESTATE: (window, sink) per query head
