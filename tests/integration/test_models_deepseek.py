@@ -309,3 +309,23 @@ def test_cuda_graph_decode_equals_eager_and_transformers(tiny_checkpoint, plan):
         gen = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
     assert cos(llm.first_token_logits(LONG).cpu(), ref) >= 0.99999
     assert llm.generate(LONG, greedy(16))[0].outputs[0].token_ids == gen
+
+
+def test_decode_bench_bound_reads_the_latent_rows(tmp_path, capsys):
+    """`redknot bench decode --arch tiny-deepseek` on a CPU: the KV bytes of the bound are one
+    [k_rope | latent] row per token and layer, and a plan of local query heads reads fewer."""
+    import argparse
+
+    from redknot.bench import decode as bd
+
+    p = argparse.ArgumentParser()
+    bd.add_arguments(p)
+    result = bd.run(p.parse_args(["--arch", "tiny-deepseek", "--cases", "2x200", "--methods", "dense,headsparse,hf",
+                                  "--tokens", "3", "--head-config", "g0-w64", "--device", "cpu",
+                                  "--no-cuda-graphs", "--out", str(tmp_path / "decode.json")]))
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["hf"]["tok_s"] > 0 and rows["dense"]["tok_s"] > 0 and rows["headsparse"]["tok_s"] > 0
+    assert rows["dense"]["kv_read_bytes"] == 2 * 200 * 3 * (16 + 32) * 4  # B x context x layers x row x fp32
+    # every query head local (window 64, sink 4): a layer reads its sink and window rows once
+    assert rows["headsparse"]["kv_read_bytes"] == 2 * (4 + 64) * 3 * (16 + 32) * 4
+    assert "latent attention" in capsys.readouterr().out
