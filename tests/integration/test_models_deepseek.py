@@ -329,3 +329,8 @@ def test_decode_bench_bound_reads_the_latent_rows(tmp_path, capsys):
     # every query head local (window 64, sink 4): a layer reads its sink and window rows once
     assert rows["headsparse"]["kv_read_bytes"] == 2 * (4 + 64) * 3 * (16 + 32) * 4
     assert "latent attention" in capsys.readouterr().out
+
+
+def test_decode_kv_budgets_are_refused_with_a_reason(tiny_checkpoint):
+    with pytest.raises(ValueError, match="selected sets .* are kept per KV head; deepseek_v3 stores 1"):
+        LLM(model=tiny_checkpoint("deepseek_v3"), device="cpu", decode_kv_budget=0.5)
