@@ -65,8 +65,36 @@ class PagedLatentAttention:
         if self.decode_kernel is not None and ctx.max_q_len == 1:
             return self.decode_kernel(q, pool.k_pages, pool.v_pages, bt, ctx.seq_lens_t, ctx.window[layer],
                                       ctx.sink[layer], self.scale, self.rope_dim)
+        if self.decode_kernel is not None and 1 in ctx.q_lens:
+            return self._extend_with_decodes(layer, q, ctx)
         return mla_attention_ref(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
                                  ctx.window[layer], ctx.sink[layer], self.scale, self.rope_dim)
+
+    def _extend_with_decodes(self, layer, q, ctx):
+        """A prefill chunk batched with decoding sequences: the one-token rows through the decode
+        kernel, the others through the reference (which would gather every decoding sequence's
+        whole context per layer)."""
+        pool, bt = self.pool, ctx.block_tables[layer]
+        starts = [0]
+        for n in ctx.q_lens:
+            starts.append(starts[-1] + n)
+        one = [b for b, n in enumerate(ctx.q_lens) if n == 1]
+        rest = [b for b, n in enumerate(ctx.q_lens) if n != 1]
+        dev = q.device
+        out = q.new_empty(q.shape[0], q.shape[1], 2 * pool.head_dim - self.rope_dim)
+        rows_one = torch.tensor([starts[b] for b in one], device=dev)
+        seqs = torch.tensor(one, device=dev)
+        out[rows_one] = self.decode_kernel(q[rows_one], pool.k_pages, pool.v_pages, bt[seqs],
+                                           ctx.seq_lens_t[seqs], ctx.window[layer], ctx.sink[layer], self.scale,
+                                           self.rope_dim)
+        if rest:
+            rows_rest = torch.cat([torch.arange(starts[b], starts[b + 1], device=dev) for b in rest])
+            seqs = torch.tensor(rest, device=dev)
+            cu = torch.tensor([0] + [ctx.q_lens[b] for b in rest], device=dev).cumsum(0).to(torch.int32)
+            out[rows_rest] = mla_attention_ref(q[rows_rest], pool.k_pages, pool.v_pages, bt[seqs], cu,
+                                               ctx.seq_lens_t[seqs], ctx.window[layer], ctx.sink[layer], self.scale,
+                                               self.rope_dim)
+        return out
 
     def _decode_gathered(self, layer, q, k, v, ctx):
         """CPU decode: the torch backend's per-batch layout (store rows, pages, per-head masks)."""
