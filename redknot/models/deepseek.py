@@ -7,10 +7,11 @@ they are. The decoder layer, backbone and FFN are the Llama family's (``llama.py
 only the attention differs.
 
 MLA caches per token and layer one row ``[k_rope | c]``: the RoPE key part every head shares and
-the normed latent ``c`` of ``kv_lora_rank``. Every forward runs absorbed: a head's query becomes
+the normed latent ``c`` of ``kv_lora_rank``. Decode (and the CPU) runs absorbed: a head's query becomes
 ``[q_rope | q_nope @ W_UK]`` (W_UK: its key rows of ``kv_b_proj``), its scores are that query
 times the cached rows, and its output the weighted latents times W_UV (its value rows), so keys
-and values are never expanded per head (``models/latent_attention.py`` runs it over the pool).
+and values are never expanded per head (``models/latent_attention.py`` runs it over the pool; on a
+GPU a prefill chunk expands its sequences' rows instead, where that costs fewer FLOPs).
 RoPE dims that come interleaved (V2 always, V3 with ``rope_interleave``) are put in the
 half-rotation layout first: queries and keys are permuted alike, so every score is unchanged.
 
@@ -115,8 +116,8 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
         q_nope, q_rope, cached = self.project(x, positions)
-        latent = self.backend.attention(self.layer_idx, self.absorbed_query(q_nope, q_rope), cached, batch, rows)
-        return self.o_proj(self.value_out(latent).reshape(x.shape[0], -1))
+        o = self.backend.attention(self, q_nope, q_rope, cached, batch, rows)
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class DeepseekDecoderLayer(DecoderLayer):

@@ -338,14 +338,18 @@ def test_decode_kv_budgets_are_refused_with_a_reason(tiny_checkpoint):
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the Triton kernels under the interpreter (a GPU runs them in the CUDA test)")
 def test_triton_path_equals_torch_with_prefill_chunks_beside_decodes(tiny_checkpoint):
-    """kernel="triton": rows stored by the Triton store, decodes through the Triton latent decode,
-    also when a prefill chunk shares the step (16-token budget); the tokens of the torch path."""
+    """kernel="triton" (the GPU's path): rows stored by the Triton store, decodes through the Triton
+    latent decode, also when a prefill chunk shares the step (16-token budget), prefill chunks and
+    a recovery's rows expanded per head through the SegPaged kernel; the torch path's tokens and
+    logits."""
     pytest.importorskip("triton")
     path = tiny_checkpoint("deepseek_v3")
     prompts = [PROMPT[:20], PROMPT]
-    outs = []
+    outs, logits = [], []
     for kernel in ("torch", "triton"):
         llm = LLM(model=path, device="cpu", page_size=16, head_config=HEAD_PLAN, kernel=kernel,
                   max_num_batched_tokens=16, enable_prefix_caching=False)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy(6), method="headsparse")])
+        logits.append(llm.first_token_logits(PROMPT, documents=DOCS, method="redknot"))
     assert outs[0] == outs[1]
+    assert rel(logits[1], logits[0]) <= 1e-5
