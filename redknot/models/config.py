@@ -148,16 +148,16 @@ class ModelConfig:
 
     def attention_flops(self) -> tuple[int, int]:
         """FLOPs of attention: (per row through the projections, per visible (query, key) pair and
-        query head). MLA counts its absorbed form: a query's nope part through the keys' up-projection
-        once, then scores and outputs over the cached latent, the output through the values' one."""
+        query head). MLA as transformers computes it (and a GPU prefill does): each row's latent
+        expanded once to every head's key and value, then (dn + dr) + dv multiply-adds a pair."""
         h, hq = self.hidden_size, self.num_attention_heads
         if self.mla is None:
             d = self.head_dim
             return 2 * h * d * (2 * hq + 2 * self.num_key_value_heads), 4 * d
         m = self.mla
         q = h * hq * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank * (h + hq * m.qk_head_dim)
-        absorbed = hq * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
-        return 2 * (q + h * m.latent_dim + absorbed + hq * m.v_head_dim * h), 2 * (m.latent_dim + m.kv_lora_rank)
+        expand = hq * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
+        return 2 * (q + h * m.latent_dim + expand + hq * m.v_head_dim * h), 2 * (m.qk_head_dim + m.v_head_dim)
 
     def ffn_flops_per_row(self, layer: int) -> tuple[int, int]:
         """FLOPs of one row through layer ``layer``'s FFN: (the part a sparse FFN skips, the part every
