@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 
@@ -136,6 +137,13 @@ def run(args: argparse.Namespace) -> int:
     from .http import uvicorn_config
 
     api_keys = api_keys_of(args)
+    log = logging.getLogger("redknot")  # the server's own messages (PD handoffs, tiers) beside uvicorn's
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(args.log_level.upper())
+        log.propagate = False
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
                           max_document_bytes=args.max_document_bytes, max_stop_strings=args.max_stop_strings,
                           max_stop_string_chars=args.max_stop_string_chars, tokenizer_workers=args.tokenizer_workers)

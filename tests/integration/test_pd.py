@@ -105,7 +105,9 @@ def pd(tmp_path_factory):
     prefill = Server(tmp, "prefill", "--role", "prefill", "--pd-lease-s", "4")
     decode = Server(tmp, "decode", "--role", "decode", "--pd-pull-timeout-s", "20")
     failing = Server(tmp, "decode-fail", "--role", "decode", "--pd-on-failure", "fail")
-    servers = [prefill, decode, failing]
+    # a prefill instance that pauses between a handoff's header and its pages: killed there
+    doomed = Server(tmp, "doomed", "--role", "prefill", env={"REDKNOT_PD_FAULT_PAUSE_S": "30"})
+    servers = [prefill, decode, failing, doomed]
     router = None
     try:
         for s in servers:
@@ -126,7 +128,7 @@ def pd(tmp_path_factory):
                     if time.monotonic() > deadline or router.poll() is not None:
                         raise RuntimeError((tmp / "router.log").read_text()[-3000:])
                     time.sleep(0.3)
-        yield type("PD", (), {"prefill": prefill, "decode": decode, "failing": failing, "router": url, "tmp": tmp})
+        yield type("PD", (), {"prefill": prefill, "decode": decode, "failing": failing, "doomed": doomed, "router": url, "tmp": tmp})
     finally:
         if router is not None:
             router.terminate()
@@ -184,8 +186,8 @@ def test_chat_stream_through_router(pd):
     assert out["choices"][0]["message"]["content"] == colocated["choices"][0]["message"]["content"]
 
 
-def test_prefill_killed_mid_transfer_recomputes(pd, tmp_path):
-    prefill = Server(tmp_path, "doomed", "--role", "prefill", env={"REDKNOT_PD_FAULT_PAUSE_S": "30"}).wait()
+def test_prefill_killed_mid_transfer_recomputes(pd):
+    prefill = pd.doomed
     b = body("headsparse")
     try:
         status, first = post(prefill.base + "/v1/completions", {**b, "max_tokens": 1,
