@@ -13,7 +13,6 @@ cuda_ipc   two processes on one GPU: the header carries CUDA IPC handles of the 
            prefill's memory, then says "done" (``redknot/pd/cuda_ipc.py``)
 nccl       torch.distributed point-to-point (NCCL on GPUs, gloo on CPUs) between a prefill and a
            decode process of one process group (``redknot/pd/nccl.py``)
-nixl       NIXL, where the ``nixl`` package imports (``redknot/pd/nixl_path.py``)
 
 Whatever the path, the decode side checks the header against its own model, plan, layout and
 prompt (``Expect.check``) and the payload against the header's checksum before anything reaches its

@@ -106,7 +106,7 @@ def positions_to_ranges(sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     new = np.ones(pos.size, bool)
     new[1:] = (r[1:] != r[:-1]) | (pos[1:] != pos[:-1] + 1)
     idx = np.nonzero(new)[0]
-    ends = np.append(idx[1:], pos.size) - 1
+    ends = np.append(idx[1:], pos.size)[:idx.size].astype(np.int64) - 1
     counts = np.bincount(r[idx], minlength=flat.shape[0]).astype(np.uint32)
     bounds = np.stack([pos[idx], pos[ends] + 1], 1).reshape(-1).astype(np.int64)
     return counts, bounds

@@ -33,7 +33,7 @@ from ..pd.transfer import KVClient, KVServer, TcpPath, TransferFailed
 log = logging.getLogger("redknot.serve.pd")
 
 ROLES = ("both", "prefill", "decode")
-TRANSPORTS = ("tcp", "cuda_ipc", "nccl", "nixl")
+TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
 POLICIES = ("recompute", "fail")
 
 
@@ -88,10 +88,6 @@ def data_paths(opts: PDOptions, device) -> dict:
             raise ValueError("--pd-transport nccl needs --pd-nccl-init (e.g. tcp://10.0.0.1:29600) and "
                              "--pd-nccl-rank (0 on the prefill instance, 1 on the decode instance)")
         paths["nccl"] = NcclPath(opts.nccl_init, opts.nccl_rank, device, opts.pull_timeout_s)
-    elif opts.transport == "nixl":
-        from ..pd.nixl_path import NixlPath
-
-        paths["nixl"] = NixlPath(device)
     return paths
 
 
