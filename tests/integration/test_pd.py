@@ -104,10 +104,15 @@ def pd(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     prefill = Server(tmp, "prefill", "--role", "prefill", "--pd-lease-s", "4")
     decode = Server(tmp, "decode", "--role", "decode", "--pd-pull-timeout-s", "20")
-    failing = Server(tmp, "decode-fail", "--role", "decode", "--pd-on-failure", "fail")
-    # a prefill instance that pauses between a handoff's header and its pages: killed there
-    doomed = Server(tmp, "doomed", "--role", "prefill", env={"REDKNOT_PD_FAULT_PAUSE_S": "30"})
-    servers = [prefill, decode, failing, doomed]
+    # a prefill/decode pair over torch.distributed point-to-point (gloo on CPUs); the decode answers
+    # 503 when a pull fails
+    init = f"tcp://127.0.0.1:{free_port()}"
+    # (its TCP path pauses between a handoff's header and its pages: the kill test kills it there, last)
+    prefill_nccl = Server(tmp, "prefill-nccl", "--role", "prefill", "--pd-transport", "nccl", "--pd-nccl-init", init,
+                          "--pd-nccl-rank", "0", env={"REDKNOT_PD_FAULT_PAUSE_S": "30"})
+    failing = Server(tmp, "decode-nccl", "--role", "decode", "--pd-on-failure", "fail", "--pd-transport", "nccl",
+                     "--pd-nccl-init", init, "--pd-nccl-rank", "1")
+    servers = [prefill, decode, failing, prefill_nccl]
     router = None
     try:
         for s in servers:
@@ -128,7 +133,8 @@ def pd(tmp_path_factory):
                     if time.monotonic() > deadline or router.poll() is not None:
                         raise RuntimeError((tmp / "router.log").read_text()[-3000:])
                     time.sleep(0.3)
-        yield type("PD", (), {"prefill": prefill, "decode": decode, "failing": failing, "doomed": doomed, "router": url, "tmp": tmp})
+        yield type("PD", (), {"prefill": prefill, "decode": decode, "failing": failing,
+                                "prefill_nccl": prefill_nccl, "router": url, "tmp": tmp})
     finally:
         if router is not None:
             router.terminate()
@@ -186,35 +192,6 @@ def test_chat_stream_through_router(pd):
     assert out["choices"][0]["message"]["content"] == colocated["choices"][0]["message"]["content"]
 
 
-def test_prefill_killed_mid_transfer_recomputes(pd):
-    prefill = pd.doomed
-    b = body("headsparse")
-    try:
-        status, first = post(prefill.base + "/v1/completions", {**b, "max_tokens": 1,
-                                                                 "kv_transfer_params": {"do_remote_decode": True}})
-        assert status == 200 and first["kv_transfer_params"]["do_remote_prefill"] is True
-        result = {}
-        t = threading.Thread(target=lambda: result.update(
-            out=post(pd.decode.base + "/v1/completions", {**b, "kv_transfer_params": first["kv_transfer_params"]})))
-        before = metrics(pd.decode.base).get("pd_recomputed_total", 0)
-        t.start()
-        deadline = time.monotonic() + 60
-        while "pd: sending lease" not in prefill.log.read_text():  # its header is out: the transfer has begun
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        os.kill(prefill.proc.pid, signal.SIGKILL)
-        t.join(timeout=60)
-    finally:
-        prefill.stop()
-    status, out = result["out"]
-    assert status == 200, out
-    assert "kv_transfer" not in out["usage"]  # computed here
-    _, colocated = post(pd.decode.base + "/v1/completions", b)
-    assert out["choices"][0]["text"] == colocated["choices"][0]["text"]
-    assert metrics(pd.decode.base)["pd_recomputed_total"] == before + 1
-    assert idle(pd.decode.base)
-
-
 def test_expired_lease_frees_pages_and_recomputes_or_fails(pd):
     b = body("dense", n=4)
     status, first = post(pd.prefill.base + "/v1/completions", {**b, "max_tokens": 1,
@@ -251,3 +228,46 @@ def test_legs_go_to_the_right_role(pd):
     params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 1, "remote_request_id": "x"}
     status, err = post(pd.prefill.base + "/v1/completions", {**b, "kv_transfer_params": params})
     assert status == 400 and err["error"]["param"] == "kv_transfer_params"
+
+
+def test_nccl_transport_with_gloo(pd):
+    b = body("headsparse")
+    status, first = post(pd.prefill_nccl.base + "/v1/completions", {**b, "max_tokens": 1,
+                                                                     "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200 and first["kv_transfer_params"]["transport"] == "nccl"
+    status, out = post(pd.failing.base + "/v1/completions", {**b, "kv_transfer_params": first["kv_transfer_params"]})
+    assert status == 200, out
+    assert out["usage"]["kv_transfer"]["transport"] == "nccl" and out["usage"]["kv_transfer"]["bytes"] > 0
+    _, colocated = post(pd.failing.base + "/v1/completions", b)
+    assert out["choices"][0]["text"] == colocated["choices"][0]["text"]
+    assert idle(pd.failing.base) and idle(pd.prefill_nccl.base)
+
+
+def test_prefill_killed_mid_transfer_recomputes(pd):
+    prefill = pd.prefill_nccl  # runs last: this kills it
+    b = body("headsparse")
+    try:
+        status, first = post(prefill.base + "/v1/completions", {**b, "max_tokens": 1,
+                                                                 "kv_transfer_params": {"do_remote_decode": True}})
+        assert status == 200 and first["kv_transfer_params"]["do_remote_prefill"] is True
+        params = {**first["kv_transfer_params"], "transport": "tcp"}  # every KV server also serves TCP
+        result = {}
+        t = threading.Thread(target=lambda: result.update(
+            out=post(pd.decode.base + "/v1/completions", {**b, "kv_transfer_params": params})))
+        before = metrics(pd.decode.base).get("pd_recomputed_total", 0)
+        t.start()
+        deadline = time.monotonic() + 60
+        while "pd: sending lease" not in prefill.log.read_text():  # its header is out: the transfer has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.kill(prefill.proc.pid, signal.SIGKILL)
+        t.join(timeout=60)
+    finally:
+        prefill.stop()  # already gone
+    status, out = result["out"]
+    assert status == 200, out
+    assert "kv_transfer" not in out["usage"]  # computed here
+    _, colocated = post(pd.decode.base + "/v1/completions", b)
+    assert out["choices"][0]["text"] == colocated["choices"][0]["text"]
+    assert metrics(pd.decode.base)["pd_recomputed_total"] == before + 1
+    assert idle(pd.decode.base)

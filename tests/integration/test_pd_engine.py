@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from redknot import LLM, SamplingParams
+from redknot import LLM, HeadConfig, SamplingParams
 from redknot.engine import handoff
 from redknot.pd.transfer import KVClient, KVServer, TransferFailed
 
@@ -17,8 +17,9 @@ PROMPT = " ".join(["alpha bravo charlie delta echo foxtrot golf hotel"] * 20)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(kv_pages=8000, page_size=16, decode_kv_budget="global=64", device="cpu")
+def llm(tiny_checkpoint):
+    return LLM(model=tiny_checkpoint("llama"), head_config=HeadConfig.synthetic(2, 2, 0.5, window=32, sink=4),
+               kv_pages=4000, page_size=16, decode_kv_budget="global=64", device="cpu")
 
 
 def export(llm, method, n=1):
