@@ -65,7 +65,7 @@ class Server:
         self.log = tmp / f"{name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "redknot.cli", "serve", "--port", str(self.port), "--page-size", "16",
-             "--kv-pages", "4000", "--max-num-seqs", "8", *flags],
+             "--max-num-seqs", "8", *(() if "--device" in flags else ("--kv-pages", "4000")), *flags],
             stdout=open(self.log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
     def wait(self, timeout: float = 120) -> "Server":
