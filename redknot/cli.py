@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=_config_make)
 
     from .bench import (capacity as bench_capacity, decode as bench_decode, kernel_cli as kernel,
-                        offline as bench_offline, pd as bench_pd, profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, tier_ttft as bench_tier_ttft, tiers as bench_tiers, ttft)
+                        offline as bench_offline, pd as bench_pd, profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, soak as bench_soak, tier_ttft as bench_tier_ttft, tiers as bench_tiers, ttft)
     from .profile import cli as profile_cli
     from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli
@@ -211,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "tiers", bench_tiers),
         (bsub, "tier-ttft", "TTFT of one many-document request by where its documents come from (GPU, CPU, "
                             "disk, Redis) against dense", bench_tier_ttft),
+        (bsub, "soak", "a server under mixed, partly hostile clients for minutes: 5xx, /health, TTFT, pages, memory",
+         bench_soak),
         (bsub, "replicas", "repeated-document requests through a router in front of replicas: reuse hit rate",
          bench_replicas),
         (bsub, "pd", "prefill/decode disaggregation: KV bytes the transfer sends per head plan, and TTFT / decode "

@@ -110,6 +110,8 @@ class Engine:
         spec = get_method(seq.method)
         # a request that starts from another instance's prefill lives under the plan its pages came in
         seq.plan = spec.plan if seq.kv_import is None else seq.kv_import.header.plan
+        if spec.reads_chunks and seq.chunked_prompt is not None:
+            seq.chunked_prompt = seq.chunked_prompt.packed(self.pool.page_size)  # small documents share pages
         seq.reuse = ReuseState(seq.chunked_prompt) if spec.reads_chunks and seq.kv_import is None else None
 
     def prepare(self, seq: Sequence) -> None:

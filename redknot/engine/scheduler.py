@@ -243,9 +243,13 @@ class Scheduler:
 
     def prompt_chunks(self, prefill: list[Sequence], budget: int, tail_rows) -> list[tuple[Sequence, int]]:
         """Prompt chunks of prefilling requests under the token ``budget``. ``tail_rows(seq)``: rows
-        the forward completing its prompt must compute together (a selection's observation window)."""
+        the forward completing its prompt must compute together (a selection's observation window).
+        Prompts whose rest fits an eighth of the budget go first, so a long prompt's chunks never
+        hold a short request back more than a step (head-of-line blocking); the long ones take the
+        rest of the budget in arrival order."""
         chunks = []
-        for s in prefill:
+        short = max(1, self.cfg.max_num_batched_tokens // 8)
+        for s in sorted(prefill, key=lambda s: s.num_pending > short):  # stable: arrival order within each
             if budget <= 0:
                 break
             n = min(s.num_pending, budget)

@@ -59,6 +59,19 @@ class ChunkedPrompt:
     def __len__(self) -> int:
         return self.suffix_start + len(self.suffix)
 
+    def packed(self, min_tokens: int) -> "ChunkedPrompt":
+        """The same tokens with runs of consecutive documents shorter than ``min_tokens`` (a page)
+        joined into one chunk of up to about ``min_tokens``: every chunk takes at least one page per
+        (layer, KV head), so 256 one-word documents would otherwise need 256 pages per head. A
+        joined run is cached and reused as one document (when the same run recurs)."""
+        out: list[tuple[int, ...]] = []
+        for c in self.chunks:
+            if out and len(out[-1]) < min_tokens and len(c) < min_tokens:
+                out[-1] = out[-1] + c
+            else:
+                out.append(c)
+        return self if len(out) == len(self.chunks) else ChunkedPrompt(self.prefix, tuple(out), self.suffix)
+
 
 def is_conversation(prompt) -> bool:
     """A list of chat messages (dicts), as opposed to a string or a list of token ids."""

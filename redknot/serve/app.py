@@ -143,6 +143,7 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
     app = FastAPI(title="redknot", description="OpenAI-compatible redknot server", version=_version())
     pool = ThreadPoolExecutor(max_workers=max(1, limits.tokenizer_workers), thread_name_prefix="redknot-tokenize")
     app.state.engine, app.state.limits, app.state.tokenizer_pool = engine, limits, pool
+    app.state.api_keys = api_keys  # the concurrency limit shares its slots fairly among them
     app.add_middleware(_Guard, api_keys=api_keys, max_body_bytes=limits.max_body_bytes,
                        metrics_keys=(metrics_key,) if metrics_key else api_keys)
     _add_error_handlers(app)

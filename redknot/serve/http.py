@@ -18,11 +18,14 @@ clients, and the uvicorn config both the CLI and ``BackgroundServer`` run.
 JSON 503 and a Retry-After header (uvicorn's own limit answers plain text, which OpenAI clients
 cannot parse); ``/health`` and ``/metrics`` are never refused, so probes see a busy server as up.
 It counts requests whose body has fully arrived, not connections: a client trickling a body holds
-no slot (the read timeout closes it).
+no slot (the read timeout closes it). With several API keys the slots are shared fairly: a key
+may not take the last slot kept for each other key that holds none, so no tenant can hold every
+slot and starve the others.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import resource
 
@@ -121,10 +124,23 @@ class ConcurrencyLimit:
 
     EXEMPT = ("/health", "/metrics")
 
-    def __init__(self, app, limit: int, max_body_bytes: int = 1 << 20):
+    def __init__(self, app, limit: int, max_body_bytes: int = 1 << 20, api_keys=()):
         if limit < 1:
             raise ValueError(f"limit_concurrency must be >= 1, got {limit}")
         self.app, self.limit, self.in_flight, self.max_body = app, limit, 0, max_body_bytes
+        self.keys = tuple(k.encode("utf-8") for k in api_keys if k)
+        self.held = [0] * len(self.keys)  # requests in flight per API key
+
+    def admits(self, tenant: int | None) -> bool:
+        """Whether a request of API key ``tenant`` (None: no key matched) may take a slot now: one
+        is free, and with several keys, a key that already holds some leaves one free slot for
+        each other key holding none."""
+        if self.in_flight >= self.limit:
+            return False
+        if tenant is None or len(self.keys) < 2 or self.held[tenant] == 0:
+            return True
+        kept = sum(1 for i, n in enumerate(self.held) if n == 0 and i != tenant)
+        return self.in_flight + kept < self.limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in self.EXEMPT:
@@ -132,9 +148,11 @@ class ConcurrencyLimit:
         messages = await self._body(receive)
         if messages is None:  # the client left before its body arrived
             return
-        if self.in_flight >= self.limit:
-            body = json.dumps({"error": {"message": f"the server is at its limit of {self.limit} requests in flight "
-                                                    f"(--limit-concurrency); retry later",
+        tenant = self._tenant(scope)
+        if not self.admits(tenant):
+            share = "" if tenant is None or len(self.keys) < 2 else " for this API key (slots are kept for the others)"
+            body = json.dumps({"error": {"message": f"the server is at its limit of {self.limit} requests in flight"
+                                                    f"{share} (--limit-concurrency); retry later",
                                          "type": "server_busy", "param": None, "code": 503}}).encode()
             await send({"type": "http.response.start", "status": 503,
                         "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -142,6 +160,8 @@ class ConcurrencyLimit:
             await send({"type": "http.response.body", "body": body})
             return
         self.in_flight += 1
+        if tenant is not None:
+            self.held[tenant] += 1
 
         async def replay():
             return messages.pop(0) if messages else await receive()
@@ -149,6 +169,22 @@ class ConcurrencyLimit:
             await self.app(scope, replay, send)
         finally:
             self.in_flight -= 1
+            if tenant is not None:
+                self.held[tenant] -= 1
+
+    def _tenant(self, scope) -> int | None:
+        """The index of the API key the request carries (compared with every key, in constant time
+        per key), None without keys or a match (the app then answers 401)."""
+        if not self.keys:
+            return None
+        auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        scheme, _, token = auth.partition(b" ")
+        token = token.strip()
+        found = None
+        for i, key in enumerate(self.keys):
+            if scheme.lower() == b"bearer" and hmac.compare_digest(token, key) and found is None:
+                found = i
+        return found
 
     async def _body(self, receive) -> list | None:
         """The request's body messages, read before it takes a slot (past ``max_body`` bytes the
@@ -197,8 +233,10 @@ def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, *, log_level:
     import uvicorn
 
     if limit_concurrency is not None:
-        limits = getattr(getattr(app, "state", None), "limits", None)  # build_app's: buffer no more than it takes
-        app = ConcurrencyLimit(app, limit_concurrency, getattr(limits, "max_body_bytes", None) or 1 << 20)
+        state = getattr(app, "state", None)
+        limits = getattr(state, "limits", None)  # build_app's: buffer no more than it takes
+        app = ConcurrencyLimit(app, limit_concurrency, getattr(limits, "max_body_bytes", None) or 1 << 20,
+                               api_keys=getattr(state, "api_keys", ()))
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=timeout_keep_alive,
                           http=protocol_class(read_timeout, max_connections, write_timeout),
                           timeout_graceful_shutdown=shutdown_timeout)

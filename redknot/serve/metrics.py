@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from ..engine.host_memory import resident_bytes
 
 # vLLM's bucket edges (seconds)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -157,6 +158,9 @@ class _StatsCollector:
         yield counter("request_errors", "Requests that failed inside the server (5xx).", m.errors())
         yield counter("requests_abandoned_before_prefill", "Requests whose client left while they were queued.",
                       st.get("abandoned_before_prefill", 0))
+        yield counter("host_heap_trims", "Times freed host memory went back to the OS as the engine went idle.",
+                      st.get("heap_trims", 0))
+        yield gauge("host_resident_bytes", "The server process's resident set size.", resident_bytes())
 
 
 _TIER_COUNTERS = (("hits", "Document KV reads a tier served (whole or per head)."),

@@ -230,3 +230,27 @@ def test_a_hot_prompt_prefix_outlives_cold_documents(tiny_checkpoint):
     llm.generate("Q?", params, documents=docs("new"), method="full_reuse")  # needs the old documents' pages
     assert llm.chunk_cache.evictions > evictions
     assert llm.generate(prompt, params, method="dense")[0].metrics["cached_tokens"] == hot
+
+
+def test_small_documents_share_pages_on_a_default_pool():
+    """256 one-character documents need one page per (layer, KV head) each unpacked (12,288 pages on
+    the bundled model, past its default 8,192-page pool); packed into page-sized runs they are served
+    by every document method, and the same documents again are read from the cache."""
+    from redknot.reuse.prompt import ChunkedPrompt
+
+    cp = ChunkedPrompt((1,), ((5,), (6, 7), tuple(range(100, 170)), (8,), (9,)), (2,))
+    packed = cp.packed(64)
+    assert packed.token_ids == cp.token_ids
+    assert packed.chunks == ((5, 6, 7), tuple(range(100, 170)), (8, 9))
+    assert cp.packed(1) is cp  # nothing shorter than a page: unchanged
+
+    llm = LLM(device="cpu")
+    docs = [chr(97 + i % 26) for i in range(256)]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    for method in ("cacheblend", "redknot_kv", "full_reuse"):
+        first = llm.generate(["Which letter comes first?"], params, documents=[docs], method=method)[0]
+        again = llm.generate(["Which letter comes first?"], params, documents=[docs], method=method)[0]
+        assert len(first.outputs[0].token_ids) == 3
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert again.metrics["cached_tokens"] > 0
+    assert not llm.engine.has_unfinished() and llm.engine.idle()

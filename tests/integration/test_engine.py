@@ -395,3 +395,27 @@ def test_a_pool_sized_by_pool_pages_for_runs_the_request(tiny_checkpoint, method
         llm.engine.resize_pool(smaller)
         with pytest.raises(RequestTooLarge):
             llm.generate(ids, greedy(1), method=method)
+
+
+def test_a_long_prompt_holds_a_short_request_back_at_most_a_step(tiny_checkpoint):
+    """Chunked prefill without head-of-line blocking: a 6.7K-token prompt prefilled 1,024 tokens a
+    step does not make a short request that arrives during it wait for all its chunks."""
+    llm = LLM(model=tiny_checkpoint("llama", max_position_embeddings=8192), device="cpu", page_size=16,
+              max_num_batched_tokens=1024, enable_prefix_caching=False, method="dense")
+    engine = llm.engine
+    long_seq = llm.make_sequence([5 + i % 300 for i in range(6700)], greedy(2))
+    engine.add_request(long_seq)
+    engine.step()  # the long prompt's first chunk
+    short = llm.make_sequence("Hello there", greedy(2))
+    engine.add_request(short)
+    steps = 0
+    while not short.output_token_ids:
+        engine.step()
+        steps += 1
+    assert steps <= 2, steps
+    assert not long_seq.output_token_ids  # the long prompt was still prefilling meanwhile
+    while engine.has_unfinished():
+        engine.step()
+    alone = LLM(model=tiny_checkpoint("llama", max_position_embeddings=8192), device="cpu", page_size=16,
+                enable_prefix_caching=False, method="dense")
+    assert long_seq.output_token_ids == alone.generate([[5 + i % 300 for i in range(6700)]], greedy(2))[0].outputs[0].token_ids

@@ -1,0 +1,257 @@
+"""`redknot bench soak`: a server under mixed, partly hostile clients for minutes on end.
+
+Starts ``redknot serve``'s app on loopback (the bundled model on the CPU unless ``--model``/``--arch``
+say otherwise), times normal clients alone first, then runs for ``--minutes`` with, at once:
+normal streaming clients (chat with a few documents from a shared pool), slow readers (a long
+stream they stop reading), body tricklers (half a body, then silence), disconnectors (leave after
+the first chunk), long prompts, and requests of many small documents; a prober hits ``/health``
+every second and a sampler records the process's resident memory and the pool every few seconds.
+
+What it checks (the server-hardening targets): no 5xx, ``/health`` under a second, the normal
+clients' TTFT p99 within 2x the unloaded run, every pool page back to free or cached once the
+clients stop, and resident memory flat (max/min within 10%) over the last two thirds of the run.
+Prints a table and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import socket
+import threading
+import time
+
+WORDS = ("amber river city founded merchant salt trade north harbour tower bridge market guild winter "
+         "summer record ledger captain ship coast island valley mill stone road king queen council").split()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled testbed model)")
+    p.add_argument("--arch", default=None, help="a random-weight architecture of bench decode instead (GPU)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--normal-clients", type=int, default=4)
+    p.add_argument("--long-prompt-words", type=int, default=3000, help="words of the long-prompt client's prompt")
+    p.add_argument("--small-documents", type=int, default=128, help="documents per small-documents request")
+    p.add_argument("--write-timeout", type=float, default=5.0, help="the server's --write-timeout")
+    p.add_argument("--read-timeout", type=float, default=5.0, help="the server's --read-timeout")
+    p.add_argument("--limit-concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+class _Soak:
+    """The clients, each a thread looping until ``stop``; what they saw goes into ``self.log``."""
+
+    def __init__(self, base: str, model: str, args, rng: random.Random):
+        import httpx
+
+        self.base, self.model, self.args = base, model, args
+        self.docs = [f"Document {i}. " + " ".join(rng.choice(WORDS) for _ in range(120)) for i in range(16)]
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.log = {"status": {}, "ttft_s": [], "health_s": [], "errors": []}
+        self.client = lambda: httpx.Client(base_url=base, timeout=120, trust_env=False)
+        self.host, self.port = base.split("//")[1].split(":")
+
+    def _count(self, kind: str, status) -> None:
+        with self.lock:
+            key = f"{kind}:{status}"
+            self.log["status"][key] = self.log["status"].get(key, 0) + 1
+
+    def _chat(self, rng, max_tokens=8, documents=None, **extra) -> dict:
+        docs = documents if documents is not None else rng.sample(self.docs, 2)
+        return {"model": self.model, "messages": [{"role": "user", "content": f"Which city is named in doc {rng.randrange(9)}?"}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True, "documents": docs, **extra}
+
+    def normal(self, seed: int, record: bool = True) -> None:
+        rng, c = random.Random(seed), self.client()
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                with c.stream("POST", "/v1/chat/completions", json=self._chat(rng)) as r:
+                    first = None
+                    for line in r.iter_lines():
+                        if first is None and line.startswith("data:"):
+                            first = time.perf_counter() - t0
+                    self._count("normal", r.status_code)
+                if record and first is not None and r.status_code == 200:
+                    with self.lock:
+                        self.log["ttft_s"].append(first)
+            except Exception as e:  # noqa: BLE001  (a client-side failure is a finding, not a crash)
+                self._count("normal", type(e).__name__)
+
+    def slow_reader(self, seed: int) -> None:
+        rng = random.Random(seed)
+        while not self.stop.is_set():
+            body = json.dumps(self._chat(rng, max_tokens=4096, ignore_eos=True)).encode()
+            try:
+                with socket.create_connection((self.host, int(self.port)), timeout=60) as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                    self.stop.wait(self.args.write_timeout * 3)  # reads nothing: the server must cut it off
+                self._count("slow_reader", "done")
+            except OSError as e:
+                self._count("slow_reader", type(e).__name__)
+
+    def trickler(self, seed: int) -> None:
+        while not self.stop.is_set():
+            try:
+                with socket.create_connection((self.host, int(self.port)), timeout=60) as s:
+                    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              b"Content-Length: 400\r\n\r\n{\"model\":")
+                    s.settimeout(self.args.read_timeout * 3)
+                    closed = s.recv(1) == b""  # the read timeout closes it
+                self._count("trickler", "closed" if closed else "answered")
+            except OSError as e:
+                self._count("trickler", type(e).__name__)
+
+    def disconnector(self, seed: int) -> None:
+        rng, c = random.Random(seed), self.client()
+        while not self.stop.is_set():
+            try:
+                with c.stream("POST", "/v1/chat/completions", json=self._chat(rng, max_tokens=256, ignore_eos=True)) as r:
+                    self._count("disconnector", r.status_code)
+                    next(r.iter_lines(), None)  # the first chunk, then leave
+            except Exception as e:  # noqa: BLE001
+                self._count("disconnector", type(e).__name__)
+
+    def long_prompt(self, seed: int) -> None:
+        rng, c = random.Random(seed), self.client()
+        while not self.stop.is_set():
+            prompt = " ".join(rng.choice(WORDS) for _ in range(self.args.long_prompt_words))
+            try:
+                r = c.post("/v1/completions", json={"model": self.model, "prompt": prompt, "max_tokens": 4,
+                                                    "method": "dense"})
+                self._count("long_prompt", r.status_code)
+            except Exception as e:  # noqa: BLE001
+                self._count("long_prompt", type(e).__name__)
+
+    def small_documents(self, seed: int) -> None:
+        rng, c = random.Random(seed), self.client()
+        while not self.stop.is_set():
+            docs = [rng.choice(WORDS) for _ in range(self.args.small_documents)]
+            try:
+                r = c.post("/v1/chat/completions", json={**self._chat(rng, documents=docs), "stream": False})
+                self._count("small_documents", r.status_code)
+            except Exception as e:  # noqa: BLE001
+                self._count("small_documents", type(e).__name__)
+
+    def health(self, seed: int) -> None:
+        c = self.client()
+        while not self.stop.wait(1.0):
+            t0 = time.perf_counter()
+            try:
+                status = c.get("/health").status_code
+            except Exception as e:  # noqa: BLE001
+                status = type(e).__name__
+            with self.lock:
+                self.log["health_s"].append(time.perf_counter() - t0)
+            self._count("health", status)
+
+
+def _unloaded_ttft(soak: _Soak, seconds: float) -> list[float]:
+    soak.stop.clear()
+    t = threading.Thread(target=soak.normal, args=(10_000,))
+    t.start()
+    time.sleep(seconds)
+    soak.stop.set()
+    t.join()
+    ttft = list(soak.log["ttft_s"])
+    soak.log["ttft_s"].clear()
+    soak.log["status"].clear()
+    return ttft
+
+
+def _llm(args):
+    from ..engine import LLM
+
+    if args.arch is None:
+        return LLM(model=args.model, device=args.device)
+    import torch
+
+    from ..models import ModelConfig, build_model, resolve_dtype
+    from .common import ARCHS
+
+    cfg = ModelConfig.from_dict(dict(ARCHS[args.arch]))
+    dev = torch.device(args.device or "cuda")
+    return LLM(model=build_model(cfg, resolve_dtype(None, cfg, dev), dev), device=str(dev))
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ..engine.async_engine import AsyncLLMEngine
+    from ..engine.host_memory import resident_bytes
+    from ..serve.background import BackgroundServer
+
+    llm = _llm(args)
+    engine = AsyncLLMEngine(llm)
+    srv = BackgroundServer(engine, "m", server_kw=dict(limit_concurrency=args.limit_concurrency,
+                                                       read_timeout=args.read_timeout,
+                                                       write_timeout=args.write_timeout))
+    soak = _Soak(srv.base, "m", args, random.Random(args.seed))
+    try:
+        unloaded = _unloaded_ttft(soak, max(10.0, args.minutes * 60 * 0.05))
+        soak.stop.clear()
+        roles = ([soak.normal] * args.normal_clients + [soak.slow_reader, soak.trickler, soak.trickler,
+                 soak.disconnector, soak.long_prompt, soak.small_documents, soak.health])
+        threads = [threading.Thread(target=f, args=(i,), daemon=True) for i, f in enumerate(roles)]
+        for t in threads:
+            t.start()
+        samples, t0 = [], time.time()
+        while time.time() - t0 < args.minutes * 60:
+            time.sleep(min(5.0, max(0.5, args.minutes * 60 / 60)))
+            st = engine.stats()
+            samples.append({"t_s": round(time.time() - t0, 1), "rss_bytes": resident_bytes(),
+                            "pool_pages": st["pool_pages"], "running": st["running"], "waiting": st["waiting"]})
+        soak.stop.set()
+        for t in threads:
+            t.join(timeout=args.write_timeout * 4 + 60)
+        deadline = time.time() + 60
+        while not llm.engine.idle() and time.time() < deadline:
+            time.sleep(0.1)
+        pages_back = llm.engine.idle()
+    finally:
+        soak.stop.set()
+        srv.stop()
+    return _report(args, soak.log, unloaded, samples, pages_back)
+
+
+def _report(args, log, unloaded, samples, pages_back) -> dict:
+    fivexx = sum(n for k, n in log["status"].items() if k.split(":")[1].isdigit() and int(k.split(":")[1]) >= 500)
+    tail = samples[len(samples) // 3:] or samples
+    rss = [s["rss_bytes"] for s in tail]
+    rss_spread = max(rss) / min(rss) - 1 if rss and min(rss) else float("nan")
+    p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
+    out = {
+        "date": datetime.date.today().isoformat(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
+        "statuses": log["status"], "server_errors_5xx": fivexx,
+        "health_max_s": max(log["health_s"], default=float("nan")),
+        "ttft_unloaded_p50_s": _pct(unloaded, 0.5), "ttft_unloaded_p99_s": p99_idle,
+        "ttft_loaded_p50_s": _pct(log["ttft_s"], 0.5), "ttft_loaded_p99_s": p99_loaded,
+        "ttft_p99_ratio": p99_loaded / p99_idle if p99_idle else float("nan"),
+        "normal_requests": len(log["ttft_s"]), "pool_pages_back": pages_back,
+        "rss_spread_last_two_thirds": rss_spread, "samples": samples,
+    }
+    out["checks"] = {"no_5xx": fivexx == 0, "health_under_1s": out["health_max_s"] < 1.0,
+                     "ttft_p99_within_2x": out["ttft_p99_ratio"] <= 2.0, "pages_back": pages_back,
+                     "rss_flat_10pct": rss_spread <= 0.10}
+    print(f"soak {args.minutes:g} min: {out['normal_requests']} normal requests, statuses {log['status']}")
+    print(f"{'check':<22} {'value':>14} {'ok':>4}")
+    rows = [("5xx", fivexx, "no_5xx"), ("/health max s", f"{out['health_max_s']:.3f}", "health_under_1s"),
+            ("TTFT p99 / unloaded", f"{out['ttft_p99_ratio']:.2f}", "ttft_p99_within_2x"),
+            ("pool pages back", pages_back, "pages_back"),
+            ("RSS spread (last 2/3)", f"{rss_spread:.1%}", "rss_flat_10pct")]
+    for name, value, check in rows:
+        print(f"{name:<22} {str(value):>14} {'yes' if out['checks'][check] else 'NO':>4}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return out

@@ -1,0 +1,20 @@
+"""`redknot bench soak` at a few seconds: every kind of client runs, nothing answers 5xx, the pool
+comes back, and the report carries each check."""
+
+import json
+
+from redknot.cli import main
+
+
+def test_soak_smoke(tmp_path):
+    out = tmp_path / "soak.json"
+    assert main(["bench", "soak", "--minutes", "0.15", "--normal-clients", "1", "--long-prompt-words", "300",
+                 "--small-documents", "16", "--write-timeout", "1", "--read-timeout", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    kinds = {k.split(":")[0] for k in report["statuses"]}
+    assert {"normal", "health", "trickler", "slow_reader"} <= kinds
+    assert report["server_errors_5xx"] == 0 and report["checks"]["no_5xx"]
+    assert report["pool_pages_back"] is True
+    assert report["health_max_s"] < 5
+    assert report["samples"] and all(s["rss_bytes"] > 0 for s in report["samples"])
+    assert set(report["checks"]) == {"no_5xx", "health_under_1s", "ttft_p99_within_2x", "pages_back", "rss_flat_10pct"}
