@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anchor-head-config", default=None, help="the anchor head config JSON")
     p.add_argument("--lengths", default="8192,32768,131072", help="prompt lengths (tokens)")
     p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--retrieval-heads", action="store_true",
+                   help="serve a head config's retrieval heads with selected sets (else as global heads)")
     p.add_argument("--decode-tokens", type=int, default=8)
     p.add_argument("--check", action="store_true", help="compare the decode leg's tokens with a colocated run")
     p.add_argument("--kv-pages", type=int, default=None, help="pool pages (default: sized from the device)")
@@ -77,7 +79,8 @@ def _llm(args, head: str | None):
     longest = max(int(x) for x in args.lengths.split(",")) + args.decode_tokens + 64
     return LLM(model=cfg, head_config=hc, device=args.device, page_size=args.page_size, kv_pages=args.kv_pages,
                max_model_len=min(cfg.max_position_embeddings, max(longest, args.long_tokens + 1024)),
-               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(16, args.streams + 4))
+               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=max(16, args.streams + 4),
+               retrieval_heads=args.retrieval_heads)
 
 
 def _sp(n: int, first_logits: bool = False):
