@@ -182,6 +182,7 @@ def _spawn(args, role: str, util: float) -> tuple[subprocess.Popen, str]:
             "--head-configs", args.head_configs, "--lengths", args.lengths, "--page-size", str(args.page_size),
             "--gpu-memory-utilization", str(util), "--transport", args.transport, "--streams", str(args.streams),
             "--long-tokens", str(args.long_tokens), "--seed", str(args.seed)]
+    argv += ["--retrieval-heads"] if args.retrieval_heads else []
     for flag in ("anchor_head_config", "load_plan", "device", "kv_pages"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
