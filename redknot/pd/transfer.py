@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 import torch
+import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -258,43 +259,57 @@ class _nothing:
 
 
 class TcpPath:
-    """The payload over the control connection itself, staged on the host."""
+    """The payload over the control connection itself, streamed: pages are gathered on the pool's
+    device a chunk at a time, copied to the host and sent while the next is gathered; the xxh3-64
+    of the payload follows the last chunk (a trailer), so the header leaves at once and no
+    staging copy of the whole payload is ever held."""
     name = "tcp"
+    checks_digest = True  # ``receive`` verifies the trailer against what arrived
 
     def serve(self, server: KVServer, ident: bytes, lease: Lease) -> bool:
-        payload = gather(lease)
-        if payload.is_cuda:
-            host = torch.empty(payload.numel(), dtype=torch.uint8, pin_memory=True)
-            host.copy_(payload)
-            payload = host
         h = lease.header
-        h.payload_bytes, h.digest_algo = payload.numel(), "xxh3-64"
-        h.digest = payload_digest(payload, h.digest_algo)
+        half = h.page_bytes
+        total = 2 * lease.pages.size
+        h.payload_bytes, h.digest_algo, h.digest, h.extra = total * half, "xxh3-64", 0, {"trailer": True}
         server.send(ident, b"H", h.encode())
         pause = float(os.environ.get(FAULT_PAUSE_ENV, "0") or 0)
         if pause > 0:
             time.sleep(pause)
-        data = payload.numpy()
-        half = h.page_bytes
+        k, v = lease.k_pages, lease.v_pages
+        idx = torch.from_numpy(lease.pages.astype(np.int64)).to(k.device)
         per_chunk = max(1, server.chunk_bytes // half)
-        total = 2 * lease.pages.size
-        for a in range(0, total, per_chunk):
-            b = min(a + per_chunk, total)
-            server.send(ident, b"C", memoryview(data[a * half:b * half]), copy=False)
-            server.count(class_bytes(lease.head_class, lease.page_head[np.arange(a, b) % lease.pages.size], half))
+        digest = xxhash.xxh3_64()
+        stream = torch.cuda.Stream(k.device) if k.is_cuda else None
+        P, a = lease.pages.size, 0
+        while a < total:  # a chunk holds K pages or V pages, never both
+            src, lo = (k, a) if a < P else (v, a - P)
+            hi = min(lo + per_chunk, P)
+            a += hi - lo
+            with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nothing()):
+                chunk = src.index_select(0, idx[lo:hi]).cpu() if src.is_cuda else src.index_select(0, idx[lo:hi])
+            data = chunk.reshape(-1).view(torch.uint8).numpy()
+            digest.update(data)
+            server.send(ident, b"C", memoryview(data), copy=False)
+            server.count(class_bytes(lease.head_class, lease.page_head[lo:hi], half))
+        server.send(ident, b"T", digest.intdigest().to_bytes(8, "little"))
         return True
 
     def receive(self, session: "PullSession", h: HandoffHeader, pin: bool) -> torch.Tensor:
         payload = torch.empty(h.payload_bytes, dtype=torch.uint8, pin_memory=pin)
         out = payload.numpy()
+        digest = xxhash.xxh3_64()
         got = 0
         while got < h.payload_bytes:
             data = session.recv(b"C")
             n = len(data)
             if got + n > h.payload_bytes:
                 raise TransferFailed("the prefill instance sent more bytes than its header announced", rejected=True)
-            out[got:got + n] = np.frombuffer(data, dtype=np.uint8)
+            piece = np.frombuffer(data, dtype=np.uint8)
+            digest.update(piece)
+            out[got:got + n] = piece
             got += n
+        if digest.intdigest() != int.from_bytes(bytes(session.recv(b"T")), "little"):
+            raise HandoffRejected("payload checksum (xxh3-64) mismatch")
         return payload
 
     def close(self) -> None:
@@ -405,7 +420,8 @@ class KVClient:
             payload = path.receive(session, h, self.device.type == "cuda")
         finally:
             session.close()
-        if payload.numel() != h.payload_bytes or payload_digest(payload, h.digest_algo) != h.digest:
+        if payload.numel() != h.payload_bytes or (not getattr(path, "checks_digest", False)
+                                                  and payload_digest(payload, h.digest_algo) != h.digest):
             raise HandoffRejected(f"payload checksum ({h.digest_algo}) mismatch")
         li, hi, _ = np.nonzero(held)
         classes = expect_classes(params, h)

@@ -51,7 +51,7 @@ def test_handoff_with_selected_sets_equals_colocated(llm, method):
     eng = llm.engine
     ref = llm.generate(PROMPT, SamplingParams(max_tokens=18, temperature=0, ignore_eos=True), method=method)
     lease = export(llm, method)
-    server = KVServer(eng.leases)
+    server = KVServer(eng.leases, chunk_bytes=1)  # a page per message: the stream's chunking is exercised
     try:
         got = KVClient().pull({"remote_host": "127.0.0.1", "remote_port": server.port, "remote_request_id": lease},
                               handoff.expectation(eng, llm.make_sequence(PROMPT, SamplingParams(), method=method)))
