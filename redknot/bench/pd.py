@@ -200,9 +200,12 @@ def _post(url: str, body: dict, timeout: float = 600) -> dict:
 
 
 def _stream(url: str, body: dict, timeout: float = 600) -> tuple[list[float], dict | None]:
-    """Arrival times of a streamed completion's token chunks, and its usage."""
-    req = urllib.request.Request(url, json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}})
-                                 .encode(), {"content-type": "application/json"})
+    """Arrival times of a streamed completion's tokens (a chunk of k tokens: k arrivals spread over
+    the gap since the previous one; ``logprobs: 0`` makes every token's chunk go out, whatever its
+    text, which random weights often leave empty), and its usage."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True, "logprobs": 0,
+                                                  "stream_options": {"include_usage": True}}).encode(),
+                                 {"content-type": "application/json"})
     times, usage = [], None
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for raw in r:
@@ -212,8 +215,11 @@ def _stream(url: str, body: dict, timeout: float = 600) -> tuple[list[float], di
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
+            k = sum(len((c.get("logprobs") or {}).get("tokens") or []) for c in chunk.get("choices", []))
+            if k:
+                now = time.perf_counter()
+                last = times[-1] if times else now
+                times.extend(last + (now - last) * (i + 1) / k for i in range(k))
     return times, usage
 
 
@@ -224,7 +230,8 @@ def _request(base: str, decode: str | None, ids: list[int], n: int) -> tuple[lis
     t0 = time.perf_counter()
     if decode is None:
         return (*_stream(base + "/v1/completions", body), t0)
-    first = _post(base + "/v1/completions", {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+    first = _post(base + "/v1/completions", {**body, "max_tokens": 1, "logprobs": 0,
+                                             "kv_transfer_params": {"do_remote_decode": True}})
     return (*_stream(decode + "/v1/completions", {**body, "kv_transfer_params": first["kv_transfer_params"]}), t0)
 
 
