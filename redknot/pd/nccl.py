@@ -54,10 +54,13 @@ class NcclPath:
         from .transfer import class_bytes, gather
 
         self.wait_ready(server.done_timeout_s)
+        from .device import device_lock
+
         payload = gather(lease)
         h = lease.header
-        h.payload_bytes, h.digest_algo = payload.numel(), "fold64"
-        h.digest = payload_digest(payload, "fold64")
+        with device_lock:
+            h.payload_bytes, h.digest_algo = payload.numel(), "fold64"
+            h.digest = payload_digest(payload, "fold64")
         h.extra = {"rank": self.rank}
         with self._lock:
             server.send(ident, b"H", h.encode())
@@ -66,8 +69,11 @@ class NcclPath:
         return True
 
     def receive(self, session, h: HandoffHeader, pin: bool) -> torch.Tensor:
+        from .device import device_lock
+
         self.wait_ready(session.timeout_s)
-        buf = torch.empty(h.payload_bytes, dtype=torch.uint8, device=self.device)
+        with device_lock:
+            buf = torch.empty(h.payload_bytes, dtype=torch.uint8, device=self.device)
         with self._lock:
             dist.recv(buf, src=int(h.extra.get("rank", self.peer)))
         return buf

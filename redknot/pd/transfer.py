@@ -35,6 +35,7 @@ import xxhash
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .device import device_lock
 from .lease import Lease, LeaseStore
 from .wire import DTYPES, HandoffHeader, HandoffRejected, payload_digest, tokens_digest
 
@@ -119,6 +120,7 @@ class Received:
     payload: torch.Tensor  # uint8: K of every held page, then V
     extra_pages: int  # pages beyond the plan's window and sink (selected sets)
     transfer: dict = field(default_factory=dict)  # bytes, bytes by head class, path, seconds
+    fetch: object = None  # a path that copies at admission (cuda_ipc): returns the payload, on the engine thread
 
     @property
     def num_pages(self) -> int:
@@ -126,6 +128,8 @@ class Received:
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.header
+        if self.payload is None:
+            self.payload, self.fetch = self.fetch(), None
         x = self.payload.view(DTYPES[h.dtype]).view(2, self.num_pages, h.page_size, h.head_dim)
         return x[0], x[1]
 
@@ -241,12 +245,13 @@ class KVServer:
 def gather(lease: Lease) -> torch.Tensor:
     """The lease's payload as one uint8 tensor on the pool's device: K of its pages, then V."""
     k, v = lease.k_pages, lease.v_pages
-    idx = torch.from_numpy(lease.pages.astype(np.int64)).to(k.device)
-    stream = torch.cuda.Stream(k.device) if k.is_cuda else None
-    with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nothing()):
-        out = torch.stack([k.index_select(0, idx), v.index_select(0, idx)]).reshape(-1).view(torch.uint8)
-    if stream is not None:
-        stream.synchronize()
+    with device_lock:
+        idx = torch.from_numpy(lease.pages.astype(np.int64)).to(k.device)
+        stream = torch.cuda.Stream(k.device) if k.is_cuda else None
+        with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nothing()):
+            out = torch.stack([k.index_select(0, idx), v.index_select(0, idx)]).reshape(-1).view(torch.uint8)
+        if stream is not None:
+            stream.synchronize()
     return out
 
 
@@ -276,16 +281,17 @@ class TcpPath:
         if pause > 0:
             time.sleep(pause)
         k, v = lease.k_pages, lease.v_pages
-        idx = torch.from_numpy(lease.pages.astype(np.int64)).to(k.device)
+        with device_lock:
+            idx = torch.from_numpy(lease.pages.astype(np.int64)).to(k.device)
+            stream = torch.cuda.Stream(k.device) if k.is_cuda else None
         per_chunk = max(1, server.chunk_bytes // half)
         digest = xxhash.xxh3_64()
-        stream = torch.cuda.Stream(k.device) if k.is_cuda else None
         P, a = lease.pages.size, 0
         while a < total:  # a chunk holds K pages or V pages, never both
             src, lo = (k, a) if a < P else (v, a - P)
             hi = min(lo + per_chunk, P)
             a += hi - lo
-            with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nothing()):
+            with device_lock, torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nothing()):
                 chunk = src.index_select(0, idx[lo:hi]).cpu() if src.is_cuda else src.index_select(0, idx[lo:hi])
             data = chunk.reshape(-1).view(torch.uint8).numpy()
             digest.update(data)
@@ -295,7 +301,8 @@ class TcpPath:
         return True
 
     def receive(self, session: "PullSession", h: HandoffHeader, pin: bool) -> torch.Tensor:
-        payload = torch.empty(h.payload_bytes, dtype=torch.uint8, pin_memory=pin)
+        with device_lock:  # pinning calls into CUDA
+            payload = torch.empty(h.payload_bytes, dtype=torch.uint8, pin_memory=pin)
         out = payload.numpy()
         digest = xxhash.xxh3_64()
         got = 0
@@ -420,16 +427,22 @@ class KVClient:
             payload = path.receive(session, h, self.device.type == "cuda")
         finally:
             session.close()
-        if payload.numel() != h.payload_bytes or (not getattr(path, "checks_digest", False)
-                                                  and payload_digest(payload, h.digest_algo) != h.digest):
-            raise HandoffRejected(f"payload checksum ({h.digest_algo}) mismatch")
+        fetch = payload if callable(payload) else None  # copied at admission, checked then
+        if fetch is not None:
+            payload = None
+        elif payload.numel() != h.payload_bytes:
+            raise HandoffRejected(f"payload of {payload.numel()} bytes, the header says {h.payload_bytes}")
+        elif not getattr(path, "checks_digest", False):
+            with device_lock:
+                if payload_digest(payload, h.digest_algo) != h.digest:
+                    raise HandoffRejected(f"payload checksum ({h.digest_algo}) mismatch")
         li, hi, _ = np.nonzero(held)
         classes = expect_classes(params, h)
         heads = np.concatenate([li * h.num_kv_heads + hi] * 2)
         by_class = class_bytes(classes, heads, h.page_bytes)
-        transfer = {"bytes": int(payload.numel()), "bytes_by_head_class": by_class, "transport": name,
+        transfer = {"bytes": int(h.payload_bytes), "bytes_by_head_class": by_class, "transport": name,
                     "seconds": time.perf_counter() - t0, "pages": int(held.sum())}
-        return Received(h, held, payload, extra, transfer)
+        return Received(h, held, payload, extra, transfer, fetch)
 
 
 def expect_classes(params: dict, h: HandoffHeader) -> np.ndarray:
