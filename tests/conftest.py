@@ -19,7 +19,7 @@ def tiny_checkpoint(tmp_path_factory):
     cache = {}
 
     def make(family="llama", **kw):
-        key = (family, tuple(sorted(kw.items())))
+        key = (family, repr(sorted(kw.items())))  # repr: overrides may be lists (mlp_only_layers)
         if key not in cache:
             name = "-".join([family] + [f"{k}={v}" for k, v in sorted(kw.items())])
             cache[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(name), family, **kw)

@@ -1,4 +1,5 @@
-"""Model configuration: the subset of an HF ``config.json`` that the Llama-family forward needs.
+"""Model configuration: the subset of an HF ``config.json`` that the Llama-family forward needs
+(dense, and the mixture-of-experts families whose layers differ from it only in the FFN).
 
 Parsing is strict: an architecture or option we do not implement raises ``UnsupportedModelError``
 naming the config field, instead of silently computing something else.
@@ -10,7 +11,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -38,6 +40,34 @@ class RopeConfig:
 
 
 @dataclass
+class MoEConfig:
+    """A sparse mixture-of-experts FFN: its experts, its router and the layers that use it."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    layers: list[bool]  # per layer: the MoE block (True) or a dense MLP of ModelConfig.intermediate_size
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
+    # "softmax_topk": softmax over all experts, then the top k (Qwen, Mixtral, OLMoE);
+    # "topk_softmax": the top k logits, then a softmax over them (gpt-oss)
+    routing: str = "softmax_topk"
+    # "silu": silu(gate) * up; "swiglu_clamped": gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    router_bias: bool = False
+    expert_bias: bool = False
+    shared_expert_intermediate_size: int = 0  # > 0: a shared expert MLP gated by sigmoid(linear(x)) (Qwen2-MoE)
+    router_name: str = "gate"  # the router's module name in checkpoints ("router" in gpt-oss)
+    # Fused expert tensors in checkpoints: "gate_up_rows" is transformers' in-memory layout (gate_up
+    # [E, 2I, H] gate rows then up rows, down [E, H, I]); "gpt_oss" is [E, H, 2I] with gate and up
+    # interleaved and down [E, I, H]
+    checkpoint_layout: str = "gate_up_rows"
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.layers[layer]
+
+
+@dataclass
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -53,16 +83,57 @@ class ModelConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_per_head: bool = True  # False: one RMSNorm over the whole q (and k) projection (OLMoE)
+    clip_qkv: float | None = None  # clamp q, k, v to [-clip, clip] after the norms (OLMoE)
+    o_proj_bias: bool = False
+    moe: MoEConfig | None = None
     rope: RopeConfig = field(default_factory=RopeConfig)
     # Per-layer native sliding window of the architecture (None = full causal).
     sliding_windows: list[int | None] = field(default_factory=list)
+    # A learned sink logit per query head in every attention softmax (gpt-oss: ``self_attn.sinks``).
+    attention_sinks: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    # Gemma 3: the sliding-window layers' own RoPE (None: every layer rotates with ``rope``)
+    local_rope: RopeConfig | None = None
+    # Attention scores scale by query_pre_attn_scalar**-0.5 (None: head_dim**-0.5)
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def num_kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(layer)
+
+    def ffn_flops_per_row(self, layer: int) -> tuple[int, int]:
+        """FLOPs of one row through layer ``layer``'s FFN: (the part a sparse FFN skips, the part every
+        row runs). Dense: the MLP and 0; MoE: the router and the k routed experts, and the shared
+        expert with its gate (zero without one)."""
+        h = self.hidden_size
+        if not self.is_moe_layer(layer):
+            return 2 * 3 * h * self.intermediate_size, 0
+        m = self.moe
+        shared = m.shared_expert_intermediate_size
+        return (2 * h * m.num_experts + 2 * 3 * h * m.intermediate_size * m.top_k,
+                2 * 3 * h * shared + 2 * h if shared else 0)
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every attention layer's scores. The backends and every attention-mass
+        computation (recovery, selection, profiling) take it as their scale instead of q being
+        pre-scaled by scale * sqrt(head_dim): in bf16 a pre-scaled q is rounded once more (Gemma 3
+        27B scales by 168**-0.5, not by its head_dim 128's), so the kernels would differ from the model."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE layer ``layer`` rotates its queries and keys with."""
+        if self.local_rope is not None and self.sliding_windows and self.sliding_windows[layer]:
+            return self.local_rope
+        return self.rope
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -85,13 +156,19 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         model_type = raw.get("model_type")
+        if model_type == "gemma3":
+            raise UnsupportedModelError(
+                "config.json: model_type='gemma3' is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration); "
+                "only the text model is supported (model_type 'gemma3_text', Gemma3ForCausalLM)")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"config.json: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+        gemma = model_type == "gemma3_text"
+        act_key, act_supported = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+        act = raw.get(act_key) or act_supported
+        if act != act_supported:
+            raise UnsupportedModelError(f"config.json: {act_key}={act!r} is not supported (only {act_supported!r})")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(raw.get(key), int) or raw[key] <= 0:
                 raise UnsupportedModelError(f"config.json: {key} must be a positive integer, got {raw.get(key)!r}")
@@ -101,9 +178,22 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.json: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
             )
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
+        head_dim = raw.get("head_dim") or (256 if gemma else raw["hidden_size"] // n_heads)
         n_layers = raw["num_hidden_layers"]
         eos = raw.get("eos_token_id")
+        _check_quantization(raw, model_type)
+        if gemma:
+            return cls._gemma3(raw, n_heads, n_kv, head_dim, n_layers)
+        if model_type == "gpt_oss":
+            raw = _gpt_oss_defaults(raw)
+        attention_bias, o_proj_bias = _parse_attention_bias(raw, model_type)
+        if model_type == "olmoe" and head_dim * n_heads != raw["hidden_size"]:
+            # OLMoE's q norm is sized hidden_size and applied to the whole q projection
+            raise UnsupportedModelError(
+                f"config.json: head_dim={head_dim} x num_attention_heads={n_heads} must equal hidden_size for olmoe")
+        clip = raw.get("clip_qkv") if model_type == "olmoe" else None
+        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0):
+            raise UnsupportedModelError(f"config.json: clip_qkv={clip!r} must be a positive number or null")
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -116,15 +206,44 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            # qwen2 always has q/k/v bias; llama-style configs say so with attention_bias.
-            attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm_per_head=model_type != "olmoe",
+            clip_qkv=float(clip) if clip is not None else None,
+            moe=_parse_moe(raw, model_type, n_layers),
             rope=_parse_rope(raw, head_dim),
             sliding_windows=_parse_sliding_windows(raw, model_type, n_layers),
+            attention_sinks=model_type == "gpt_oss",
             eos_token_ids=_as_int_list(eos) if eos is not None else [],
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+
+    @classmethod
+    def _gemma3(cls, raw: dict, n_heads: int, n_kv: int, head_dim: int, n_layers: int) -> "ModelConfig":
+        """Gemma 3 text (transformers' Gemma3TextConfig defaults where a field is missing)."""
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if raw.get(key):
+                raise UnsupportedModelError(f"config.json: {key}={raw[key]!r} is not supported (only null/false)")
+        rope, local_rope = _parse_gemma3_rope(raw, head_dim)
+        eos = raw.get("eos_token_id", 1)
+        softcap = raw.get("final_logit_softcapping")
+        return cls(
+            model_type="gemma3_text", vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"], num_hidden_layers=n_layers, num_attention_heads=n_heads,
+            num_key_value_heads=n_kv, head_dim=head_dim,
+            max_position_embeddings=raw.get("max_position_embeddings", 131072),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            attention_bias=bool(raw.get("attention_bias", False)), qk_norm=True,
+            rope=rope, local_rope=local_rope, sliding_windows=_gemma3_sliding_windows(raw, n_layers),
+            eos_token_ids=_as_int_list(eos) if eos is not None else [], bos_token_id=raw.get("bos_token_id", 2),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256),
+            final_logit_softcapping=float(softcap) if softcap else None,
         )
 
 
@@ -180,16 +299,174 @@ def _parse_rope(raw: dict, head_dim: int) -> RopeConfig:
     return rc
 
 
+# MXFP4 experts are dequantised at load (models/mxfp4.py); no other quantisation is implemented.
+DEQUANTISED_AT_LOAD = {"gpt_oss": ("mxfp4",)}
+
+
+def _check_quantization(raw: dict, model_type: str) -> None:
+    quant = raw.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method not in DEQUANTISED_AT_LOAD.get(model_type, ()):
+        raise UnsupportedModelError(
+            f"config.json: quantization_config.quant_method={method!r} is not supported for {model_type} "
+            "(load an unquantised bf16/fp32 checkpoint)")
+
+
+def _gpt_oss_defaults(raw: dict) -> dict:
+    """gpt-oss's config with transformers' defaults (GptOssConfig) where a field is absent: bias on
+    every attention projection, YaRN RoPE (factor 32 over 4096 positions, theta 150000), sliding
+    windows of 128 on the even layers."""
+    raw = dict(raw)
+    raw.setdefault("attention_bias", True)
+    raw.setdefault("sliding_window", 128)
+    if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
+        raw["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 4096}
+    params = raw.get("rope_parameters") or {}
+    if "rope_theta" not in params and "rope_theta" not in raw:
+        raw["rope_theta"] = 150000.0
+    if raw.get("layer_types") is None:
+        raw["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                              for i in range(raw["num_hidden_layers"])]
+    return raw
+
+
+def _parse_attention_bias(raw: dict, model_type: str) -> tuple[bool, bool]:
+    """(q/k/v projections have a bias, the output projection has one), as transformers builds them."""
+    if model_type == "qwen2":  # always q/k/v bias
+        return True, False
+    if model_type == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True)), False
+    if model_type in ("mistral", "mixtral"):  # no attention bias whatever the config says
+        return False, False
+    bias = bool(raw.get("attention_bias", False))
+    return bias, bias  # llama, qwen3, qwen3_moe, olmoe, gpt_oss: every projection
+
+
+def _positive_int(raw: dict, key: str, default=None) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UnsupportedModelError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _parse_moe(raw: dict, model_type: str, n_layers: int) -> MoEConfig | None:
+    """The experts of qwen3_moe / qwen2_moe (``num_experts``, ``moe_intermediate_size``, dense layers
+    by ``decoder_sparse_step`` and ``mlp_only_layers``, qwen2_moe's shared expert), mixtral (every
+    layer, ``num_local_experts`` of ``intermediate_size``, always renormalised) and olmoe (every
+    layer, ``num_experts`` of ``intermediate_size``), gpt_oss (every layer, ``num_local_experts`` of
+    ``intermediate_size`` with biases, a biased router whose top k logits are softmaxed, the clamped
+    SwiGLU of ``swiglu_limit``)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    if model_type == "gpt_oss":
+        return _parse_gpt_oss_moe(raw, n_layers)
+    expert_key = "num_experts" if "num_experts" in raw else "num_local_experts"
+    n_experts = raw.get(expert_key)
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        if not isinstance(n_experts, int) or n_experts < 0:
+            raise UnsupportedModelError(f"config.json: {expert_key} must be a non-negative integer, got {n_experts!r}")
+        step = _positive_int(raw, "decoder_sparse_step", 1)
+        dense = raw.get("mlp_only_layers") or []
+        if not all(isinstance(i, int) and 0 <= i < n_layers for i in dense):
+            raise UnsupportedModelError(f"config.json: mlp_only_layers={dense!r} must hold layer indices < {n_layers}")
+        layers = [n_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(n_layers)]
+        if not any(layers):
+            return None  # every layer dense: a plain decoder
+        size = _positive_int(raw, "moe_intermediate_size")
+    else:  # mixtral, olmoe: every layer, experts of intermediate_size
+        n_experts = _positive_int(raw, expert_key)
+        layers = [True] * n_layers
+        size = raw["intermediate_size"]
+    top_k = _positive_int(raw, "num_experts_per_tok")
+    if top_k > n_experts:
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok={top_k} exceeds {expert_key}={n_experts}")
+    shared = 0
+    if model_type == "qwen2_moe":
+        shared = _positive_int(raw, "shared_expert_intermediate_size")
+    norm = True if model_type == "mixtral" else raw.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise UnsupportedModelError(f"config.json: norm_topk_prob must be true or false, got {norm!r}")
+    return MoEConfig(num_experts=n_experts, top_k=top_k, intermediate_size=size, layers=layers,
+                     norm_topk_prob=norm, shared_expert_intermediate_size=shared)
+
+
+def _parse_gpt_oss_moe(raw: dict, n_layers: int) -> MoEConfig:
+    n_experts = _positive_int(raw, "num_local_experts", 128)
+    top_k = _positive_int(raw, "num_experts_per_tok", 4)
+    if top_k > n_experts:
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok={top_k} exceeds num_local_experts={n_experts}")
+    limit, alpha = raw.get("swiglu_limit", 7.0), raw.get("swiglu_alpha", 1.702)
+    for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise UnsupportedModelError(f"config.json: {key} must be a positive number, got {value!r}")
+    return MoEConfig(num_experts=n_experts, top_k=top_k, intermediate_size=raw["intermediate_size"],
+                     layers=[True] * n_layers, routing="topk_softmax", activation="swiglu_clamped",
+                     swiglu_alpha=float(alpha), swiglu_limit=float(limit), router_bias=True, expert_bias=True,
+                     router_name="router", checkpoint_layout="gpt_oss")
+
+
+def _parse_gemma3_rope(raw: dict, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE of Gemma 3: ``rope_parameters`` per layer type (transformers >= 5), or
+    rope_theta + rope_scaling for the full-attention layers and rope_local_base_freq (unscaled)
+    for the sliding ones. Missing bases default as transformers' do (1e6 global, 1e4 local)."""
+    per_type = raw.get("rope_parameters") or {}
+    if per_type and not all(isinstance(v, dict) for v in per_type.values()):
+        per_type = {"full_attention": per_type}  # one flat dict: the global layers' (as rope_scaling)
+    unknown = set(per_type) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"config.json: rope_parameters for layer types {sorted(unknown)} are not supported")
+    full = {"rope_theta": raw.get("rope_theta", 1_000_000.0), **(raw.get("rope_scaling") or {}),
+            **(per_type.get("full_attention") or {})}
+    local = {"rope_theta": raw.get("rope_local_base_freq", 10_000.0), **(per_type.get("sliding_attention") or {})}
+    rest = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    return (_parse_rope({**rest, "rope_parameters": full}, head_dim),
+            _parse_rope({**rest, "rope_parameters": local}, head_dim))
+
+
+def _gemma3_sliding_windows(raw: dict, n_layers: int) -> list[int | None]:
+    """Gemma 3's ``layer_types`` (else every ``sliding_window_pattern``-th layer full, the rest
+    sliding) with its ``sliding_window``."""
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if len(types) != n_layers:
+        raise UnsupportedModelError(f"config.json: layer_types has {len(types)} entries for {n_layers} layers")
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise UnsupportedModelError(f"config.json: layer_types {bad} are not supported")
+    window = raw.get("sliding_window", 4096)
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise UnsupportedModelError(f"config.json: sliding_window={window!r} must be a positive integer "
+                                    f"for the sliding_attention layers")
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
 def _parse_sliding_windows(raw: dict, model_type: str, n_layers: int) -> list[int | None]:
     window = raw.get("sliding_window")
-    if model_type in ("llama",) or not window:
+    if model_type in ("llama", "olmoe") or not window:
         return [None] * n_layers
-    if model_type == "mistral":
+    if model_type in ("mistral", "mixtral"):
         return [int(window)] * n_layers
-    # qwen2 / qwen3: sliding only when enabled, on the layers `layer_types` marks.
+    if model_type == "gpt_oss":  # always on the layers `layer_types` marks (defaults filled in)
+        types = raw["layer_types"]
+        if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError(f"config.json: layer_types must be {n_layers} entries of "
+                                        f"sliding_attention / full_attention, got {types!r}")
+        return [int(window) if t == "sliding_attention" else None for t in types]
+    # qwen2 / qwen3 / qwen2_moe / qwen3_moe: sliding only when enabled
     if not raw.get("use_sliding_window", False):
         return [None] * n_layers
+    if model_type == "qwen3_moe":  # every layer (transformers reads no layer_types for it)
+        return [int(window)] * n_layers
     types = raw.get("layer_types")
+    if types is None and model_type == "qwen2_moe":  # transformers' default: every other layer below max_window_layers
+        max_window_layers = raw.get("max_window_layers", 28)
+        types = ["sliding_attention" if (i + 1) % 2 and i < max_window_layers else "full_attention"
+                 for i in range(n_layers)]
     if types is None:
         max_window_layers = raw.get("max_window_layers", n_layers)
         types = ["sliding_attention" if i >= max_window_layers else "full_attention" for i in range(n_layers)]

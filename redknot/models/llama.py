@@ -1,4 +1,6 @@
-"""The Llama-family forward (llama, mistral, qwen2, qwen3) on packed varlen batches.
+"""The Llama-family forward (llama, mistral, qwen2, qwen3, and the mixture-of-experts families
+qwen3_moe, qwen2_moe, mixtral, olmoe, whose layers differ only in the FFN: ``models/moe.py``) on
+packed varlen batches.
 
 Module names equal HF's, so checkpoint keys load as they are. Attention is delegated to the
 backend in use (see ``redknot.engine.backends``); the model only computes q, k, v and RoPE.
@@ -14,6 +16,7 @@ from torch import nn
 
 from . import linear as projection
 from .config import ModelConfig
+from .moe import SparseMoeBlock
 from .rope import RotaryEmbedding, apply_rotation
 
 
@@ -62,11 +65,17 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        if cfg.qk_norm:  # per head, or (OLMoE) over each whole projection
+            q_dim, k_dim = ((self.head_dim, self.head_dim) if cfg.qk_norm_per_head
+                            else (self.n_heads * self.head_dim, self.n_kv * self.head_dim))
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.head_norm = cfg.qk_norm and cfg.qk_norm_per_head
+        self.clip_qkv = cfg.clip_qkv
+        # gpt-oss: a learned logit per query head in the softmax denominator, with no value
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attention_sinks else None
         self.rope = rope
         self.backend = None  # set by the runner
         self.qkv_weight = self.qkv_bias = None  # one [Hq+2Hkv)*D, hidden] GEMM once fused
@@ -80,6 +89,8 @@ class Attention(nn.Module):
         self.qkv_bias = _fuse_rows(self.q_proj, self.k_proj, self.v_proj, name="bias")
         if pack:
             self.qkv_packed, self.o_packed = projection.pack(self.qkv_weight), projection.pack(self.o_proj.weight)
+        if self.sinks is not None:  # the kernels read them in fp32: convert once, not every step
+            self.sinks.data = self.sinks.data.float()
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """q [T, Hq, D], k and v [T, Hkv, D] of normed hidden states x, RoPE applied at positions."""
@@ -87,7 +98,8 @@ class Attention(nn.Module):
         if self.qkv_weight is not None:
             nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             qkv = projection.linear(x, self.qkv_weight, self.qkv_bias, self.qkv_packed)
-            if not x.is_cuda and not self.qk_norm and self.rope.rot_dim == self.head_dim:
+            if (not x.is_cuda and not self.qk_norm and self.clip_qkv is None
+                    and self.rope.rot_dim == self.head_dim):
                 # q and k are adjacent in the fused output: one rotation for both
                 cos, sin = self.rope.cos_sin(positions)
                 qk = apply_rotation(qkv[:, :nq + nkv].view(t, self.n_heads + self.n_kv, self.head_dim),
@@ -95,35 +107,39 @@ class Attention(nn.Module):
                 v = qkv[:, nq + nkv:].view(t, self.n_kv, self.head_dim)
                 return qk[:, :self.n_heads], qk[:, self.n_heads:], v
             q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
-            q = q.reshape(t, self.n_heads, self.head_dim)
-            k = k.reshape(t, self.n_kv, self.head_dim)
-            v = v.reshape(t, self.n_kv, self.head_dim)
         else:
-            q = self.q_proj(x).view(t, self.n_heads, self.head_dim)
-            k = self.k_proj(x).view(t, self.n_kv, self.head_dim)
-            v = self.v_proj(x).view(t, self.n_kv, self.head_dim)
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm and not self.head_norm:  # OLMoE: one norm over each whole projection
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.reshape(t, self.n_heads, self.head_dim)
+        k = k.reshape(t, self.n_kv, self.head_dim)
+        v = v.reshape(t, self.n_kv, self.head_dim)
         norm_rope = _norm_rope() if x.is_cuda else None  # q/k norm + RoPE fused into one kernel on CUDA
         if norm_rope is not None:
             cos, sin = self.rope.cos_sin(positions)
-            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
-            eps = self.q_norm.eps if self.qk_norm else 0.0
+            qw, kw = (self.q_norm.weight, self.k_norm.weight) if self.head_norm else (None, None)
+            eps = self.q_norm.eps if self.head_norm else 0.0
             return (norm_rope(q, cos, sin, self.rope.rot_dim, qw, eps),
                     norm_rope(k, cos, sin, self.rope.rot_dim, kw, eps), v)
-        if self.qk_norm:
+        if self.head_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, k, positions)
         return q, k, v
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
         q, k, v = self.qkv(x, positions)
-        o = self.backend.attention(self.layer_idx, q, k, v, batch, rows).reshape(x.shape[0], self.n_heads * self.head_dim)
+        o = self.backend.attention(self.layer_idx, q, k, v, batch, rows, sink_logits=self.sinks)
+        o = o.reshape(x.shape[0], self.n_heads * self.head_dim)
         return projection.linear(o, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        h, i, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        h, i, b = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=b)
         self.up_proj = nn.Linear(h, i, bias=b)
         self.down_proj = nn.Linear(i, h, bias=b)
@@ -167,27 +183,43 @@ def _fuse_rows(*linears: nn.Linear, name: str = "weight") -> torch.Tensor | None
     return fused
 
 
+def _ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    """The layer's FFN: the gated MLP, or on a MoE layer the sparse MoE block (with its shared
+    expert, an MLP of its own size, where the model has one)."""
+    if not cfg.is_moe_layer(layer_idx):
+        return MLP(cfg)
+    shared = cfg.moe.shared_expert_intermediate_size
+    return SparseMoeBlock(cfg.hidden_size, cfg.moe, MLP(cfg, shared) if shared else None)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, rope: RotaryEmbedding):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, rope)
-        self.mlp = MLP(cfg)
+        self.mlp = _ffn(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.add_ffn(x)
+
+    def add_ffn(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x plus the FFN of its normed rows. ``rows``: the rows the FFN runs on (a sparse FFN); the
+        others keep their residual, plus the shared expert's output in a MoE block that has one
+        (a skipped token skips the routed experts only)."""
+        if rows is None:
+            return x + self.mlp(self.post_attention_layernorm(x))
+        if isinstance(self.mlp, SparseMoeBlock) and self.mlp.has_shared_expert:
+            return x + self.mlp(self.post_attention_layernorm(x), routed=rows)
+        return x.index_add(0, rows, self.mlp(self.post_attention_layernorm(x[rows])))
 
     def forward_rows(self, x: torch.Tensor, positions: torch.Tensor, batch, rows):
         """The layer under a recovery's row plan: the FFN runs on the rows it picks (the others
-        keep their residual), and only the rows it keeps continue. Returns (x, positions)."""
+        keep their residual; on MoE they skip the routed experts only), and only the rows it
+        keeps continue. Returns (x, positions)."""
         x = x + self.self_attn(self.input_layernorm(x), positions, batch, rows)
-        ffn = rows.ffn_rows(self.self_attn.layer_idx)
-        if ffn is None:
-            x = x + self.mlp(self.post_attention_layernorm(x))
-        else:
-            x = x.index_add(0, ffn, self.mlp(self.post_attention_layernorm(x[ffn])))
+        x = self.add_ffn(x, rows.ffn_rows(self.self_attn.layer_idx))
         keep = rows.keep_rows(self.self_attn.layer_idx)
         if keep is not None:
             x, positions = x[keep], positions[keep]

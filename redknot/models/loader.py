@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
+from . import mxfp4
+from .config import ModelConfig, MoEConfig
 from .registry import model_class
+from .rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that our forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One expert's projection in a checkpoint (Mixtral names them w1 = gate, w3 = up, w2 = down).
+_PER_EXPERT = re.compile(r"^((?:.+\.)?experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 class CheckpointError(ValueError):
@@ -54,11 +60,49 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
+def expert_target(key: str, tensor: torch.Tensor, moe: MoEConfig | None):
+    """Where a checkpoint tensor of MoE experts goes: (parameter name, index into it, the tensor in
+    the parameter's layout), or None for a key that needs no mapping. Per-expert keys
+    (``...experts.N.gate_proj.weight``, Mixtral's ``w1/w3/w2``) fill expert N's slice of the 3D
+    ``experts.gate_up_proj`` [E, 2I, H] (gate rows, then up rows) or ``experts.down_proj`` [E, H, I]
+    (biases alike); gpt-oss's fused tensors ([E, H, 2I] with gate and up interleaved, down [E, I, H])
+    are transposed and de-interleaved into that layout."""
+    if moe is None:
+        return None
+    m = _PER_EXPERT.match(key)
+    if m is not None:
+        prefix, expert, proj, kind = m.groups()
+        proj = _MIXTRAL_PROJ.get(proj, proj)
+        suffix = "" if kind == "weight" else "_bias"
+        if proj == "down_proj":
+            return f"{prefix}.down_proj{suffix}", (int(expert),), tensor
+        i = moe.intermediate_size
+        half = slice(0, i) if proj == "gate_proj" else slice(i, 2 * i)
+        return f"{prefix}.gate_up_proj{suffix}", (int(expert), half), tensor
+    if moe.checkpoint_layout == "gpt_oss" and re.search(r"(^|\.)experts\.(gate_up_proj|down_proj)(_bias)?$", key):
+        if tensor.dim() == 3:  # weights [E, in, out] -> [E, out, in]
+            tensor = tensor.transpose(1, 2)
+        if ".gate_up_proj" in key:  # rows gate0, up0, gate1, up1 ... -> the gate rows, then the up rows
+            tensor = torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+        return key, (slice(None),), tensor
+    return None
+
+
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """A model with random (PyTorch default init) weights, built directly on the device."""
-    with torch.device(device):
-        model = model_class(cfg)(cfg)
-    return model.to(dtype).eval()
+    """A model with random (PyTorch default init) weights, built directly on the device. Half
+    precision models are created in their dtype (a 30B-parameter MoE never exists in float32)."""
+    previous = torch.get_default_dtype()
+    if dtype in (torch.float16, torch.bfloat16):
+        torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_class(cfg)(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to(dtype)
+    rope = model.model.rotary_emb  # the frequencies stay float32 (``.to`` cast them)
+    rope.inv_freq = type(rope)(cfg).inv_freq.to(device)
+    return model.eval()
 
 
 def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Module, ModelConfig]:
@@ -73,31 +117,53 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
     files = weight_files(path)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)  # allocated in the dtype only
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # to_empty leaves buffers uninitialised: recompute RoPE frequencies.
-    rope = model.model.rotary_emb
-    rope.inv_freq = type(rope)(cfg).inv_freq.to(device)
+    # to_empty leaves buffers uninitialised: recompute RoPE frequencies (every RoPE of the model).
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_frequencies(device)
 
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []
+    filled: dict[str, int] = {}  # elements copied into parameters that checkpoints give in slices (experts)
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 experts: name -> the blocks and scales seen so far
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
                 if key.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and key == "lm_head.weight"):
                     continue
-                if key not in params:
+                name = key.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name of its MoE block
+                tensor = f.get_tensor(key)
+                if name.endswith((mxfp4.BLOCKS, mxfp4.SCALES)):  # dequantised once both halves are read
+                    base, part = name[:-len(mxfp4.BLOCKS)], name[-len(mxfp4.BLOCKS):]
+                    packed.setdefault(base, {})[part] = tensor
+                    if len(packed[base]) < 2:
+                        continue
+                    halves = {k: v.to(device) for k, v in packed.pop(base).items()}  # dequantised where it runs
+                    name, tensor = base, mxfp4.dequantize(halves[mxfp4.BLOCKS], halves[mxfp4.SCALES], dtype)
+                name, index, tensor = expert_target(name, tensor, cfg.moe) or (name, (slice(None),), tensor)
+                if name not in params:
                     unexpected.append(key)
                     continue
-                tensor = f.get_tensor(key)
-                if tuple(tensor.shape) != tuple(params[key].shape):
+                try:
+                    dest = params[name][index]
+                except IndexError:
+                    raise CheckpointError(f"{file.name}: {key} does not fit {name} of shape "
+                                          f"{tuple(params[name].shape)} (config.json)") from None
+                if tuple(tensor.shape) != tuple(dest.shape):
                     raise CheckpointError(
-                        f"{file.name}: {key} has shape {tuple(tensor.shape)}, config.json implies {tuple(params[key].shape)}"
+                        f"{file.name}: {key} has shape {tuple(tensor.shape)}, config.json implies {tuple(dest.shape)}"
                     )
                 with torch.no_grad():
-                    params[key].copy_(tensor)
-                loaded.add(key)
+                    dest.copy_(tensor)
+                filled[name] = filled.get(name, 0) + dest.numel()
+                if filled[name] == params[name].numel():
+                    loaded.add(name)
+    if packed:
+        raise CheckpointError(f"{path}: MXFP4 weights without their other half (_blocks and _scales): "
+                              f"{[k + p for k, parts in packed.items() for p in parts][:5]}")
     if unexpected:
         raise CheckpointError(f"{path}: unexpected weights (not a {cfg.model_type} layout?): {unexpected[:5]}")
     missing = sorted(set(params) - loaded)

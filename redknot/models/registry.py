@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .adapter import LlamaAdapter, ModelAdapter
 from .config import ModelConfig, UnsupportedModelError
+from .gemma3 import Gemma3Adapter, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 
 ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
@@ -15,6 +16,14 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "mistral": (LlamaForCausalLM, LlamaAdapter),
     "qwen2": (LlamaForCausalLM, LlamaAdapter),
     "qwen3": (LlamaForCausalLM, LlamaAdapter),
+    # mixture-of-experts: the same decoder with a sparse MoE block as the FFN (models/moe.py)
+    "qwen3_moe": (LlamaForCausalLM, LlamaAdapter),
+    "qwen2_moe": (LlamaForCausalLM, LlamaAdapter),
+    "mixtral": (LlamaForCausalLM, LlamaAdapter),
+    "olmoe": (LlamaForCausalLM, LlamaAdapter),
+    "gemma3_text": (Gemma3ForCausalLM, Gemma3Adapter),
+    # gpt-oss: the same decoder with attention sinks, biased projections and its own MoE options
+    "gpt_oss": (LlamaForCausalLM, LlamaAdapter),
 }
 
 

@@ -27,7 +27,8 @@ class FlopReport:
         qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
         self.proj.append(2 * n_tokens * h * (qkv_out + cfg.num_attention_heads * d))
         self.attention.append(4 * d * pairs)  # q·k and p·v
-        self.ffn.append(2 * n_ffn * 3 * h * cfg.intermediate_size)
+        sparse, every = cfg.ffn_flops_per_row(len(self.ffn))  # MoE: routed experts, shared expert
+        self.ffn.append(n_ffn * sparse + n_tokens * every)
         self.tokens.append(n_tokens)
         self.ffn_tokens.append(n_ffn)
 

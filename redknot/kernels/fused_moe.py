@@ -1,0 +1,226 @@
+"""Fused mixture-of-experts on the GPU: a Triton grouped GEMM over token-expert pairs.
+
+Three steps, each with its torch reference in ``kernels/moe_reference.py``:
+
+1. ``align``: the T*k token-expert pairs sorted by expert and each expert's run padded to the GEMM
+   block (BLOCK_M rows), in a buffer of the worst case T*k + E*(BLOCK_M-1) slots, so every shape
+   is static: no host sync, and decode steps are captured in CUDA graphs. Up to
+   ``ONE_PROGRAM_PAIRS`` pairs one Triton program counts, scans and scatters (one launch); more
+   pairs are sorted on the device by the torch reference.
+2. ``gate_up``: per block of slots (one expert), x's rows times the expert's gate and up rows, the
+   activation fused (``silu`` or gpt-oss's clamped SwiGLU): [slots, I].
+3. ``down``: the expert's down projection times each pair's routing weight, stored per pair
+   [T*k, H]; the sum over a token's k pairs is one reduction.
+
+Blocks past the last expert's run exit at once, so a decode step pays a launch over the worst
+case only. Accumulation is float32; the intermediate and the pair outputs are rounded to x's
+dtype (as transformers' bf16 experts round theirs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .moe_reference import ACTIVATIONS, align_reference
+
+ONE_PROGRAM_PAIRS = 4096
+
+
+@triton.jit
+def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, n_pairs, n_slots, n_blocks,
+                  E: tl.constexpr, EP: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                  FILL: tl.constexpr, BLOCKS: tl.constexpr):
+    experts = tl.arange(0, EP)
+    counts = tl.zeros([EP], dtype=tl.int32)
+    for start in range(0, n_pairs, CHUNK):  # pass 1: pairs per expert
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=EP)  # EP matches no expert
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    for s in range(0, n_slots, FILL):  # every slot padding until pass 2 writes the pairs
+        offs = s + tl.arange(0, FILL)
+        tl.store(slot_pair_ptr + offs, tl.full([FILL], 0, tl.int32) + n_pairs, mask=offs < n_slots)
+    for b in range(0, n_blocks, BLOCKS):  # a block's expert: the first whose padded run ends past it
+        blk = b + tl.arange(0, BLOCKS)
+        idx = tl.sum((ends[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + blk, tl.where(idx < E, idx, -1), mask=blk < n_blocks)
+    tl.debug_barrier()  # the padding fill lands before the pairs overwrite it
+    running = ends - padded  # each expert's next free slot
+    for start in range(0, n_pairs, CHUNK):  # pass 2: each pair to its slot, in pair order per expert
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < n_pairs, other=EP)
+        hit = (e[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hit, axis=0) - hit  # earlier pairs of the same expert in this chunk
+        dest = tl.sum(hit * (running[None, :] + before), axis=1)
+        tl.store(slot_pair_ptr + dest, offs, mask=offs < n_pairs)
+        running += tl.sum(hit, axis=0)
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, n_pairs, H, I,
+                    stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
+                    TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(slot_pair_ptr + rows)
+    valid = pair < n_pairs
+    tok = (pair // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok_n = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xm + ks[None, :]
+    g_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BK, BN]: gate rows
+    u_ptrs = g_ptrs + I * stride_wn  # the up rows
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        ok_k = ks < H - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & ok_k[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=ok_k[:, None] & ok_n[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=ok_k[:, None] & ok_n[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + e * stride_be + cols, mask=ok_n, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + e * stride_be + I + cols, mask=ok_n, other=0.0).to(tl.float32)[None, :]
+    if ACT == "silu":
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+    else:  # swiglu_clamped (gpt-oss)
+        gate = tl.minimum(acc_g, limit)
+        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = (up + 1) * (gate * tl.sigmoid(gate * alpha))
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & ok_n[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, b_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, weight_ptr, n_pairs, H, I,
+                 stride_am, stride_we, stride_wn, stride_be, stride_om,
+                 HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(slot_pair_ptr + rows)
+    valid = pair < n_pairs
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok_n = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
+    w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BK, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ok_k = ks < I - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & ok_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=ok_k[:, None] & ok_n[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * stride_be + cols, mask=ok_n, other=0.0).to(tl.float32)[None, :]
+    acc *= tl.load(weight_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & ok_n[None, :])
+
+
+def block_config(n_pairs: int, num_experts: int) -> dict:
+    """Tile sizes from the mean pairs per expert (static for a batch size: graph-safe): BLOCK_M,
+    and (BLOCK_N, BLOCK_K, num_warps) of each GEMM. Few pairs per expert (decode): 16-row blocks
+    and narrow gate_up tiles (each loads a gate and an up tile), many programs streaming weights."""
+    per_expert = n_pairs / num_experts
+    if per_expert <= 16:
+        return dict(BLOCK_M=16, gate_up=(32, 128, 4), down=(64, 128, 4))
+    if per_expert <= 64:
+        return dict(BLOCK_M=32, gate_up=(64, 64, 4), down=(64, 64, 4))
+    return dict(BLOCK_M=64, gate_up=(64, 64, 8), down=(128, 64, 8))
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair of each slot, int32 [P]; expert of each block of ``block_m`` slots, int32 [P // block_m]):
+    as ``moe_reference.align_reference``, computed on the device without a host sync."""
+    n = ids.numel()
+    if n > ONE_PROGRAM_PAIRS:
+        return align_reference(ids, num_experts, block_m)
+    size = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    slot_pair = torch.empty(size, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
+    ep = triton.next_power_of_2(num_experts)
+    wide = max(16, 8192 // ep)  # rows of the [rows, EP] tiles a step compares: 8K elements
+    _align_kernel[(1,)](ids.reshape(-1).to(torch.int32), slot_pair, block_expert, n, size, size // block_m,
+                        E=num_experts, EP=ep, BLOCK_M=block_m, CHUNK=max(16, min(triton.next_power_of_2(n), wide)),
+                        FILL=1024, BLOCKS=wide, num_warps=8)
+    return slot_pair, block_expert
+
+
+def gate_up(x, gate_up_w, slot_pair, block_expert, top_k: int, activation: str = "silu", bias=None,
+            alpha: float = 1.702, limit: float = 7.0, config: dict | None = None) -> torch.Tensor:
+    """[P, I] in x's dtype: each slot's token through its expert's gate/up rows and the activation
+    (rows of padding slots are left unspecified)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r}: use one of {ACTIVATIONS}")
+    cfg = config or block_config(x.shape[0] * top_k, gate_up_w.shape[0])
+    bm = slot_pair.numel() // block_expert.numel()  # the alignment's block: the GEMM's BLOCK_M
+    x = x.contiguous()
+    w = gate_up_w if gate_up_w.stride(-1) == 1 else gate_up_w.contiguous()
+    e, two_i, h = w.shape
+    inter = two_i // 2
+    out = torch.empty(slot_pair.numel(), inter, dtype=x.dtype, device=x.device)
+    bn, bk, warps = cfg["gate_up"]
+    grid = (block_expert.numel(), triton.cdiv(inter, bn))
+    _gate_up_kernel[grid](x, w, bias if bias is not None else w, out, slot_pair, block_expert,
+                          x.shape[0] * top_k, h, inter, x.stride(0), w.stride(0), w.stride(1),
+                          bias.stride(0) if bias is not None else 0, out.stride(0), float(alpha), float(limit),
+                          TOP_K=top_k, ACT=activation, HAS_BIAS=bias is not None, PRECISION=_precision(x),
+                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return out
+
+
+def down(inter, down_w, slot_pair, block_expert, weights, bias=None, config: dict | None = None) -> torch.Tensor:
+    """[T*k, H] in inter's dtype: each pair's intermediate through its expert's down projection,
+    times its routing weight (``weights`` [T, k])."""
+    n = weights.numel()
+    cfg = config or block_config(n, down_w.shape[0])
+    bm = slot_pair.numel() // block_expert.numel()
+    w = down_w if down_w.stride(-1) == 1 else down_w.contiguous()
+    e, h, i = w.shape
+    out = torch.empty(n, h, dtype=inter.dtype, device=inter.device)
+    bn, bk, warps = cfg["down"]
+    grid = (block_expert.numel(), triton.cdiv(h, bn))
+    _down_kernel[grid](inter, w, bias if bias is not None else w, out, slot_pair, block_expert,
+                       weights.reshape(-1).contiguous(), n, h, i, inter.stride(0), w.stride(0), w.stride(1),
+                       bias.stride(0) if bias is not None else 0, out.stride(0),
+                       HAS_BIAS=bias is not None, PRECISION=_precision(inter),
+                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    return out
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exact; half types ignore it
+
+
+def fused_experts(x: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, activation: str = "silu", gate_up_bias: torch.Tensor | None = None,
+                  down_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
+                  config: dict | None = None) -> torch.Tensor:
+    """x [T, H] through its routed experts (``ids``/``weights`` [T, k]): what
+    ``moe_reference.experts_reference`` computes, in three launches plus the sum over k."""
+    t, k = ids.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    cfg = config or block_config(t * k, gate_up_w.shape[0])
+    slot_pair, block_expert = align(ids, gate_up_w.shape[0], cfg["BLOCK_M"])
+    inter = gate_up(x, gate_up_w, slot_pair, block_expert, k, activation, gate_up_bias, alpha, limit, cfg)
+    pairs = down(inter, down_w, slot_pair, block_expert, weights, down_bias, cfg)
+    return pairs.view(t, k, x.shape[1]).sum(1)  # accumulated in float32 for half types, one rounding
