@@ -353,3 +353,17 @@ def test_triton_path_equals_torch_with_prefill_chunks_beside_decodes(tiny_checkp
         logits.append(llm.first_token_logits(PROMPT, documents=DOCS, method="redknot"))
     assert outs[0] == outs[1]
     assert rel(logits[1], logits[0]) <= 1e-5
+
+
+def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
+    """DeepSeek-V3 checkpoints carry the MTP module as the layer past the last (transformers skips it)."""
+    from safetensors.torch import load_file, save_file
+
+    path = _edited(tiny_checkpoint("deepseek_v3"), tmp_path / "ck", lambda c: None)
+    weights = load_file(path / "model.safetensors")
+    weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    weights["model.layers.3.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 32, 32)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(model=path, device="cpu")
+    assert rel(llm.first_token_logits(PROMPT), LLM(model=tiny_checkpoint("deepseek_v3"), device="cpu")
+               .first_token_logits(PROMPT)) == 0
