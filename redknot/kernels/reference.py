@@ -111,7 +111,7 @@ def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_
         s = s.masked_fill(~mask[:, None], float("-inf"))
         lb = torch.logsumexp(s, dim=-1)  # [Hkv, G, Q]; -inf for a row that sees nothing
         if sink_logits is not None:
-            lb = torch.logaddexp(lb, sink_logits.float().view(hkv, g, 1))
+            lb = torch.logaddexp(lb, sink_logits.to(lb.device, torch.float32).view(hkv, g, 1))
         pr = torch.nan_to_num(torch.exp(s - lb[..., None]), nan=0.0)
         ob = torch.einsum("hgqk,hkd->qhgd", pr, vv)
         o[cu[b]:cu[b + 1]] = ob.reshape(q_len, hq, d)
@@ -148,7 +148,7 @@ def dense_masked_attention(q, k, v, window, sink, sm_scale=None, sel=None, retur
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                     # [Hq, Q]
     if sink_logits is not None:
-        lse = torch.logaddexp(lse, sink_logits.to(ft)[:, None])
+        lse = torch.logaddexp(lse, sink_logits.to(lse.device, ft)[:, None])
     p = torch.nan_to_num(torch.exp(s - lse[..., None]), nan=0.0)
     o = torch.einsum("hqk,khd->qhd", p, vf).to(q.dtype)
     return (o, lse.transpose(0, 1).contiguous()) if return_lse else o
@@ -206,7 +206,7 @@ def paged_decode_attention_masked(q, k_pages, v_pages, pages, bias, sm_scale, si
     if sink_logits is None:
         probs = torch.softmax(scores, dim=-1)
     else:
-        probs = softmax_with_sinks(scores, sink_logits.float().view(1, hkv, hq // hkv, 1))
+        probs = softmax_with_sinks(scores, sink_logits.to(scores.device, torch.float32).view(1, hkv, hq // hkv, 1))
     o = torch.matmul(probs.to(vv.dtype), vv)
     return o.reshape(B, hq, d).to(q.dtype)
 

@@ -36,11 +36,12 @@ QUESTION = "Question: who founded the city of Varna? Answer:"
 
 
 def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    a, b = a.cpu().double(), b.cpu().double()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def cos(a, b):
-    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
+    return torch.nn.functional.cosine_similarity(a.cpu().double(), b.cpu().double(), dim=0).item()
 
 
 def hf_greedy(hf, ids, n):
