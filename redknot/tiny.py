@@ -19,7 +19,9 @@ MOE_OVERRIDES = {
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                       shared_expert_intermediate_size=48),
     # gpt-oss: its layers alternate an 8-token sliding window and full attention (transformers'
-    # default layer_types); a SwiGLU limit of 1 makes the clamps bite on tiny activations
+    # default layer_types); a SwiGLU limit of 1 makes the clamps bite on tiny activations (transformers
+    # 5.17 ignores config.json's swiglu_limit and clamps at 7.0, 5.25 reads it: a reference built with
+    # transformers sets its experts' limit from the config, as test_models_gpt_oss does)
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
                     swiglu_limit=1.0),
 }
