@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "qwen3_next")
 
 # Mixture-of-experts families: 8 experts of width 32, top-2 (the dense MLP of qwen3_moe/qwen2_moe
 # layers that mlp_only_layers or decoder_sparse_step make dense is intermediate_size wide).
@@ -17,7 +17,14 @@ MOE_OVERRIDES = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, clip_qkv=None),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                       shared_expert_intermediate_size=48),
+    # hybrid: Gated DeltaNet layers (2 key heads, 4 value heads of 16) with every 4th layer full attention
+    # (4 layers by default: 3 linear + 1 full), a quarter of each head rotated, MoE with a shared expert
+    "qwen3_next": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                       shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
 }
+# Layers a family's checkpoint has unless the caller says (a hybrid needs a full-attention layer)
+DEFAULT_LAYERS = {"qwen3_next": 4}
 
 ROPE_VARIANTS = {
     "default": {"rope_type": "default"},
@@ -28,7 +35,7 @@ ROPE_VARIANTS = {
 }
 
 def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "default",
-                         tie_word_embeddings: bool = False, num_hidden_layers: int = 2,
+                         tie_word_embeddings: bool = False, num_hidden_layers: int | None = None,
                          num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 16,
                          max_position_embeddings: int = 1024, seed: int = 0, sharded: bool = False,
                          **overrides) -> Path:
@@ -39,12 +46,16 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: use one of {FAMILIES}")
     path = Path(path)
+    num_hidden_layers = num_hidden_layers or DEFAULT_LAYERS.get(family, 2)
     tokenizer = make_tokenizer()
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                   "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                   "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
-                  "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[family]
+                  "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+                  "qwen3_next": transformers.Qwen3NextConfig}[family]
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
+    if family == "qwen3_next":
+        rope_params["partial_rotary_factor"] = 0.25  # the released models' share
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=num_attention_heads * head_dim, intermediate_size=96,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
@@ -68,6 +79,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                 # a router initialised at std 0.08 routes near-uniformly; a wider one makes the choice of
                 # experts (and its ties) decisive, as in a trained model
                 p.normal_(0, 0.5)
+            elif family == "qwen3_next" and name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)  # zero-centred norms: make (1 + w) differ from 1
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(path)
     return path

@@ -13,6 +13,8 @@ forward per head plan; a decode-only batch replays a CUDA graph) and samples.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import torch
@@ -39,6 +41,8 @@ from .sequence import ReuseState, Sequence
 
 __all__ = ["Engine", "EngineConfig", "RequestTooLarge", "StepOutput"]
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
     def __init__(self, model, config, tokenizer, fingerprint: str, head_config, sparse_ffn, device: torch.device,
@@ -50,6 +54,10 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.adapter = adapter_for(model, config)
         self.adapter.prepare(device)
+        if cfg.enable_prefix_caching and not self.adapter.prefix_caching:
+            log.info("prefix caching is off for %s: its linear-attention layers carry a state over the whole "
+                     "prompt, which a cached prefix's pages do not hold", config.model_type)
+            self.cfg = cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
         page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
         pages, profile = initial_pages(cfg, config.num_hidden_layers, config.num_key_value_heads, page_bytes,
                                        self.max_model_len, device)
@@ -108,7 +116,9 @@ class Engine:
         seq.plan = spec.plan
         if spec.reads_chunks and seq.chunked_prompt is not None:
             seq.chunked_prompt = seq.chunked_prompt.packed(self.pool.page_size)  # small documents share pages
-        seq.reuse = ReuseState(seq.chunked_prompt) if spec.reads_chunks else None
+        # a model that cannot take document K/V from elsewhere (hybrid linear attention) prefills the
+        # whole prompt in the pool under the method's plan: as after a preemption, nothing to place
+        seq.reuse = ReuseState(seq.chunked_prompt, done=not self.adapter.document_reuse) if spec.reads_chunks else None
 
     def prepare(self, seq: Sequence) -> None:
         """``prepare_plan`` and check it can ever run; raises before anything is queued."""

@@ -156,7 +156,8 @@ class ModelRunner:
         mode = ForwardMode.EXTEND if max(q_lens) > 1 else ForwardMode.DECODE
         return ForwardBatch(mode, seq_ids=list(seq_ids), q_lens=list(q_lens), seq_lens=list(seq_lens),
                             max_q_len=max(q_lens), cu_seqlens_q=cu, seq_lens_t=seq_lens_t, positions=positions,
-                            block_tables=tables, window=window, sink=sink, sel_pos=sel_pos, sel_lens=sel_lens)
+                            block_tables=tables, window=window, sink=sink, sel_pos=sel_pos, sel_lens=sel_lens,
+                            state_slots=slots_t)
 
     # ------------------------------------------------------------------ CUDA graphs
 

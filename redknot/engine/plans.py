@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import PagePool
+from ..cache.linear_state import LinearStatePool
 from ..models.adapter import ModelAdapter
 from .model_runner import ModelRunner
 
@@ -29,6 +30,8 @@ def build_pool(adapter: ModelAdapter, head_config, num_pages: int, page_size: in
         if name != "default":
             pool.add_plan(name, window, sink)
     pool.attach_device_tables(slots, max_len)
+    if layout.linear is not None:  # a hybrid's linear layers: a state per sequence slot (slot 0: padding)
+        pool.linear_state = LinearStatePool(layout.linear_layers, layout.linear, slots + 1, dtype, device)
     return pool
 
 

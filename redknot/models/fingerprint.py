@@ -24,7 +24,9 @@ def model_fingerprint(model, cfg: ModelConfig, tokenizer=None) -> str:
         vocab = tokenizer.get_vocab()
         h.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
     weights = [model.model.embed_tokens.weight, model.lm_head.weight]
-    weights += [layer.self_attn.k_proj.weight for layer in model.model.layers]
+    # each layer's key projection (a hybrid's linear layers: their q/k/v/z projection)
+    weights += [layer.self_attn.k_proj.weight if hasattr(layer, "self_attn") else layer.linear_attn.in_proj_qkvz.weight
+                for layer in model.model.layers]
     for w in weights:
         step = max(1, w.shape[0] // 256)
         h.update(w[::step].detach().float().cpu().numpy().tobytes())

@@ -9,6 +9,7 @@ from __future__ import annotations
 from .adapter import LlamaAdapter, ModelAdapter
 from .config import ModelConfig, UnsupportedModelError
 from .llama import LlamaForCausalLM
+from .qwen3_next import HybridAdapter, Qwen3NextForCausalLM
 
 ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "llama": (LlamaForCausalLM, LlamaAdapter),
@@ -20,6 +21,8 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "qwen2_moe": (LlamaForCausalLM, LlamaAdapter),
     "mixtral": (LlamaForCausalLM, LlamaAdapter),
     "olmoe": (LlamaForCausalLM, LlamaAdapter),
+    # hybrid: Gated DeltaNet linear-attention layers beside gated full-attention layers, MoE FFNs
+    "qwen3_next": (Qwen3NextForCausalLM, HybridAdapter),
 }
 
 
