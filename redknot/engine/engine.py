@@ -76,6 +76,9 @@ class Engine:
         self._build(pages)
         self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
         if cfg.selection is not None and cfg.selection.active:
+            if self.adapter.state_layout().linear is not None:
+                raise ValueError(f"retrieval heads and decode KV budgets (selection) are not supported on "
+                                 f"{config.model_type}: its linear-attention layers keep no per-token K/V")
             self.selection = HeadSelection.for_engine(self, cfg.selection)
         if profile:
             pages, memory = profile_pages(self)

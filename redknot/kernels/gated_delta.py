@@ -131,8 +131,9 @@ def varlen_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, max_len
                                               initial_state, scale, use_qk_l2norm)
         return o[:, 0], state
     padded = [pad_rows(x, cu_seqlens, max_len) for x in (q, k, v, g, beta)]
+    chunk = min(64, 1 << (max_len - 1).bit_length())  # short rows (chunked prefill steps): a small chunk
     o, state = chunk_gated_delta_rule(*padded, initial_state=initial_state, scale=scale,
-                                      use_qk_l2norm=use_qk_l2norm)
+                                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk)
     seq, local = row_coordinates(cu_seqlens, q.shape[0])
     return o.reshape((-1,) + tuple(o.shape[2:]))[seq * max_len + local], state
 
