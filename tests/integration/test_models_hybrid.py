@@ -117,17 +117,17 @@ def _free_slots(llm):
 
 def test_state_slots_go_back_after_finish_abort_and_preemption(hybrid, llm):
     prompts = [f"Request {i}: " + LONG[: 60 + 40 * i] for i in range(4)]
-    ref = [llm.generate(p, greedy(30))[0].outputs[0].token_ids for p in prompts]
+    ref = [llm.generate(p, greedy(20))[0].outputs[0].token_ids for p in prompts]
     # room for about two requests at a time: decode growth preempts (the re-prefill restarts the state)
     small = LLM(model=hybrid, device="cpu", dtype="float32", page_size=16, kv_pages=30, max_num_batched_tokens=64,
                 reserve_full_length=False)
-    out = small.generate(prompts, greedy(30))
+    out = small.generate(prompts, greedy(20))
     assert small.engine.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in out] == ref
     free, total = _free_slots(small)
     assert free == total and small.pool.num_free_pages == small.pool.num_pages
     # an aborted request's slot goes back, and the next owner of that slot starts from a zero state
-    seqs = [small.make_sequence(p, greedy(30), None, "dense") for p in prompts[:2]]
+    seqs = [small.make_sequence(p, greedy(20), None, "dense") for p in prompts[:2]]
     for s in seqs:
         small.engine.add_request(s)
     for step in range(6):
@@ -138,7 +138,7 @@ def test_state_slots_go_back_after_finish_abort_and_preemption(hybrid, llm):
     assert seqs[1].finish_reason == "abort" and seqs[0].output_token_ids == ref[0]
     free, total = _free_slots(small)
     assert free == total and small.pool.num_free_pages == small.pool.num_pages
-    assert small.generate(prompts[3], greedy(30))[0].outputs[0].token_ids == ref[3]
+    assert small.generate(prompts[3], greedy(20))[0].outputs[0].token_ids == ref[3]
 
 
 def test_unsupported_hybrid_configs_name_the_field(hybrid, tmp_path):
@@ -179,3 +179,25 @@ def test_cuda_graph_decode_equals_eager_and_transformers(hybrid):
             ref = hf(ids).logits[0, -1].float().cpu()
         assert cos(llm.first_token_logits(prompts[-1]), ref) >= 0.9999
     assert outs[0] == outs[1]
+
+
+def test_decode_bench_bound_counts_the_linear_state(tmp_path):
+    """``redknot bench decode --arch tiny-hybrid`` (CPU smoke): transformers' baseline runs, and the
+    bound reads the active weights, the full layers' K/V and every sequence's linear state twice."""
+    import argparse
+    import json
+
+    from redknot.bench import decode as bd
+
+    out = tmp_path / "decode.json"
+    p = argparse.ArgumentParser()
+    bd.add_arguments(p)
+    result = bd.run(p.parse_args(["--arch", "tiny-hybrid", "--cases", "1x100,3x100", "--methods", "dense,hf",
+                                  "--tokens", "3", "--device", "cpu", "--no-cuda-graphs", "--out", str(out)]))
+    rows = {(r["method"], r["batch"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows[("hf", 3)]["tok_s"] > 0 and rows[("dense", 3)]["tok_s"] > 0
+    per_seq = result["linear_state"]["bytes_per_sequence"]
+    assert per_seq == 3 * 4 * (3 * (2 * 32 + 64) + 4 * 16 * 16)  # 3 layers x fp32 (conv: W-1 = 3 inputs of q/k/v; state)
+    assert rows[("dense", 3)]["state_read_write_bytes"] == 2 * 3 * per_seq
+    # the full layer's K/V only: 1 layer x 2 KV heads x 100 tokens x K and V of 16 floats
+    assert rows[("dense", 1)]["kv_read_bytes"] == 1 * 2 * 100 * 2 * 16 * 4
