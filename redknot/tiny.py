@@ -7,7 +7,8 @@ from pathlib import Path
 
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "qwen3_next")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe",
+            "qwen3_next")
 
 # Mixture-of-experts families: 8 experts of width 32, top-2 (the dense MLP of qwen3_moe/qwen2_moe
 # layers that mlp_only_layers or decoder_sparse_step make dense is intermediate_size wide).
@@ -24,7 +25,7 @@ MOE_OVERRIDES = {
                        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
 }
 # Layers a family's checkpoint has unless the caller says (a hybrid needs a full-attention layer)
-DEFAULT_LAYERS = {"qwen3_next": 4}
+DEFAULT_LAYERS = {"qwen3_next": 4, "gemma3_text": 6}
 
 ROPE_VARIANTS = {
     "default": {"rope_type": "default"},
@@ -39,20 +40,24 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                          num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 16,
                          max_position_embeddings: int = 1024, seed: int = 0, sharded: bool = False,
                          **overrides) -> Path:
-    """Write a random checkpoint (config.json, safetensors, tokenizer) and return its directory."""
+    """Write a random checkpoint (config.json, safetensors, tokenizer) and return its directory.
+
+    ``num_hidden_layers`` defaults to 2 (gemma3_text: 6, so its five sliding layers to one global
+    show). gemma3_text: ``rope`` is the global layers' RoPE; the sliding layers (window 8) rotate
+    with their own base, scores scale by query_pre_attn_scalar 24 (not head_dim), and every norm
+    weight is random (HF initialises them to 0, i.e. a scale of 1)."""
     import torch
     import transformers
 
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: use one of {FAMILIES}")
     path = Path(path)
-    num_hidden_layers = num_hidden_layers or DEFAULT_LAYERS.get(family, 2)
     tokenizer = make_tokenizer()
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
                   "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                   "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
                   "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-                  "qwen3_next": transformers.Qwen3NextConfig}[family]
+                  "gemma3_text": transformers.Gemma3TextConfig, "qwen3_next": transformers.Qwen3NextConfig}[family]
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
     if family == "qwen3_next":
         rope_params["partial_rotary_factor"] = 0.25  # the released models' share
@@ -67,6 +72,10 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     if family in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None  # full attention unless a test asks for a window
     kwargs.update(MOE_OVERRIDES.get(family, {}))
+    if family == "gemma3_text":
+        kwargs.update(sliding_window=8, query_pre_attn_scalar=24, rope_parameters={
+            "full_attention": {**rope_params, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -81,6 +90,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                 p.normal_(0, 0.5)
             elif family == "qwen3_next" and name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)  # zero-centred norms: make (1 + w) differ from 1
+            elif family == "gemma3_text" and name.endswith("norm.weight"):
+                p.normal_(0, 0.3)  # Gemma's norm weights are offsets from 1, zero at init: make them matter
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(path)
     return path
@@ -99,17 +110,24 @@ TINY_GGUF_TYPES = {"token_embd": "Q8_0", "output": "Q8_0", "attn_q": "Q8_0", "at
 def make_tiny_gguf(path: str | Path, arch: str = "llama", tie_word_embeddings: bool = True,
                    num_hidden_layers: int = 2, num_attention_heads: int = 4, num_key_value_heads: int = 2,
                    head_dim: int = 16, intermediate_size: int = 128, context_length: int = 1024,
-                   types: dict | None = None, seed: int = 0):
+                   types: dict | None = None, seed: int = 0, hidden_size: int | None = None,
+                   sliding_window: int = 8, gemma_metadata: dict | None = None):
     """Write a tiny random GGUF file the way llama.cpp's converter lays one out (tensor names, q/k
-    rows permuted for llama, quantised tensor types, byte-level BPE tokenizer and chat template in
-    the metadata). Returns ``(path, hf_weights)``: the HF-layout float32 weights before
-    quantisation."""
+    rows permuted for llama, Gemma's norm weights stored plus 1, quantised tensor types, byte-level
+    BPE tokenizer and chat template in the metadata). Returns ``(path, hf_weights)``: the HF-layout
+    float32 weights before quantisation.
+
+    gemma3: ``hidden_size`` may differ from heads x head_dim; four norms per layer and q/k norms;
+    ``sliding_window``, rope.freq_base 1e6 and ``gemma_metadata`` ({"sliding_window_pattern": 3,
+    "rope_freq_base_swa": 500.0}: keys llama.cpp's reader knows and transformers' does not) in the
+    metadata."""
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
     from gguf.quants import quantize
 
-    if arch not in ("llama", "qwen2"):
-        raise ValueError(f"arch={arch!r}: use llama or qwen2")
+    if arch not in ("llama", "qwen2", "gemma3"):
+        raise ValueError(f"arch={arch!r}: use llama, qwen2 or gemma3")
+    gemma = arch == "gemma3"
     path = Path(path)
     types = {**TINY_GGUF_TYPES, **(types or {})}
     tok = make_tokenizer()
@@ -118,7 +136,7 @@ def make_tiny_gguf(path: str | Path, arch: str = "llama", tie_word_embeddings: b
     model_json = __import__("json").loads(tok.backend_tokenizer.to_str())["model"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model_json["merges"]]
     specials = set(tok.all_special_tokens)
-    hidden, vocab_size = num_attention_heads * head_dim, len(tokens)
+    hidden, vocab_size = hidden_size or num_attention_heads * head_dim, len(tokens)
     rng = np.random.default_rng(seed)
 
     def rand(*shape, std=0.08):
@@ -137,6 +155,12 @@ def make_tiny_gguf(path: str | Path, arch: str = "llama", tie_word_embeddings: b
         hf[p + "self_attn.k_proj.weight"] = rand(kv_out, hidden, std=0.3)
         hf[p + "self_attn.v_proj.weight"] = rand(kv_out, hidden)
         hf[p + "self_attn.o_proj.weight"] = rand(hidden, q_out)
+        if gemma:  # HF stores Gemma's norms as offsets from 1; two more per layer, and q/k norms
+            hf[p + "input_layernorm.weight"] -= 1
+            hf[p + "post_attention_layernorm.weight"] -= 1
+            for name, dim in (("pre_feedforward_layernorm", hidden), ("post_feedforward_layernorm", hidden),
+                              ("self_attn.q_norm", head_dim), ("self_attn.k_norm", head_dim)):
+                hf[p + name + ".weight"] = rand(dim, std=0.3)
         if arch == "qwen2":
             hf[p + "self_attn.q_proj.bias"] = rand(q_out, std=0.3)
             hf[p + "self_attn.k_proj.bias"] = rand(kv_out, std=0.3)
@@ -145,6 +169,8 @@ def make_tiny_gguf(path: str | Path, arch: str = "llama", tie_word_embeddings: b
         hf[p + "mlp.up_proj.weight"] = rand(intermediate_size, hidden)
         hf[p + "mlp.down_proj.weight"] = rand(hidden, intermediate_size)
 
+    if gemma:
+        hf["model.norm.weight"] -= 1
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(context_length)
@@ -153,7 +179,16 @@ def make_tiny_gguf(path: str | Path, arch: str = "llama", tie_word_embeddings: b
     w.add_feed_forward_length(intermediate_size)
     w.add_head_count(num_attention_heads)
     w.add_head_count_kv(num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1_000_000.0 if gemma else 10000.0)
+    if gemma:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_sliding_window(sliding_window)
+        extra = gemma_metadata or {}
+        if "sliding_window_pattern" in extra:
+            w.add_uint32(f"{arch}.attention.sliding_window_pattern", extra["sliding_window_pattern"])
+        if "rope_freq_base_swa" in extra:
+            w.add_float32(f"{arch}.rope.freq_base_swa", extra["rope_freq_base_swa"])
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(vocab_size)
@@ -178,7 +213,8 @@ def make_tiny_gguf(path: str | Path, arch: str = "llama", tie_word_embeddings: b
             w.add_tensor(name, quantize(arr, qtype), raw_dtype=qtype)
 
     put("token_embd.weight", hf["model.embed_tokens.weight"], "token_embd")
-    put("output_norm.weight", hf["model.norm.weight"], None)
+    plus = 1 if gemma else 0  # llama.cpp's converter stores Gemma's norm weights plus 1
+    put("output_norm.weight", hf["model.norm.weight"] + plus, None)
     if not tie_word_embeddings:
         put("output.weight", hf["lm_head.weight"], "output")
     for i in range(num_hidden_layers):
@@ -186,8 +222,15 @@ def make_tiny_gguf(path: str | Path, arch: str = "llama", tie_word_embeddings: b
         q, k = hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"]
         if arch == "llama":  # what convert_hf_to_gguf does to llama's q/k rows
             q, k = llama_cpp_permute(q, num_attention_heads), llama_cpp_permute(k, num_key_value_heads)
-        put(f"blk.{i}.attn_norm.weight", hf[p + "input_layernorm.weight"], None)
-        put(f"blk.{i}.ffn_norm.weight", hf[p + "post_attention_layernorm.weight"], None)
+        put(f"blk.{i}.attn_norm.weight", hf[p + "input_layernorm.weight"] + plus, None)
+        if gemma:
+            put(f"blk.{i}.post_attention_norm.weight", hf[p + "post_attention_layernorm.weight"] + 1, None)
+            put(f"blk.{i}.ffn_norm.weight", hf[p + "pre_feedforward_layernorm.weight"] + 1, None)
+            put(f"blk.{i}.post_ffw_norm.weight", hf[p + "post_feedforward_layernorm.weight"] + 1, None)
+            put(f"blk.{i}.attn_q_norm.weight", hf[p + "self_attn.q_norm.weight"] + 1, None)
+            put(f"blk.{i}.attn_k_norm.weight", hf[p + "self_attn.k_norm.weight"] + 1, None)
+        else:
+            put(f"blk.{i}.ffn_norm.weight", hf[p + "post_attention_layernorm.weight"], None)
         put(f"blk.{i}.attn_q.weight", q, "attn_q")
         put(f"blk.{i}.attn_k.weight", k, "attn_k")
         put(f"blk.{i}.attn_v.weight", hf[p + "self_attn.v_proj.weight"], "attn_v")

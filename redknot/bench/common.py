@@ -45,6 +45,24 @@ ARCHS = {
                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                  "max_position_embeddings": 4096, "num_experts": 8, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "norm_topk_prob": True},
+    # Gemma 3 12B / 27B text (the language model of the released checkpoints): five 1024-token
+    # sliding-window layers to one global, local RoPE base 1e4, global 1e6 with linear scaling 8
+    "gemma3-12b": {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 3840,
+                   "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+                   "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 1024,
+                   "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                   "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "max_position_embeddings": 131072,
+                   "rms_norm_eps": 1e-6},
+    "gemma3-27b": {"model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 5376,
+                   "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32,
+                   "num_key_value_heads": 16, "head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024,
+                   "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                   "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "max_position_embeddings": 131072,
+                   "rms_norm_eps": 1e-6},
+    "tiny-gemma3": {"model_type": "gemma3_text", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "query_pre_attn_scalar": 24, "sliding_window": 32, "sliding_window_pattern": 6,
+                    "rope_theta": 1e6, "rope_local_base_freq": 1e4, "max_position_embeddings": 4096},
     "tiny": {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
              "max_position_embeddings": 4096},
@@ -80,6 +98,8 @@ def head_config(name: str, cfg: ModelConfig, anchor: str | None) -> HeadConfig:
 def hf_model(arch: dict, dev, dtype):
     import transformers
 
+    if arch["model_type"] == "gemma3_text":
+        return _hf_gemma3(arch, dev, dtype)
     cls = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
            "qwen3_next": transformers.Qwen3NextConfig}[arch["model_type"]]
@@ -93,6 +113,27 @@ def hf_model(arch: dict, dev, dtype):
         kw.setdefault("sliding_window", None)
     hf_cfg = cls(**kw, rope_parameters=rope)
     # MoE: transformers' default experts implementation (grouped_mm where it dispatches)
+    with torch.device(dev):
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def _hf_gemma3(arch: dict, dev, dtype):
+    """transformers' Gemma3ForCausalLM of a gemma3_text arch: the same layer pattern and RoPEs (a
+    per-layer-type ``rope_parameters``, as transformers 5 writes it)."""
+    import transformers
+
+    cfg = ModelConfig.from_dict(arch)
+    kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta", "rope_local_base_freq", "rope_scaling",
+                                                     "sliding_window_pattern")}
+    kw["layer_types"] = ["sliding_attention" if w else "full_attention" for w in cfg.sliding_windows]
+    glob = {"rope_theta": cfg.rope.theta, "rope_type": cfg.rope.rope_type}
+    if cfg.rope.rope_type == "linear":
+        glob["factor"] = cfg.rope.factor
+    elif cfg.rope.rope_type != "default":
+        raise ValueError(f"the gemma3 baseline builds default or linear RoPE, not {cfg.rope.rope_type!r}")
+    local = {"rope_theta": cfg.local_rope.theta, "rope_type": "default"}
+    hf_cfg = transformers.Gemma3TextConfig(**kw, rope_parameters={"full_attention": glob, "sliding_attention": local})
     with torch.device(dev):
         model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
     return model.eval()

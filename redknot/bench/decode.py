@@ -89,9 +89,10 @@ def _cases(spec: str) -> list[tuple[int, int]]:
 
 
 def _weight_bytes(model) -> int:
-    """Bytes a decode step reads of the weights: every matrix but the embedding table (only B rows)."""
+    """Bytes a decode step reads of the weights: every matrix but the embedding table (only B rows);
+    a tied LM head is counted (it reads the whole table)."""
     seen, total = set(), 0
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(remove_duplicate=False):
         if p.data_ptr() in seen or name.endswith("embed_tokens.weight"):
             continue
         seen.add(p.data_ptr())

@@ -203,8 +203,7 @@ class DocumentKV:
                 k, v = self.chunk_cache.gather(entry)
                 n = entry.num_tokens
                 if pos != start:
-                    h, d = k.shape[2:]
-                    k = self.adapter.relocate(k.reshape(L * n, h, d), pos - start).view(L, n, h, d)
+                    k = self.adapter.relocate_layers(k, pos - start)
                 cu = torch.arange(0, (L + 1) * n, n, dtype=torch.int32, device=self.device)
                 lens = torch.full((L,), pos + n, dtype=torch.int32, device=self.device)
                 self.runner.attn.store(k.reshape(L * n, *k.shape[2:]), v.reshape(L * n, *v.shape[2:]),

@@ -28,7 +28,7 @@ class ModelRunner:
         self.adapter, self.pool, self.plans = adapter, pool, plans
         self.device = pool.device
         cfg = adapter.config
-        self.attn = attention_backend(pool, cfg.head_dim**-0.5, kernel)
+        self.attn = attention_backend(pool, cfg.attention_scale, kernel)
         adapter.set_backend(self.attn)
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_sizes = [b for b in GRAPH_BATCH_SIZES if b <= max(max_num_seqs, 1)]

@@ -48,7 +48,7 @@ class RecoveryRows:
                  device: torch.device):
         self.cfg, self.device = cfg, device
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         self.requests = []
         for policy, n, c in zip(policies, lengths, cached):
             r = _Request(policy, n, c.to(device), device)

@@ -359,7 +359,7 @@ class HeadSelection:
         q = torch.cat([torch.stack([rows[l][0] for l in range(L)]).view(L, H, g, -1)[ls_t, hs_t]
                        for _, rows, _ in items])  # [C*R, g, D]
         # positions are in ``vis``; keys are compact, so the causal bound inside is always met
-        mass = sel_ops.attention_mass(q, keys, torch.full((g,), keys.shape[1], device=dev), cfg.head_dim ** -0.5,
+        mass = sel_ops.attention_mass(q, keys, torch.full((g,), keys.shape[1], device=dev), cfg.attention_scale,
                                       vis[:, None, :].expand(-1, g, -1))
         # each request's page mass so far (set when it selected at the end of its prompt)
         accs = [_grown(s.page_mass, P) for s, _, _ in items]
@@ -416,7 +416,7 @@ class HeadSelection:
         vis = stored[:, None, :].expand(-1, g * m, -1)
         if visible is not None:
             vis = vis & visible(q_pos)
-        return heads, hs, tbl, sel_ops.attention_mass(qq, keys, q_pos, cfg.head_dim ** -0.5, vis)
+        return heads, hs, tbl, sel_ops.attention_mass(qq, keys, q_pos, cfg.attention_scale, vis)
 
     def budget_sets(self, d: _Derived, layer: int, heads, hs, tbl, acc: torch.Tensor, n: int, sets: dict) -> None:
         """Budgeted heads' sets: the pages their accumulated mass ranks highest, within the budget."""

@@ -4,7 +4,7 @@ PROFILE             the per-layer pieces the head profiler reads: embeddings, ea
                     keys and values for a prompt, and the rest of the layer given its attention output
 BUILDSTATE          what a prefill stores per (layer, KV head) and how it is reused elsewhere: K/V
                     pages of ``head_dim`` (the pool's layout), keys relocated by a RoPE rotation when
-                    a document moves
+                    a document moves (each layer's own, where layers rotate differently)
 SELECTVISIBLESTATE  what each head sees: a head plan's (window, sink) per (layer, KV head) through the
                     one visibility rule, with the model's own sliding-window layers folded in
 EXECUTE             the forward: token ids and positions with the batch's metadata (and a recovery's
@@ -56,17 +56,33 @@ class ModelAdapter:
         """q [T, Hq, D], k and v [T, Hkv, D] of layer ``layer`` for the hidden states entering it."""
         raise NotImplementedError
 
+    def layer_attention(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The residual stream after layer ``layer``'s attention block, given its attention output [T, Hq, D]."""
+        raise NotImplementedError
+
+    def layer_ffn(self, layer: int, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream ``hidden`` after layer ``layer``'s FFN block. ``rows``: a sparse FFN's
+        rows; the others keep their residual (in a MoE with a shared expert, plus its output)."""
+        raise NotImplementedError
+
     def layer_finish(self, layer: int, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The hidden states leaving layer ``layer``, given its attention output [T, Hq, D]."""
-        raise NotImplementedError
+        return self.layer_ffn(layer, self.layer_attention(layer, hidden, attn_out))
 
     # ---- BUILDSTATE
     def state_layout(self) -> StateLayout:
         raise NotImplementedError
 
-    def relocate(self, k: torch.Tensor, delta: int) -> torch.Tensor:
-        """Keys [N, Hkv, D] computed at positions p, as computed at p + delta."""
+    def relocate(self, k: torch.Tensor, delta: int, layer: int | None = None) -> torch.Tensor:
+        """Keys [N, Hkv, D] of layer ``layer`` computed at positions p, as computed at p + delta
+        (``layer`` None: keys of any layer, where every layer rotates alike)."""
         raise NotImplementedError
+
+    def relocate_layers(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Keys [L, N, Hkv, D] of every layer (a cached chunk) computed at positions p, as computed
+        at p + delta: one rotation for all layers where they rotate alike."""
+        L, n, h, d = k.shape
+        return self.relocate(k.reshape(L * n, h, d), delta).view(L, n, h, d)
 
     # ---- SELECTVISIBLESTATE
     def visible_state(self, head_config: HeadConfig | None) -> dict:
@@ -103,17 +119,18 @@ class LlamaAdapter(ModelAdapter):
         block = self._body.layers[layer]
         return block.self_attn.qkv(block.input_layernorm(hidden), positions)
 
-    def layer_finish(self, layer, hidden, attn_out):
-        block = self._body.layers[layer]
-        hidden = hidden + block.self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-        return block.add_ffn(hidden)
+    def layer_attention(self, layer, hidden, attn_out):
+        return hidden + self._body.layers[layer].self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+
+    def layer_ffn(self, layer, hidden, rows=None):
+        return self._body.layers[layer].add_ffn(hidden, rows)
 
     def state_layout(self):
         c = self.config
         return StateLayout("kv_pages", c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
 
-    def relocate(self, k, delta):
-        return self._body.rotary_emb.relocate(k, delta)
+    def relocate(self, k, delta, layer=None):
+        return self._body.rotary_emb.relocate(k, delta)  # one RoPE for every layer
 
     def visible_state(self, head_config):
         c = self.config

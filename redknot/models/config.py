@@ -14,7 +14,7 @@ from pathlib import Path
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # linear-attention (Gated DeltaNet) layers beside gated full-attention layers, with MoE FFNs
 HYBRID_MODEL_TYPES = ("qwen3_next",)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3") + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -125,6 +125,12 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    hidden_act: str = "silu"
+    # Gemma 3: the sliding-window layers' own RoPE (None: every layer rotates with ``rope``)
+    local_rope: RopeConfig | None = None
+    # Attention scores scale by query_pre_attn_scalar**-0.5 (None: head_dim**-0.5)
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
     # Hybrid models: each layer's token mixer ("linear_attention" or "full_attention"; empty: every
     # layer full attention), the linear layers' shape, the full layers' sigmoid output gate, and
     # norms that scale by (1 + weight) (Qwen3-Next's zero-centred RMSNorm)
@@ -164,6 +170,20 @@ class ModelConfig:
         return (2 * h * m.num_experts + 2 * 3 * h * m.intermediate_size * m.top_k,
                 2 * 3 * h * shared + 2 * h if shared else 0)
 
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of every attention layer's scores. The backends and every attention-mass
+        computation (recovery, selection, profiling) take it as their scale instead of q being
+        pre-scaled by scale * sqrt(head_dim): in bf16 a pre-scaled q is rounded once more (Gemma 3
+        27B scales by 168**-0.5, not by its head_dim 128's), so the kernels would differ from the model."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE layer ``layer`` rotates its queries and keys with."""
+        if self.local_rope is not None and self.sliding_windows and self.sliding_windows[layer]:
+            return self.local_rope
+        return self.rope
+
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
@@ -185,13 +205,19 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
         model_type = raw.get("model_type")
+        if model_type == "gemma3":
+            raise UnsupportedModelError(
+                "config.json: model_type='gemma3' is Gemma 3 with its vision tower (Gemma3ForConditionalGeneration); "
+                "only the text model is supported (model_type 'gemma3_text', Gemma3ForCausalLM)")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"config.json: model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"config.json: hidden_act={act!r} is not supported (only 'silu')")
+        gemma = model_type == "gemma3_text"
+        act_key, act_supported = ("hidden_activation", "gelu_pytorch_tanh") if gemma else ("hidden_act", "silu")
+        act = raw.get(act_key) or act_supported
+        if act != act_supported:
+            raise UnsupportedModelError(f"config.json: {act_key}={act!r} is not supported (only {act_supported!r})")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if not isinstance(raw.get(key), int) or raw[key] <= 0:
                 raise UnsupportedModelError(f"config.json: {key} must be a positive integer, got {raw.get(key)!r}")
@@ -201,9 +227,11 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"config.json: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
             )
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // n_heads
+        head_dim = raw.get("head_dim") or (256 if gemma else raw["hidden_size"] // n_heads)
         n_layers = raw["num_hidden_layers"]
         eos = raw.get("eos_token_id")
+        if gemma:
+            return cls._gemma3(raw, n_heads, n_kv, head_dim, n_layers)
         attention_bias, o_proj_bias = _parse_attention_bias(raw, model_type)
         if model_type == "olmoe" and head_dim * n_heads != raw["hidden_size"]:
             # OLMoE's q norm is sized hidden_size and applied to the whole q projection
@@ -237,6 +265,31 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             **_parse_hybrid(raw, model_type, n_layers),
+        )
+
+
+    @classmethod
+    def _gemma3(cls, raw: dict, n_heads: int, n_kv: int, head_dim: int, n_layers: int) -> "ModelConfig":
+        """Gemma 3 text (transformers' Gemma3TextConfig defaults where a field is missing)."""
+        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+            if raw.get(key):
+                raise UnsupportedModelError(f"config.json: {key}={raw[key]!r} is not supported (only null/false)")
+        rope, local_rope = _parse_gemma3_rope(raw, head_dim)
+        eos = raw.get("eos_token_id", 1)
+        softcap = raw.get("final_logit_softcapping")
+        return cls(
+            model_type="gemma3_text", vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"], num_hidden_layers=n_layers, num_attention_heads=n_heads,
+            num_key_value_heads=n_kv, head_dim=head_dim,
+            max_position_embeddings=raw.get("max_position_embeddings", 131072),
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            attention_bias=bool(raw.get("attention_bias", False)), qk_norm=True,
+            rope=rope, local_rope=local_rope, sliding_windows=_gemma3_sliding_windows(raw, n_layers),
+            eos_token_ids=_as_int_list(eos) if eos is not None else [], bos_token_id=raw.get("bos_token_id", 2),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"), hidden_act="gelu_pytorch_tanh",
+            query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar") or 256),
+            final_logit_softcapping=float(softcap) if softcap else None,
         )
 
 
@@ -380,6 +433,43 @@ def _parse_hybrid(raw: dict, model_type: str, n_layers: int) -> dict:
     if linear.conv_kernel < 2:
         raise UnsupportedModelError(f"config.json: linear_conv_kernel_dim={linear.conv_kernel} must be at least 2")
     return {"layer_types": list(types), "linear": linear, "attn_output_gate": True, "norm_offset": True}
+
+
+def _parse_gemma3_rope(raw: dict, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE of Gemma 3: ``rope_parameters`` per layer type (transformers >= 5), or
+    rope_theta + rope_scaling for the full-attention layers and rope_local_base_freq (unscaled)
+    for the sliding ones. Missing bases default as transformers' do (1e6 global, 1e4 local)."""
+    per_type = raw.get("rope_parameters") or {}
+    if per_type and not all(isinstance(v, dict) for v in per_type.values()):
+        per_type = {"full_attention": per_type}  # one flat dict: the global layers' (as rope_scaling)
+    unknown = set(per_type) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise UnsupportedModelError(f"config.json: rope_parameters for layer types {sorted(unknown)} are not supported")
+    full = {"rope_theta": raw.get("rope_theta", 1_000_000.0), **(raw.get("rope_scaling") or {}),
+            **(per_type.get("full_attention") or {})}
+    local = {"rope_theta": raw.get("rope_local_base_freq", 10_000.0), **(per_type.get("sliding_attention") or {})}
+    rest = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    return (_parse_rope({**rest, "rope_parameters": full}, head_dim),
+            _parse_rope({**rest, "rope_parameters": local}, head_dim))
+
+
+def _gemma3_sliding_windows(raw: dict, n_layers: int) -> list[int | None]:
+    """Gemma 3's ``layer_types`` (else every ``sliding_window_pattern``-th layer full, the rest
+    sliding) with its ``sliding_window``."""
+    types = raw.get("layer_types")
+    if types is None:
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    if len(types) != n_layers:
+        raise UnsupportedModelError(f"config.json: layer_types has {len(types)} entries for {n_layers} layers")
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise UnsupportedModelError(f"config.json: layer_types {bad} are not supported")
+    window = raw.get("sliding_window", 4096)
+    if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
+        raise UnsupportedModelError(f"config.json: sliding_window={window!r} must be a positive integer "
+                                    f"for the sliding_attention layers")
+    return [int(window) if t == "sliding_attention" else None for t in types]
 
 
 def _parse_sliding_windows(raw: dict, model_type: str, n_layers: int) -> list[int | None]:

@@ -3,9 +3,10 @@
 A GGUF file holds the model's hyperparameters and tokenizer as metadata and its tensors under
 llama.cpp's names, often quantised. This module reads one through the ``gguf`` library:
 
-- ``gguf_config(path)``: an HF ``config.json`` dict (``model_type`` llama / qwen2 / qwen3).
+- ``gguf_config(path)``: an HF ``config.json`` dict (``model_type`` llama / qwen2 / qwen3 / gemma3_text).
 - ``gguf_state_dict(path, dtype)``: every tensor dequantised (Q4_0, Q4_1, Q8_0, K-quants, F16, ...)
-  under its HF name, with llama.cpp's Q/K row permutation undone for the llama architecture.
+  under its HF name, with llama.cpp's Q/K row permutation undone for the llama architecture and
+  the 1 llama.cpp adds to every Gemma 3 norm weight taken off again (HF stores the offset from 1).
 - ``gguf_tokenizer(path)``: the transformers fast tokenizer (and chat template) the metadata
   describes; transformers' own GGUF tokenizer conversion builds it.
 - ``load_gguf(path, dtype, device)``: redknot's model straight from the file.
@@ -26,9 +27,10 @@ import numpy as np
 import torch
 
 from .config import ModelConfig, UnsupportedModelError
+from .rope import RotaryEmbedding
 
 # llama.cpp architecture name -> HF model_type. Mistral GGUFs say "llama" (same layout, permuted).
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 # Architectures whose q/k rows llama.cpp's convert_hf_to_gguf permutes (LlamaModel.permute).
 _PERMUTED = ("llama",)
 
@@ -50,6 +52,13 @@ _PER_LAYER = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Architectures whose layers name their norms otherwise (Gemma 3: four norms per layer).
+_PER_LAYER_ARCH = {
+    "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
+# Architectures whose norm weights llama.cpp's converter stores plus 1 (HF's Gemma norm scales by 1 + w).
+_NORM_PLUS_ONE = ("gemma3",)
 # Tensors some files carry that the HF layout recomputes or has no place for.
 _SKIPPED = ("rope_freqs.weight",)
 
@@ -144,7 +153,7 @@ def _config_from(reader, where) -> dict:
     vocab = int(tensors["token_embd.weight"].shape[-1])
     cfg = {
         "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[model_type]],
+                           "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[model_type]],
         "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
@@ -178,12 +187,49 @@ def _config_from(reader, where) -> dict:
     elif model_type == "llama":
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
         cfg["mlp_bias"] = "blk.0.ffn_up.bias" in tensors
+    elif model_type == "gemma3_text":
+        _gemma3_config(cfg, get, where)
     for key, name in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id"),
                       ("pad_token_id", "tokenizer.ggml.padding_token_id")):
         if name in meta:
             cfg[key] = int(meta[name])
     cfg["eos_token_ids"] = eos_token_ids(meta)
     return cfg
+
+
+def _gemma3_config(cfg: dict, get, where) -> None:
+    """Gemma 3's fields in the config (in place), as llama.cpp reads the file: the sliding window
+    on all layers but every ``sliding_window_pattern``-th (6 unless the file says), rope.freq_base
+    (and any scaling) for the global layers and rope.freq_base_swa (10000 unless the file says) for
+    the sliding ones; scores scaled by 1/sqrt(head_dim), by 1/sqrt(hidden / heads) for the 62-layer
+    (27B) model. The older config fields (rope_theta, rope_local_base_freq, rope_scaling) keep the
+    directory readable by transformers 4 too."""
+    if get("attn_logit_softcapping"):
+        raise UnsupportedModelError(f"{where}: gemma3.attn_logit_softcapping is not supported")
+    del cfg["hidden_act"]
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    n_layers = cfg["num_hidden_layers"]
+    pattern = get("attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):  # one flag per layer: true where the layer slides
+        if len(pattern) != n_layers:
+            raise GGUFError(f"{where}: gemma3.attention.sliding_window_pattern has {len(pattern)} entries "
+                            f"for {n_layers} layers")
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(n_layers)]
+        cfg["sliding_window_pattern"] = int(pattern)
+    cfg["layer_types"] = ["sliding_attention" if x else "full_attention" for x in sliding]
+    window = get("attention.sliding_window")
+    if window is None and any(sliding):
+        raise GGUFError(f"{where}: metadata 'gemma3.attention.sliding_window' is missing")
+    cfg["sliding_window"] = int(window) if window is not None else None
+    cfg["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
+    cfg.setdefault("rope_scaling", None)
+    big = n_layers == 62  # llama.cpp: the 27B model scales by hidden / heads, the others by head_dim
+    cfg["query_pre_attn_scalar"] = (cfg["hidden_size"] // cfg["num_attention_heads"]) if big else cfg["head_dim"]
+    cap = get("final_logit_softcapping")
+    cfg["final_logit_softcapping"] = float(cap) if cap else None
+    cfg["attention_bias"] = False
 
 
 def eos_token_ids(meta: dict) -> list[int]:
@@ -200,15 +246,17 @@ def gguf_config(path) -> dict:
     return _config_from(_reader(path), path)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """HF parameter name of a llama.cpp tensor name (None for tensors the HF layout does not keep)."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """HF parameter name of a llama.cpp tensor name of architecture ``arch`` (None for tensors the
+    HF layout does not keep)."""
     if gguf_name in _TOP_LEVEL:
         return _TOP_LEVEL[gguf_name]
     if gguf_name in _SKIPPED:
         return None
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _PER_LAYER:
-        return f"model.layers.{parts[1]}.{_PER_LAYER[parts[2]]}.{parts[3]}"
+    per_layer = {**_PER_LAYER, **_PER_LAYER_ARCH.get(arch, {})}
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in per_layer:
+        return f"model.layers.{parts[1]}.{per_layer[parts[2]]}.{parts[3]}"
     raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no place in the HF Llama-family layout")
 
 
@@ -237,7 +285,7 @@ def _state_dict_from(reader, cfg: dict, dtype: torch.dtype, where):
     arch = next(a for a, t in GGUF_ARCHITECTURES.items() if t == cfg["model_type"])
     out = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         try:
@@ -249,6 +297,8 @@ def _state_dict_from(reader, cfg: dict, dtype: torch.dtype, where):
                 arr = unpermute_qk(arr, cfg["num_attention_heads"])
             elif ".attn_k." in tensor.name:
                 arr = unpermute_qk(arr, cfg["num_key_value_heads"])
+        if arch in _NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            arr = arr - 1  # a new array (the memory-mapped one stays as it is)
         arr = np.ascontiguousarray(arr)
         if not arr.flags.writeable:  # F32 tensors come straight from the memory map
             arr = arr.copy()
@@ -295,8 +345,9 @@ def load_gguf(path, dtype="float32", device="cpu"):
     if missing or unexpected:
         raise GGUFError(f"{path}: weights do not match the {cfg.model_type} layout "
                         f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
-    rope = model.model.rotary_emb
-    rope.inv_freq = type(rope)(cfg).inv_freq
+    for module in model.modules():  # built on the meta device: compute every RoPE's frequencies
+        if isinstance(module, RotaryEmbedding):
+            module.reset_frequencies("cpu")
     return model.to(device=device).eval(), cfg
 
 

@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig, MoEConfig
 from .registry import model_class
+from .rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that our forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -121,9 +122,10 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
     model = model.to(dtype).to_empty(device=device)  # allocated in the dtype only
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    # to_empty leaves buffers uninitialised: recompute RoPE frequencies.
-    rope = model.model.rotary_emb
-    rope.inv_freq = type(rope)(cfg).inv_freq.to(device)
+    # to_empty leaves buffers uninitialised: recompute RoPE frequencies (every RoPE of the model).
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_frequencies(device)
 
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []

@@ -283,14 +283,14 @@ class HybridAdapter(ModelAdapter):
         raise UnsupportedModelError("head profiling of a hybrid model (qwen3_next) is not supported: its linear "
                                     "layers have no K/V heads to classify")
 
-    layer_finish = layer_qkv
+    layer_attention = layer_ffn = layer_finish = layer_qkv
 
     def state_layout(self):
         c = self.config
         linear = c.num_hidden_layers - len(self._full)
         return StateLayout("kv_pages", len(self._full), c.num_key_value_heads, c.head_dim, linear, c.linear)
 
-    def relocate(self, k, delta):
+    def relocate(self, k, delta, layer=None):
         return self._body.rotary_emb.relocate(k, delta)
 
     def visible_state(self, head_config):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .adapter import LlamaAdapter, ModelAdapter
 from .config import ModelConfig, UnsupportedModelError
+from .gemma3 import Gemma3Adapter, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .qwen3_next import HybridAdapter, Qwen3NextForCausalLM
 
@@ -23,6 +24,7 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "olmoe": (LlamaForCausalLM, LlamaAdapter),
     # hybrid: Gated DeltaNet linear-attention layers beside gated full-attention layers, MoE FFNs
     "qwen3_next": (Qwen3NextForCausalLM, HybridAdapter),
+    "gemma3_text": (Gemma3ForCausalLM, Gemma3Adapter),
 }
 
 

@@ -68,10 +68,19 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.config = cfg
         inv_freq, self.scaling = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.rot_dim = inv_freq.numel() * 2
         self._last = None  # (positions, its version, cos, sin): every layer of a forward asks for the same
+
+    def reset_frequencies(self, device=None) -> None:
+        """Recompute ``inv_freq`` (a model built on the meta device and materialised with
+        ``to_empty`` has it uninitialised)."""
+        with torch.device("cpu"):
+            inv_freq = rope_frequencies(self.config)[0]
+        self.inv_freq = inv_freq.to(device if device is not None else self.inv_freq.device)
+        self._last = None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # inference tensors keep no version counter (and cannot be edited outside inference mode)

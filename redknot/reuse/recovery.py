@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from ..models.registry import adapter_for
 from ..visibility import visible
 from .flops import FlopReport, visible_pairs
 
@@ -99,7 +100,8 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
     group = cfg.num_kv_groups
     flops = FlopReport()
     body = model.model
-    h = body.embed_tokens(token_ids[cur])
+    adapter = adapter_for(model, cfg)  # the layer's attention and FFN blocks, as the architecture computes them
+    h = adapter.embed(token_ids[cur])
     run = _run(cur)
     out_k, out_v = [], []
     # record_function ranges name the phases in a torch.profiler trace (`redknot bench ttft --profile`)
@@ -127,7 +129,7 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
         split = policy.query_split(l)
         with record_function("recover.attention"):
             if split is None:
-                o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
+                o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), cfg.attention_scale,
                                   policy.observe(l), full=window.cpu() >= n, paged=paged)
                 pairs = visible_pairs(cur, window, sink, group)
             else:  # rows before `at` under (window, sink), rows from `at` on under their own
@@ -138,24 +140,23 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
                                             (slice(r, t), window2, sink2, min(policy.observe(l), t - r))):
                     if rows.stop > rows.start:
                         o[rows], m_ = _attend(q[rows], cur[rows], keys, values, w_.to(dev), s_.to(dev),
-                                              attn.head_dim**-0.5, n_obs, full=w_.cpu() >= n, paged=paged)
+                                              cfg.attention_scale, n_obs, full=w_.cpu() >= n, paged=paged)
                         mass = m_ if n_obs else mass
                         pairs += visible_pairs(cur[rows], w_, s_, group)
         info["mass"] = mass
         chunk_id = policy.cross_chunks(l, cur)
         if chunk_id is not None:
             with record_function("recover.cross_mass"):
-                info["cross"] = cross_chunk_mass(q, cur, keys, window.to(dev), sink.to(dev), attn.head_dim**-0.5,
+                info["cross"] = cross_chunk_mass(q, cur, keys, window.to(dev), sink.to(dev), cfg.attention_scale,
                                                  chunk_id.to(dev))
         with record_function("recover.o_proj"):
-            attn_out = attn.o_proj(o.reshape(t, -1))
-            h = h + attn_out
+            h = adapter.layer_attention(l, h, o)
         with record_function("recover.select"):
             rows = policy.ffn_rows(l, cur, info)
         # sparse FFN (rows not None): only these rows; the others keep their residual (on MoE, plus
         # the shared expert)
         with record_function("recover.ffn" if rows is None else "recover.sparse_ffn"):
-            h = layer.add_ffn(h, rows)
+            h = adapter.layer_ffn(l, h, rows)
         n_ffn = t if rows is None else rows.numel()
         with record_function("recover.bookkeeping"):
             flops.add_layer(cfg, t, pairs, n_ffn)
