@@ -43,7 +43,7 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     """Write a random checkpoint (config.json, safetensors, tokenizer) and return its directory.
 
     ``num_hidden_layers`` defaults to 2 (gemma3_text: 6, so its five sliding layers to one global
-    show). gemma3_text: ``rope`` is the global layers' RoPE; the sliding layers (window 8) rotate
+    show; qwen3_next: 4, three linear layers and a full one). gemma3_text: ``rope`` is the global layers' RoPE; the sliding layers (window 8) rotate
     with their own base, scores scale by query_pre_attn_scalar 24 (not head_dim), and every norm
     weight is random (HF initialises them to 0, i.e. a scale of 1)."""
     import torch
@@ -61,6 +61,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
     if family == "qwen3_next":
         rope_params["partial_rotary_factor"] = 0.25  # the released models' share
+    if num_hidden_layers is None:
+        num_hidden_layers = DEFAULT_LAYERS.get(family, 2)
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=num_attention_heads * head_dim, intermediate_size=96,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
