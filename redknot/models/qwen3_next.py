@@ -167,10 +167,11 @@ def _gated_delta(q, k, v, g, beta, state, cu, max_len: int):
     state = state.float()
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # views of the convolution's output
     if max_len == 1 and q.shape[0] == cu.numel() - 1:  # decode: one token per sequence, no host sync
-        o, state = recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None].to(q.dtype),
+        # by keyword: the fused recurrent function's fifth positional parameter is a per-key decay
+        o, state = recurrent(q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None].to(q.dtype),
                              initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
         return o[:, 0], state
-    o, state = chunk(q[None], k[None], v[None], g[None], beta[None].to(q.dtype), initial_state=state,
+    o, state = chunk(q[None], k[None], v[None], g=g[None], beta=beta[None].to(q.dtype), initial_state=state,
                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
     return o[0], state
 

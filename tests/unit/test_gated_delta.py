@@ -106,17 +106,14 @@ def test_fla_kernels_equal_the_reference_on_packed_rows():
     q, k, v, g, beta, _ = (x.cuda().float() for x in _inputs(1, sum(lens), 4, 8, 128, 128, seed=4))
     h0 = torch.randn(len(lens), 8, 128, 128, device="cuda") * 0.1
     want, want_state = gd.varlen_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], h0, cu, max(lens))
-    o, state = fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+    o, state = fla.chunk_gated_delta_rule(q, k, v, g=g, beta=beta, initial_state=h0, output_final_state=True,
                                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
     torch.testing.assert_close(o[0], want, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(state, want_state, rtol=2e-3, atol=2e-3)
-    B = len(lens)
-    o, state = fla.fused_recurrent_gated_delta_rule(q[:, :B].transpose(0, 1), k[:, :B].transpose(0, 1),
-                                                    v[:, :B].transpose(0, 1), g[:, :B].transpose(0, 1),
-                                                    beta[:, :B].transpose(0, 1), initial_state=h0,
+    B = len(lens)  # one token each of B sequences (decode); g and beta by keyword (gk is the 5th parameter)
+    q1, k1, v1, g1, b1 = (x[0, :B, None].contiguous() for x in (q, k, v, g, beta))
+    o, state = fla.fused_recurrent_gated_delta_rule(q1, k1, v1, g=g1, beta=b1, initial_state=h0,
                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
-    want, want_state = gd.recurrent_gated_delta_rule(q[:, :B].transpose(0, 1), k[:, :B].transpose(0, 1),
-                                                     v[:, :B].transpose(0, 1), g[:, :B].transpose(0, 1),
-                                                     beta[:, :B].transpose(0, 1), h0)
+    want, want_state = gd.recurrent_gated_delta_rule(q1, k1, v1, g1, b1, h0)
     torch.testing.assert_close(o, want, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(state, want_state, rtol=2e-3, atol=2e-3)
