@@ -89,7 +89,8 @@ class Engine:
         """The pool of ``num_pages`` pages and everything over it: runner, caches, scheduler."""
         scheduler = getattr(self, "scheduler", None)
         self.pool = build_pool(self.adapter, self.head_config, num_pages, self.cfg.page_size, self.dtype, self.device,
-                               self.cfg.max_num_seqs + CHUNK_SLOTS, self.max_model_len, plans)
+                               self.cfg.max_num_seqs + (CHUNK_SLOTS if self.adapter.document_reuse else 0),
+                               self.max_model_len, plans)
         self.runner = build_runner(self.adapter, self.pool, self.cfg)
         self.prefix_cache = (PrefixCache(self.pool, self.fingerprint, self.kv_events)
                              if self.cfg.enable_prefix_caching else None)

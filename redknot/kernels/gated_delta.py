@@ -154,8 +154,9 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     buf = x.new_zeros(T + B * hist, C, dtype=weight.dtype)
     buf.index_copy_(0, state_rows, conv_state.transpose(1, 2).reshape(-1, C).to(weight.dtype))
     buf.index_copy_(0, rows, x.to(weight.dtype))
-    taps = rows[:, None] - hist + torch.arange(width, device=x.device)  # [T, W]
-    out = (buf[taps] * weight.t()[None]).sum(1)
+    out = buf[rows - hist] * weight[:, 0]
+    for j in range(1, width):  # one shifted gather per tap: no [T, W, C] buffer
+        out = out + buf[rows - hist + j] * weight[:, j]
     ends = cu_seqlens[1:].long() + torch.arange(1, B + 1, device=x.device) * hist
     new_state = buf[ends[:, None] - hist + torch.arange(hist, device=x.device)]  # [B, W-1, C]
     return F.silu(out).to(x.dtype), new_state.transpose(1, 2).to(conv_state.dtype)
