@@ -21,6 +21,7 @@ multi-token-prediction head, are not used and skipped by the loader).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,9 @@ from .rope import RotaryEmbedding
 @functools.cache
 def _fla():
     """flash-linear-attention's Triton kernels (the optional ``fla`` extra), or None where they do
-    not import: the torch reference then runs."""
+    not import or ``REDKNOT_FLA=0`` (to compare with it): the torch reference then runs."""
+    if os.environ.get("REDKNOT_FLA", "1") == "0":
+        return None
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception:  # missing, or built for another torch/triton
