@@ -8,7 +8,7 @@ from pathlib import Path
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe",
-            "qwen3_next")
+            "gpt_oss", "qwen3_next")
 
 # Mixture-of-experts families: 8 experts of width 32, top-2 (the dense MLP of qwen3_moe/qwen2_moe
 # layers that mlp_only_layers or decoder_sparse_step make dense is intermediate_size wide).
@@ -18,6 +18,10 @@ MOE_OVERRIDES = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=False, clip_qkv=None),
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                       shared_expert_intermediate_size=48),
+    # gpt-oss: its layers alternate an 8-token sliding window and full attention (transformers'
+    # default layer_types); a SwiGLU limit of 1 makes the clamps bite on tiny activations
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
+                    swiglu_limit=1.0),
     # hybrid: Gated DeltaNet layers (2 key heads, 4 value heads of 16) with every 4th layer full attention
     # (4 layers by default: 3 linear + 1 full), a quarter of each head rotated, MoE with a shared expert
     "qwen3_next": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
@@ -33,6 +37,9 @@ ROPE_VARIANTS = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    # gpt-oss's own (YaRN factor 32, untruncated ramp, theta 150000) over a 32-token original context
+    "gpt_oss": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 32, "rope_theta": 150000.0},
 }
 
 def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "default",
@@ -57,7 +64,10 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                   "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
                   "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
                   "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-                  "gemma3_text": transformers.Gemma3TextConfig, "qwen3_next": transformers.Qwen3NextConfig}[family]
+                  "gemma3_text": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig,
+                  "qwen3_next": transformers.Qwen3NextConfig}[family]
+    if family == "gpt_oss" and rope == "default":
+        rope = "gpt_oss"
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
     if family == "qwen3_next":
         rope_params["partial_rotary_factor"] = 0.25  # the released models' share
@@ -90,6 +100,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                 # a router initialised at std 0.08 routes near-uniformly; a wider one makes the choice of
                 # experts (and its ties) decisive, as in a trained model
                 p.normal_(0, 0.5)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share of the softmax
+                p.normal_(1.0, 1.5)
             elif family == "qwen3_next" and name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)  # zero-centred norms: make (1 + w) differ from 1
             elif family == "gemma3_text" and name.endswith("norm.weight"):

@@ -34,7 +34,22 @@ ARCHS = {
                            "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
                            "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
                            "shared_expert_intermediate_size": 512, "norm_topk_prob": True},
+    # gpt-oss: 32 experts of 2880 with biases, 4 per token (3.6B of 20.9B parameters active per token);
+    # layers alternate a 128-token sliding window and full attention, every head has a learned sink
+    "gpt-oss-20b": {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+                    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "attention_bias": True,
+                    "num_local_experts": 32, "num_experts_per_tok": 4, "swiglu_limit": 7.0, "sliding_window": 128,
+                    "layer_types": ["sliding_attention", "full_attention"] * 12, "rope_theta": 150000.0,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 4096}},
     # CPU smoke tests
+    "tiny-gpt-oss": {"model_type": "gpt_oss", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 32,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                     "max_position_embeddings": 4096, "num_local_experts": 8, "num_experts_per_tok": 2,
+                     "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 150000.0,
+                     "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": 128}},
     "tiny-hybrid": {"model_type": "qwen3_next", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
                     "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                     "max_position_embeddings": 4096, "partial_rotary_factor": 0.25, "linear_num_key_heads": 2,
@@ -102,19 +117,24 @@ def hf_model(arch: dict, dev, dtype):
         return _hf_gemma3(arch, dev, dtype)
     cls = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "qwen3_next": transformers.Qwen3NextConfig}[arch["model_type"]]
-    kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta", "partial_rotary_factor")}
-    rope = {"rope_type": "default", "rope_theta": arch.get("rope_theta", 1e4)}
-    if "partial_rotary_factor" in arch:
-        rope["partial_rotary_factor"] = arch["partial_rotary_factor"]
+           "gpt_oss": transformers.GptOssConfig, "qwen3_next": transformers.Qwen3NextConfig}[arch["model_type"]]
+    kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta", "rope_scaling", "partial_rotary_factor")}
     # HF's MistralConfig defaults to a 4096-token sliding window; ours reads none from the arch: the
     # baseline must compute the same attention (full causal) as our dense
     if arch["model_type"] != "qwen3_next":
         kw.setdefault("sliding_window", None)
+    rope = {"rope_type": "default", **arch.get("rope_scaling", {}), "rope_theta": arch.get("rope_theta", 1e4)}
+    if "partial_rotary_factor" in arch:
+        rope["partial_rotary_factor"] = arch["partial_rotary_factor"]
     hf_cfg = cls(**kw, rope_parameters=rope)
+    attn = "sdpa"
+    if arch["model_type"] == "gpt_oss":
+        # transformers has no SDPA path for gpt-oss's sinks: flex attention on a GPU (eager would hold
+        # every score: 64 heads x 32K^2 at 32K), eager on the CPU (its flex path refuses sinks there)
+        attn = "flex_attention" if torch.device(dev).type == "cuda" else "eager"
     # MoE: transformers' default experts implementation (grouped_mm where it dispatches)
     with torch.device(dev):
-        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype, attn_implementation=attn)
     return model.eval()
 
 

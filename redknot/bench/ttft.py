@@ -170,19 +170,27 @@ def run(args) -> dict:
     for arch_name in arch_names:
         arch = ARCHS[arch_name]
         cfg = ModelConfig.from_dict(arch)
-        hf = hf_model(arch, dev, dtype) if "hf_dense" in methods else None
+        if "hf_dense" in methods:  # first and alone: a 20B model and its baseline need not fit one card together
+            hf = hf_model(arch, dev, dtype)
+            for layout in layouts:
+                _run_layout(result, None, hf, arch_name, head_names[0], layout, ["hf_dense"], head_names, args, dev,
+                            deadline, out)
+            del hf
+            gc.collect()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        ours = [m for m in methods if m != "hf_dense"]
         for hc_name in head_names:
             if hc_name == "anchor" and arch_name != "mistral-7b":
                 continue
             torch.manual_seed(0)  # the same random weights under every head config
             llm = _engine_llm(cfg, head_config(hc_name, cfg, args.anchor_head_config), sparse, dev, dtype, tokens)
             for layout in layouts:
-                _run_layout(result, llm, hf, arch_name, hc_name, layout, methods, head_names, args, dev, deadline, out)
+                _run_layout(result, llm, None, arch_name, hc_name, layout, ours, head_names, args, dev, deadline, out)
             del llm
             gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        del hf
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print_table(result)
@@ -193,7 +201,8 @@ def run(args) -> dict:
 
 def _run_layout(result, llm, hf, arch_name, hc_name, layout, methods, head_names, args, dev, deadline, out):
     n_docs, doc_len = LAYOUTS[layout]
-    prompt = _prompt(n_docs, doc_len, llm.config.vocab_size, seed=n_docs * doc_len)
+    vocab = (llm if llm is not None else hf).config.vocab_size
+    prompt = _prompt(n_docs, doc_len, vocab, seed=n_docs * doc_len)
     n = PREFIX_TOKENS + n_docs * doc_len + SUFFIX_TOKENS
     rows = []
     for m in methods:
@@ -228,8 +237,10 @@ def _run_layout(result, llm, hf, arch_name, hc_name, layout, methods, head_names
         print(json.dumps(row), flush=True)
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
-    _ratios([r for r in result["rows"] if (r["arch"], r["layout"]) == (arch_name, layout)
-             and r["head_config"] in (hc_name, head_names[0])], rows)
+    layout_rows = [r for r in result["rows"] if (r["arch"], r["layout"]) == (arch_name, layout)
+                   and r["head_config"] in (hc_name, head_names[0])]
+    baseline = [r for r in layout_rows if r["method"] == "hf_dense" and r not in rows]  # timed before the engine
+    _ratios(layout_rows, rows + (baseline if hc_name == head_names[0] else []))
 
 
 def _ratios(layout_rows: list[dict], rows: list[dict]) -> None:

@@ -384,6 +384,33 @@ class PagePool:
                 self.device_tables[:, s.slot, :, :n] = -1
             self._free_slots.append(s.slot)
 
+    def adopt(self, seq_id: int, held: np.ndarray, length: int) -> np.ndarray:
+        """Give an empty sequence ``length`` tokens whose K/V arrive from elsewhere (another
+        instance's prefill): a fresh page for each (layer, head, logical page) ``held`` (bool [L,
+        Hkv, ceil(length / page_size)]) marks, nothing for the rest. Returns the new pages in
+        (layer, head, page) order, for the caller to fill. All-or-nothing (PoolExhausted)."""
+        s = self._seq(seq_id)
+        n_pages = _cdiv(length, self.page_size)
+        if s.length:
+            raise ValueError(f"adopt: sequence {seq_id!r} already holds {s.length} tokens")
+        if held.shape != (self.num_layers, self.num_kv_heads, n_pages):
+            raise ValueError(f"adopt: held must be [L={self.num_layers}, Hkv={self.num_kv_heads}, {n_pages}]; "
+                             f"got {held.shape}")
+        if length > self.max_len:
+            raise ValueError(f"sequence {seq_id!r} would hold {length} tokens, the device table holds {self.max_len}")
+        n = int(held.sum())
+        if n > self._nfree:
+            raise PoolExhausted(f"adopting {length} tokens needs {n} pages, only {self._nfree} of "
+                                f"{self.num_pages} free")
+        pages = self._alloc(n)
+        self._global_page[pages] = np.broadcast_to(s.plan.is_global[:, :, None], held.shape)[held]
+        self._grow(s, n_pages)
+        s.table[:, :, :n_pages][held] = pages
+        s.length = s.trimmed_len = length
+        s.shared_tail = False
+        self._mark(s, 0, n_pages)
+        return pages
+
     def share(self, seq_id: int, tables, length: int, first_page: int = 0) -> None:
         """Map existing pages (e.g. a cached chunk's) into a sequence, read-only, one ref each.
 

@@ -25,19 +25,21 @@ import math
 import torch
 
 from .. import visibility
+from ..kernels.reference import softmax_with_sinks
 
 # Scores of one chunk of heads take at most this many bytes (fp32 [R, M, N]).
 _CHUNK_BYTES = 256 << 20
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                   visible: torch.Tensor | None = None) -> torch.Tensor:
+                   visible: torch.Tensor | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Summed softmax probabilities per key, for R heads at once.
 
     q [R, M, D]: M query rows per head (e.g. group x observation queries), k [R, N, D]: the head's
     keys at positions 0..N-1, q_pos int [M] or [R, M]: each row's position (a row sees key j iff
     j <= q_pos, and ``visible`` [R, M, N] bool if given, e.g. the head's own visibility rule and
-    which keys are stored). Returns float32 [R, N]: sum over rows of p(row -> j); a row that sees
+    which keys are stored); ``sink_logits`` [R, M]: each row's learned sink logit, in its softmax
+    denominator (gpt-oss). Returns float32 [R, N]: sum over rows of p(row -> j); a row that sees
     nothing adds nothing. Math in fp32; heads are processed in chunks to bound memory."""
     if q.dim() != 3 or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
         raise ValueError(f"attention_mass: q must be [R, M, D] and k [R, N, D]; got {tuple(q.shape)} "
@@ -63,7 +65,10 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale:
         if visible is not None:
             seen = seen & visible[r0:r1]
         s = s.masked_fill(~seen, float("-inf"))
-        p = torch.softmax(s, dim=-1)
+        if sink_logits is None:
+            p = torch.softmax(s, dim=-1)
+        else:
+            p = softmax_with_sinks(s, sink_logits[r0:r1, :, None].float())
         out[r0:r1] = torch.nan_to_num(p, nan=0.0).sum(1)  # rows seeing nothing: NaN -> 0
     return out
 
@@ -178,8 +183,9 @@ def pages_to_positions(keep: torch.Tensor, page_size: int, width: int | None = N
 
 # ------------------------------------------------------------------ float64 oracles
 
-def attention_mass_ref(q, k, q_pos, scale, visible=None) -> torch.Tensor:
-    """attention_mass in float64, one head and one row at a time."""
+def attention_mass_ref(q, k, q_pos, scale, visible=None, sink_logits=None) -> torch.Tensor:
+    """attention_mass in float64, one head and one row at a time (sink_logits [R, M]: each row's
+    extra denominator term)."""
     R, M, _ = q.shape
     N = k.shape[1]
     out = torch.zeros(R, N, dtype=torch.float64)
@@ -193,7 +199,11 @@ def attention_mass_ref(q, k, q_pos, scale, visible=None) -> torch.Tensor:
                 continue
             s = (k[r].double().cpu() @ q[r, m].double().cpu()) * scale
             s[~seen] = -math.inf
-            out[r] += torch.softmax(s, 0)
+            if sink_logits is None:
+                out[r] += torch.softmax(s, 0)
+            else:
+                e = torch.exp(s - s.max())
+                out[r] += e / (e.sum() + torch.exp(sink_logits[r, m].double().cpu() - s.max()))
     return out
 
 

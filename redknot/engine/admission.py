@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from ..cache import PoolExhausted
+from . import handoff
 from .output import StepOutput
 from .scheduler import RequestTooLarge
 from .sequence import Sequence
@@ -38,6 +39,9 @@ def admit(engine, budget: int, prefill: list[Sequence], outputs: list) -> int:
                 continue
             budget -= computed
         engine.scheduler.start(adm)
+        if seq.kv_import is not None:  # its prompt's KV came from a prefill instance: it decodes next step
+            handoff.adopt(engine, seq, outputs)
+            continue
         if pinned is not None:
             try:
                 engine.documents.place(seq, pinned)

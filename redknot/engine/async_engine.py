@@ -105,6 +105,7 @@ class AsyncLLMEngine:
         self._live: dict[int, _Request] = {}  # seq_id -> request, once in the engine
         self._lock = threading.Condition()
         self._stop = False
+        self._leases_ready = False  # a prefilled request's lease was pulled: its pages can go
         # metrics
         self._ttft_counts = [0] * len(TTFT_BUCKETS)
         self._ttft_sum, self._ttft_n = 0.0, 0
@@ -156,6 +157,12 @@ class AsyncLLMEngine:
             self._aborts.append(req)
             self._lock.notify()
 
+    def wake(self) -> None:
+        """Something for the worker to do outside a step (a pulled lease's pages to free)."""
+        with self._lock:
+            self._leases_ready = True
+            self._lock.notify()
+
     def shutdown(self) -> None:
         with self._lock:
             self._stop = True
@@ -185,13 +192,19 @@ class AsyncLLMEngine:
         engine = self.engine
         while True:
             with self._lock:
-                while not self._stop and not self._inbox and not self._aborts and not engine.has_unfinished():
-                    self._lock.wait()
+                while (not self._stop and not self._inbox and not self._aborts and not engine.has_unfinished()
+                       and not self._leases_ready):
+                    deadline = engine.leases.next_deadline()  # an unpulled lease expires then
+                    if deadline is not None and deadline <= time.monotonic():
+                        break
+                    self._lock.wait(None if deadline is None else deadline - time.monotonic() + 0.01)
                 if self._stop:
                     return
                 inbox, aborts = list(self._inbox), list(self._aborts)
                 self._inbox.clear()
                 self._aborts.clear()
+                self._leases_ready = False
+            engine.collect_leases()
             for req in aborts:
                 if self._live.pop(req.seq.seq_id, None) is not None:
                     if req.seq in engine.waiting and req.seq.num_computed == 0:  # queued, never prefilled

@@ -3,7 +3,8 @@
 Each layer stores its new K/V into the pages of each KV head (only the pages the batch's head
 plan keeps exist) and attends with the mask-free SegPaged kernel. Everything it needs comes from
 the forward batch the runner builds and the model passes down: block tables, lengths and the
-plan's windows and sinks; a recovery forward also passes its row plan. A backend is chosen once
+plan's windows and sinks; a recovery forward also passes its row plan, and a model with learned
+attention sinks (gpt-oss) its per-query-head sink logits. A backend is chosen once
 (``attention_backend``): ``TritonAttention`` (the kernels) or ``TorchAttention`` (their torch
 reference, with a batched CPU decode path); ``init_batch`` builds its own per-batch metadata.
 """
@@ -39,24 +40,26 @@ class PagedAttention:
         """Per-batch metadata of this backend, built once before the layer loop (none here)."""
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardBatch,
-                  rows=None) -> torch.Tensor:
-        """``rows``: a recovery forward's row plan (``engine.recovery_batch.RecoveryRows``)."""
+                  rows=None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows``: a recovery forward's row plan (``engine.recovery_batch.RecoveryRows``);
+        ``sink_logits`` [Hq]: the layer's learned sink logit per query head (None: none)."""
         bt = ctx.block_tables[layer]
         pool = self.pool
         if rows is not None:
-            return self._recovery_rows(layer, q, k, v, ctx, rows)
+            return self._recovery_rows(layer, q, k, v, ctx, rows, sink_logits)
         if ctx.capture_rows is not None:
             ctx.captured[layer] = q.index_select(0, ctx.capture_rows)
         if ctx.q_record is not None:
             ctx.q_record[layer, :q.shape[0]].copy_(q)
         if ctx.max_q_len == 1 and "decode_layout" in ctx.extras:
-            return self._decode_gathered(layer, q, k, v, ctx)
+            return self._decode_gathered(layer, q, k, v, ctx, sink_logits)
         self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t)
         sel = {} if ctx.sel_pos is None else {"sel_pos": ctx.sel_pos[layer], "sel_lens": ctx.sel_lens[layer]}
         return self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
-                            ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len, **sel)
+                            ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len,
+                            sink_logits=sink_logits, **sel)
 
-    def _recovery_rows(self, layer, q, k, v, ctx, rows):
+    def _recovery_rows(self, layer, q, k, v, ctx, rows, sink_logits):
         """A recovery batch: rows at explicit positions, stored over the cached K/V they replace;
         the row plan observes the cached values before the store and the attention after it."""
         pool, bt = self.pool, ctx.block_tables[layer]
@@ -66,7 +69,8 @@ class PagedAttention:
         groups = rows.split(layer)
         if groups is None:
             o = self._attend(q, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t,
-                             ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len, q_pos=q_pos)
+                             ctx.window[layer], ctx.sink[layer], self.scale, max_q_len=ctx.max_q_len, q_pos=q_pos,
+                             sink_logits=sink_logits)
         else:  # queries of one sequence under two visibilities: one call per row group
             o = torch.empty_like(q)
             seq = torch.repeat_interleave(torch.arange(len(ctx.q_lens), device=q.device),
@@ -77,8 +81,9 @@ class PagedAttention:
                 counts = torch.bincount(seq[idx], minlength=len(ctx.q_lens))
                 cu = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
                 o[idx] = self._attend(q[idx], pool.k_pages, pool.v_pages, bt, cu, ctx.seq_lens_t, window, sink,
-                                      self.scale, max_q_len=int(counts.max()), q_pos=q_pos[idx])
-        rows.after_attention(layer, q, bt, pool.k_pages)
+                                      self.scale, max_q_len=int(counts.max()), q_pos=q_pos[idx],
+                                      sink_logits=sink_logits)
+        rows.after_attention(layer, q, bt, pool.k_pages, sink_logits)
         return o
 
     def store(self, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -87,7 +92,7 @@ class PagedAttention:
         the pages of ``block_tables`` [B, Hkv, pages]; -1 pages are skipped."""
         self._store(k, v, self.pool.k_pages, self.pool.v_pages, block_tables, cu_seqlens, seq_lens)
 
-    def _decode_gathered(self, layer, q, k, v, ctx):
+    def _decode_gathered(self, layer, q, k, v, ctx, sink_logits=None):
         raise NotImplementedError
 
 
@@ -117,7 +122,7 @@ class TorchAttention(PagedAttention):
                 batch.block_tables, batch.seq_lens_t, batch.window, batch.sink, self.pool.page_size,
                 max(batch.seq_lens), sel_pos=batch.sel_pos, sel_lens=batch.sel_lens)
 
-    def _decode_gathered(self, layer, q, k, v, ctx):
+    def _decode_gathered(self, layer, q, k, v, ctx, sink_logits=None):
         lay = ctx.extras["decode_layout"]
         pool = self.pool
         src, dst = lay["store_src"][layer], lay["store_rows"][layer]  # present heads' (row * Hkv + head), pool rows
@@ -128,4 +133,4 @@ class TorchAttention(PagedAttention):
         pool.k_pages.view(-1, d).index_copy_(0, dst, k.to(pool.k_pages.dtype))
         pool.v_pages.view(-1, d).index_copy_(0, dst, v.to(pool.v_pages.dtype))
         return reference.paged_decode_attention_masked(q, pool.k_pages, pool.v_pages, lay["pages"][layer],
-                                                       lay["bias"][layer], self.scale)
+                                                       lay["bias"][layer], self.scale, sink_logits)

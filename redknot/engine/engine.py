@@ -22,12 +22,14 @@ import torch
 from ..cache.chunk_cache import ChunkCache
 from ..cache.prefix_cache import PrefixCache
 from ..models.registry import adapter_for
+from ..pd.lease import LeaseStore
 from ..reuse.registry import get_method
 from . import engine_state as state
 from .admission import admit
 from .detokenizer import IncrementalDetokenizer
 from .documents import CHUNK_SLOTS, DocumentKV
 from .executor import Executor
+from . import handoff
 from .engine_config import EngineConfig
 from .lookahead import Ahead, TokensToHost, finish_ahead, launch_ahead, may_look_ahead
 from .memory import initial_pages, profile_pages
@@ -71,6 +73,7 @@ class Engine:
         self.recovery_share: dict[str, float] = {}
         self._ahead: Ahead | None = None
         self._selection = None
+        self.leases = LeaseStore()  # prefilled requests' pages kept for a decode instance to pull
         self.kv_events = cfg.kv_events.build() if cfg.kv_events is not None else None
         self.kv_tiers = cfg.kv_offload.build(pin=device.type == "cuda") if cfg.kv_offload is not None else None
         self._build(pages)
@@ -117,12 +120,14 @@ class Engine:
         """Resolve the request's method, its head plan and its document state."""
         seq.method = self.check_method(seq.method)
         spec = get_method(seq.method)
-        seq.plan = spec.plan
+        # a request that starts from another instance's prefill lives under the plan its pages came in
+        seq.plan = spec.plan if seq.kv_import is None else seq.kv_import.header.plan
         if spec.reads_chunks and seq.chunked_prompt is not None:
             seq.chunked_prompt = seq.chunked_prompt.packed(self.pool.page_size)  # small documents share pages
         # a model that cannot take document K/V from elsewhere (hybrid linear attention) prefills the
         # whole prompt in the pool under the method's plan: as after a preemption, nothing to place
-        seq.reuse = ReuseState(seq.chunked_prompt, done=not self.adapter.document_reuse) if spec.reads_chunks else None
+        seq.reuse = (ReuseState(seq.chunked_prompt, done=not self.adapter.document_reuse)
+                     if spec.reads_chunks and seq.kv_import is None else None)
 
     def prepare(self, seq: Sequence) -> None:
         """``prepare_plan`` and check it can ever run; raises before anything is queued."""
@@ -153,6 +158,7 @@ class Engine:
             if outputs is not None:
                 return outputs
         outputs: list[StepOutput] = []
+        self.collect_leases()
         with phase(self.timings, "schedule"):
             decode, prefill = self.scheduler.split_running()
             budget = admit(self, self.cfg.max_num_batched_tokens - len(decode), prefill, outputs)
@@ -246,6 +252,8 @@ class Engine:
                 s.first_token_time = now
             outputs.append(self.outputs.append(s, t))
             if s.finished:
+                if s.kv_export is not None:  # a prefill instance's request: its pages wait for the decode's pull
+                    handoff.export(self, s)
                 self.scheduler.free(s)
 
     def _fail(self, seq: Sequence, error: Exception, outputs: list[StepOutput]) -> None:
@@ -277,4 +285,5 @@ class Engine:
     kv_bytes, request_kv_bytes, stats, capacity, capture_graphs = (
         state.kv_bytes, state.request_kv_bytes, state.stats, state.capacity, state.capture_graphs)
     resize_pool, clear_caches, idle = state.resize_pool, state.clear_caches, state.idle
+    collect_leases = handoff.collect_leases
     pages_for, pool_pages_for = state.pages_for, state.pool_pages_for

@@ -63,7 +63,8 @@ def stats(engine) -> dict:
     return {"running": len(engine.running), "waiting": len(engine.waiting), "preemptions": engine.num_preemptions,
             "pool_pages": engine.pool.occupancy(), "page_bytes": engine.pool.bytes_per_page,
             "kv_bytes": kv_bytes(engine), "prefix_cache_pages": pc.num_pages() if pc else 0,
-            "prefix_cache_hit_tokens": pc.hits if pc else 0, "chunk_cache": engine.chunk_cache.stats()}
+            "prefix_cache_hit_tokens": pc.hits if pc else 0, "chunk_cache": engine.chunk_cache.stats(),
+            "held_pages": held_pages(engine), "leases": engine.leases.stats()}
 
 
 def clear_caches(engine) -> None:
@@ -73,11 +74,16 @@ def clear_caches(engine) -> None:
         engine.prefix_cache.clear()
 
 
-def idle(engine) -> bool:
-    """No request holds a page: every page is free or referenced by the caches only."""
+def held_pages(engine) -> int:
+    """Pages held beyond what the caches reference: by requests and by leases (0 when idle)."""
     ids = [engine.chunk_cache.page_ids()] + ([engine.prefix_cache.page_ids()] if engine.prefix_cache else [])
     cached = np.unique(np.concatenate(ids)).size
-    return not engine.has_unfinished() and engine.pool.num_free_pages + cached == engine.pool.num_pages
+    return engine.pool.num_pages - engine.pool.num_free_pages - cached
+
+
+def idle(engine) -> bool:
+    """No request or lease holds a page: every page is free or referenced by the caches only."""
+    return not engine.has_unfinished() and held_pages(engine) == 0
 
 
 def resize_pool(engine, num_pages: int) -> None:

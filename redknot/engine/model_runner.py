@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..pd.device import device_lock
+
 from ..cache import PagePool
 from ..forward_batch import ForwardBatch, ForwardMode
 from ..models.adapter import ModelAdapter
@@ -246,7 +248,7 @@ class ModelRunner:
             self._graph_body(plan, size, pages)  # compiles kernels and fills caches outside the capture
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
+        with device_lock, torch.cuda.graph(graph, pool=self._graph_pool):  # no KV transfer thread's copies meanwhile
             logits = self._graph_body(plan, size, pages)
         self._graph_pool = graph.pool()
         self._static[:, :size] = saved

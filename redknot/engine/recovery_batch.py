@@ -155,11 +155,13 @@ class RecoveryRows:
         w2, s2 = (x.to(device=self.device, dtype=torch.int32) for x in vis2)
         return [(torch.cat(early), self.window[layer], self.sink[layer]), (torch.cat(late), w2, s2)]
 
-    def after_attention(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, k_pages: torch.Tensor) -> None:
+    def after_attention(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, k_pages: torch.Tensor,
+                        sink_logits: torch.Tensor | None = None) -> None:
         """What the policies observe of this layer's attention: the mass the last queries give
-        each key (ranking rows for the sparse FFN) and the mass rows give other chunks."""
+        each key (ranking rows for the sparse FFN) and the mass rows give other chunks
+        (``sink_logits``: the layer's learned sink logits, in every softmax, or None)."""
         if self.batched:
-            return self._observe_batched(layer, q, block_tables, k_pages)
+            return self._observe_batched(layer, q, block_tables, k_pages, sink_logits)
         for b, (r, o) in enumerate(zip(self.requests, self._offsets())):
             n_obs = r.policy.observe(layer)
             split = r.policy.query_split(layer)
@@ -175,11 +177,14 @@ class RecoveryRows:
                 w, s = (window, sink) if split is None else (split[1].to(self.device), split[2].to(self.device))
                 n_obs = n_obs if split is None else min(n_obs, t - r.split_at)
                 if n_obs:
-                    r.info["mass"] = observation_mass(qb[-n_obs:], r.cur[-n_obs:], keys, w, s, self.scale)
+                    r.info["mass"] = observation_mass(qb[-n_obs:], r.cur[-n_obs:], keys, w, s, self.scale,
+                                                      sink_logits)
             if chunk_id is not None:
-                r.info["cross"] = cross_chunk_mass(qb, r.cur, keys, window, sink, self.scale, chunk_id.to(self.device))
+                r.info["cross"] = cross_chunk_mass(qb, r.cur, keys, window, sink, self.scale, chunk_id.to(self.device),
+                                                   sink_logits)
 
-    def _observe_batched(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, k_pages: torch.Tensor) -> None:
+    def _observe_batched(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, k_pages: torch.Tensor,
+                         sink_logits: torch.Tensor | None) -> None:
         """The observation mass of every request at once, in groups whose padding to the longest
         prompt at most doubles the keys gathered."""
         n_obs = [r.policy.observe(layer) for r in self.requests]
@@ -211,7 +216,7 @@ class RecoveryRows:
             n_t, group_t = dev[2 * m * o:2 * m * o + m], dev[2 * m * o + m:]
             keys = _gather_batched(k_pages, block_tables.index_select(0, group_t), int(n_keys.max()))
             mass = observation_mass_batched(q[rows_t], self.batch.positions[rows_t], keys, n_t, weight_t.float(),
-                                            window, sink, self.scale)
+                                            window, sink, self.scale, sink_logits)
             for k, i in enumerate(group):
                 self.requests[i].info["mass"] = mass[k, :self.requests[i].n]
 

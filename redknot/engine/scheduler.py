@@ -68,6 +68,8 @@ class Scheduler:
         holds its chunks' cached pages (and one chunk prefill's prefix pages) while they are copied in."""
         spec = get_method(seq.method)
         total = len(seq.token_ids) + seq.params.max_tokens
+        if seq.kv_import is not None:  # its prompt's pages arrive trimmed: no prefill peak
+            return self.pool.peak_pages(total, 1, seq.plan) + seq.kv_import.extra_pages
         chunk = len(seq.token_ids) if spec.recovers else self.cfg.max_num_batched_tokens
         need = self.pool.peak_pages(total, chunk, seq.plan)
         if spec.reads_chunks and seq.chunked_prompt is not None:
@@ -81,7 +83,8 @@ class Scheduler:
         """Pages the request holds at its full length (prompt + max_tokens, at most
         reserve_decode_tokens of them) once decoding under its plan: what admission commits."""
         decode = min(seq.params.max_tokens, self.cfg.reserve_decode_tokens)
-        return self.pool.peak_pages(len(seq.token_ids) + decode, 1, seq.plan)
+        extra = seq.kv_import.extra_pages if seq.kv_import is not None else 0  # selected pages it brings
+        return self.pool.peak_pages(len(seq.token_ids) + decode, 1, seq.plan) + extra
 
     def headroom(self, capped: bool = True) -> int:
         """Pages kept out of the commitments for what prefill holds only for a while: local heads'
@@ -95,6 +98,8 @@ class Scheduler:
         plan (the whole prompt for a recovery, the question's start for a placed-chunk request,
         else what the step's token ``budget`` takes), plus one page per head for the token after it."""
         spec = get_method(seq.method)
+        if seq.kv_import is not None:  # the pages it brings, then one per head for its next token
+            return seq.kv_import.num_pages + self.heads
         if seq.needs_documents and spec.recovers:
             first = len(seq.token_ids)
         elif seq.needs_documents:  # the question's start (no layout: the whole prompt, an upper bound)

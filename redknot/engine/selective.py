@@ -151,10 +151,13 @@ class _Derived:
 class HeadSelection:
     """The engine's selected-set policy (one per engine; see the module docstring)."""
 
-    def __init__(self, config, head_config, options: SelectionOptions, base_plans: dict, device: torch.device):
+    def __init__(self, config, head_config, options: SelectionOptions, base_plans: dict, device: torch.device,
+                 sink_logits: torch.Tensor | None = None):
         """``base_plans``: name -> (window, sink) [L, Hkv] of the plans the pool serves (the model
-        adapter's visible state); each gets a selected twin where the options select any head."""
+        adapter's visible state); each gets a selected twin where the options select any head.
+        ``sink_logits`` [L, Hq]: the model's learned attention sinks (gpt-oss), in the masses' softmax."""
         self.config, self.options, self.device = config, options, torch.device(device)
+        self.sink_logits = None if sink_logits is None else sink_logits.detach().float().to(self.device)
         self.derived: dict[str, _Derived] = {}  # base plan -> its twin
         self.pool = self.runner = None  # attached by the engine (again after a pool resize)
         cfg = config
@@ -196,8 +199,9 @@ class HeadSelection:
     @classmethod
     def for_engine(cls, engine, options: SelectionOptions) -> "HeadSelection":
         """A selection over an engine's model, head config and plans (it keeps no reference to it)."""
+        sinks = [engine.adapter.layer_sink_logits(l) for l in range(engine.config.num_hidden_layers)]
         return cls(engine.config, engine.head_config, options, engine.adapter.visible_state(engine.head_config),
-                   engine.device)
+                   engine.device, None if sinks[0] is None else torch.stack(sinks))
 
     @property
     def enabled(self) -> bool:
@@ -359,8 +363,9 @@ class HeadSelection:
         q = torch.cat([torch.stack([rows[l][0] for l in range(L)]).view(L, H, g, -1)[ls_t, hs_t]
                        for _, rows, _ in items])  # [C*R, g, D]
         # positions are in ``vis``; keys are compact, so the causal bound inside is always met
+        sinks = None if self.sink_logits is None else self.sink_logits.view(L, H, g)[ls_t, hs_t].repeat(C, 1)
         mass = sel_ops.attention_mass(q, keys, torch.full((g,), keys.shape[1], device=dev), cfg.attention_scale,
-                                      vis[:, None, :].expand(-1, g, -1))
+                                      vis[:, None, :].expand(-1, g, -1), sinks)
         # each request's page mass so far (set when it selected at the end of its prompt)
         accs = [_grown(s.page_mass, P) for s, _, _ in items]
         rows = torch.cat([acc[ls_t, hs_t, :P] for acc in accs])
@@ -416,7 +421,10 @@ class HeadSelection:
         vis = stored[:, None, :].expand(-1, g * m, -1)
         if visible is not None:
             vis = vis & visible(q_pos)
-        return heads, hs, tbl, sel_ops.attention_mass(qq, keys, q_pos, cfg.attention_scale, vis)
+        sinks = None  # each row's sink logit: rows are (head, query head of its group, query)
+        if self.sink_logits is not None:
+            sinks = self.sink_logits[layer].view(H, g)[hs].repeat_interleave(m, dim=1)
+        return heads, hs, tbl, sel_ops.attention_mass(qq, keys, q_pos, cfg.attention_scale, vis, sinks)
 
     def budget_sets(self, d: _Derived, layer: int, heads, hs, tbl, acc: torch.Tensor, n: int, sets: dict) -> None:
         """Budgeted heads' sets: the pages their accumulated mass ranks highest, within the budget."""

@@ -68,6 +68,11 @@ class Sequence:
     grammar: object | None = None  # structured.GrammarState, with params.structured_outputs
     logprobs: list | None = None  # per output token: (logprob, [(token, logprob)] top-k), with params.logprobs
     scheduled_time: float | None = None  # time.perf_counter() when it was first admitted (queue time ends)
+    # prefill/decode disaggregation (engine/handoff.py): the lease id its pages are kept under when it
+    # finishes (a prefill instance's request), or the handoff it starts from (a decode instance's)
+    kv_export: str | None = None
+    kv_import: object | None = None  # pd.transfer.Received until admission adopts its pages
+    kv_transfer: dict | None = None  # what its handoff moved: bytes, by head class, transport, seconds
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

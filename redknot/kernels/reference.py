@@ -56,14 +56,16 @@ def _token_positions(cu_seqlens_q, seq_lens):
 
 def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, window,
                            sink, sm_scale=None, max_q_len=None, sel_pos=None, sel_lens=None,
-                           return_lse=False, q_pos=None):
+                           return_lse=False, q_pos=None, sink_logits=None):
     """Attention over each KV head's own pages (docs/segpaged.md).
 
     q [total_q, Hq, D]; k_pages/v_pages [num_pages, page_size, D]; block_tables int32
     [B, Hkv, max_pages] (-1: nothing stored; such keys are absent); window/sink [Hkv];
     sel_pos int32 [B, Hkv, max_sel] padded with -1, sel_lens [B, Hkv]; q_pos [total_q]: explicit
-    query positions (default: the last q_len positions of each sequence).
-    Returns o [total_q, Hq, D] (dtype of q) and, if return_lse, lse float32 [total_q, Hq]."""
+    query positions (default: the last q_len positions of each sequence); sink_logits [Hq]: a
+    learned logit per query head in every softmax denominator, with no value (gpt-oss; None:
+    none). Returns o [total_q, Hq, D] (dtype of q) and, if return_lse, lse float32 [total_q, Hq]
+    (the sink logit included)."""
     total_q, hq, d = q.shape
     page_size, max_pages = k_pages.shape[1], block_tables.shape[2]
     hkv = block_tables.shape[1]
@@ -98,7 +100,7 @@ def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_
                 chosen = sel_pos[b, h, : int(sel_lens[b, h])].long()
                 seen[h] |= (j[0] <= p[0]) & torch.isin(k_pos, chosen)[None, :]
         mask = seen & present[:, None, :]
-        if not return_lse:  # fused masked SDPA: same math, much faster on CPU
+        if not return_lse and sink_logits is None:  # fused masked SDPA: same math, much faster on CPU
             ob = F.scaled_dot_product_attention(
                 q[cu[b]:cu[b + 1]].float().transpose(0, 1)[None], kk[None], vv[None],
                 attn_mask=mask.repeat_interleave(g, dim=0)[None], scale=sm_scale, enable_gqa=True)
@@ -108,6 +110,8 @@ def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_
         s = torch.einsum("qhgd,hkd->hgqk", qs, kk) * sm_scale
         s = s.masked_fill(~mask[:, None], float("-inf"))
         lb = torch.logsumexp(s, dim=-1)  # [Hkv, G, Q]; -inf for a row that sees nothing
+        if sink_logits is not None:
+            lb = torch.logaddexp(lb, sink_logits.to(lb.device, torch.float32).view(hkv, g, 1))
         pr = torch.nan_to_num(torch.exp(s - lb[..., None]), nan=0.0)
         ob = torch.einsum("hgqk,hkd->qhgd", pr, vv)
         o[cu[b]:cu[b + 1]] = ob.reshape(q_len, hq, d)
@@ -116,12 +120,14 @@ def segpaged_attention_ref(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_
     return (o, lse) if return_lse else o
 
 
-def dense_masked_attention(q, k, v, window, sink, sm_scale=None, sel=None, return_lse=False):
+def dense_masked_attention(q, k, v, window, sink, sm_scale=None, sel=None, return_lse=False,
+                           sink_logits=None):
     """Second oracle: one sequence, contiguous K/V, no pages.
 
     q [q_len, Hq, D] are the last q_len positions of a sequence whose keys are k/v
     [seq_len, Hkv, D]; window/sink are per KV head; sel is an optional per-KV-head list of
-    selected-position tensors. KV heads are expanded per query head (fine for an oracle)."""
+    selected-position tensors; sink_logits [Hq] as in ``segpaged_attention_ref``. KV heads are
+    expanded per query head (fine for an oracle). The math runs in float64 when q is float64."""
     q_len, hq, d = q.shape
     seq_len, hkv, _ = k.shape
     g = hq // hkv
@@ -135,11 +141,14 @@ def dense_masked_attention(q, k, v, window, sink, sm_scale=None, sel=None, retur
         for h in range(hkv)
     ])                                                   # [Hkv, Q, K]
     mask = mask.repeat_interleave(g, dim=0)              # [Hq, Q, K]
-    kf = k.float().repeat_interleave(g, dim=1)           # [K, Hq, D]
-    vf = v.float().repeat_interleave(g, dim=1)
-    s = torch.einsum("qhd,khd->hqk", q.float(), kf) * sm_scale
+    ft = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kf = k.to(ft).repeat_interleave(g, dim=1)            # [K, Hq, D]
+    vf = v.to(ft).repeat_interleave(g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.to(ft), kf) * sm_scale
     s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                     # [Hq, Q]
+    if sink_logits is not None:
+        lse = torch.logaddexp(lse, sink_logits.to(lse.device, ft)[:, None])
     p = torch.nan_to_num(torch.exp(s - lse[..., None]), nan=0.0)
     o = torch.einsum("hqk,khd->qhd", p, vf).to(q.dtype)
     return (o, lse.transpose(0, 1).contiguous()) if return_lse else o
@@ -181,9 +190,9 @@ def decode_layout(block_tables, seq_lens, window, sink, page_size: int, max_len:
     return {"pages": tables.clamp_min(0), "bias": bias.unsqueeze(3), "store_src": store, "store_rows": store_rows}
 
 
-def paged_decode_attention_masked(q, k_pages, v_pages, pages, bias, sm_scale) -> torch.Tensor:
+def paged_decode_attention_masked(q, k_pages, v_pages, pages, bias, sm_scale, sink_logits=None) -> torch.Tensor:
     """q [B, Hq, D] over the gathered pages [B, Hkv, P] of one layer, with the additive mask
-    bias [B, Hkv, 1, P * ps] (0 visible, -inf hidden)."""
+    bias [B, Hkv, 1, P * ps] (0 visible, -inf hidden); sink_logits [Hq] or None."""
     B, hq, d = q.shape
     hkv, n = pages.shape[1], pages.numel()
     ps = k_pages.shape[1]
@@ -193,13 +202,17 @@ def paged_decode_attention_masked(q, k_pages, v_pages, pages, bias, sm_scale) ->
     vv = torch.index_select(v_pages.view(v_pages.shape[0], ps * d), 0, idx).view(B, hkv, -1, d)
     # plain matmuls: for one query row they beat SDPA's masked CPU paths, which vary 100x by mask
     scores = torch.matmul(q.view(B, hkv, hq // hkv, d).to(kk.dtype), kk.transpose(2, 3))
-    probs = torch.softmax(scores.float().mul_(sm_scale).add_(bias), dim=-1)
+    scores = scores.float().mul_(sm_scale).add_(bias)
+    if sink_logits is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = softmax_with_sinks(scores, sink_logits.to(scores.device, torch.float32).view(1, hkv, hq // hkv, 1))
     o = torch.matmul(probs.to(vv.dtype), vv)
     return o.reshape(B, hq, d).to(q.dtype)
 
 
 def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, window, sink, sm_scale,
-                           max_len: int) -> torch.Tensor:
+                           max_len: int, sink_logits=None) -> torch.Tensor:
     """One query per sequence (decode), every sequence and head at once: gathers each head's
     pages and runs one masked attention. The CPU fast path beside ``segpaged_attention_ref``;
     same rule, no loop over sequences.
@@ -207,4 +220,14 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, window, 
     q [B, Hq, D]; block_tables [B, Hkv, >= ceil(max_len / page_size)]; seq_lens [B] (the query
     sits at seq_len - 1); window/sink [Hkv] tensors; max_len >= every seq_len (host int)."""
     lay = decode_layout(block_tables[None], seq_lens, window[None], sink[None], k_pages.shape[1], max_len)
-    return paged_decode_attention_masked(q, k_pages, v_pages, lay["pages"][0], lay["bias"][0], sm_scale)
+    return paged_decode_attention_masked(q, k_pages, v_pages, lay["pages"][0], lay["bias"][0], sm_scale,
+                                         sink_logits)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sink_logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of scores (-inf: hidden) with one more logit per row in the
+    denominator that takes no value (gpt-oss's learned attention sink): exp(s_j) / (sum_k exp(s_k)
+    + exp(sink)). sink_logits broadcasts against scores[..., :1]. A row that sees nothing gets
+    all zeros (all its mass on the sink)."""
+    sink = sink_logits.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

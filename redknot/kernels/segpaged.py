@@ -13,7 +13,9 @@ Three kernels share a few jitted helpers:
 
 Positions are never stored: slot s of logical page lp holds position lp * page_size + s.
 All softmax math is fp32, base-2 (scores are pre-multiplied by log2(e)); LSE is returned in
-natural log.
+natural log. A learned sink logit per query head (gpt-oss) is one more term of the denominator
+with no value: prefill starts each row's online softmax from it (max = sink, sum = 1), decode
+adds it once in the merge.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ..config import GLOBAL_WINDOW  # noqa: F401  (re-exported for convenience)
 
 _LOG2E = 1.4426950408889634
 _LN2 = tl.constexpr(0.6931471805599453)  # base-2 LSE -> natural log
+_LOG2E_C = tl.constexpr(1.4426950408889634)  # natural-log logit -> base 2
 
 # Largest q_len (per sequence) that takes the split-KV decode path.
 DECODE_MAX_Q = 8
@@ -299,7 +302,7 @@ def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, QPOS, total_q, num_seqs,
 
 
 @triton.jit
-def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS, qk_scale,
+def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS, SINK_LOGIT, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                     stride_kp, stride_ks, stride_bb, stride_bh, max_pages,
                     stride_sb, stride_sh, stride_nb,
@@ -307,7 +310,7 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_N: tl.constexpr,
                     HAS_SEL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
                     UPCAST: tl.constexpr, FAST_INTERIOR: tl.constexpr,
-                    MERGE_EDGES: tl.constexpr, HAS_QPOS: tl.constexpr):
+                    MERGE_EDGES: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SINK_LOGIT: tl.constexpr):
     hq = tl.program_id(0)
     # Late query blocks see the most keys: launch them first to shorten the tail.
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -343,8 +346,12 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS,
     n_sink, w0, f0, f1, t_end = _tile_ranges(p_lo, p_hi, W, S, BLOCK_N)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if HAS_SINK_LOGIT:  # the sink is the first term of the softmax: max = sink (base 2), sum = 1
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(SINK_LOGIT + hq) * _LOG2E_C
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     bt_row = BT + b * stride_bb + hk * stride_bh
     if MERGE_EDGES:
         acc, l_i, m_i = _attend_edges(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
@@ -464,10 +471,11 @@ def _decode_kernel(Q, K, V, OP, LP, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sca
 
 
 @triton.jit
-def _merge_kernel(OP, LP, O, LSE, num_splits,
+def _merge_kernel(OP, LP, O, LSE, SINK_LOGIT, num_splits,
                   stride_opt, stride_oph, stride_ops, stride_lpt, stride_lph,
                   stride_ot, stride_oh, stride_lt,
-                  HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
+                  HAS_SINK_LOGIT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -480,6 +488,10 @@ def _merge_kernel(OP, LP, O, LSE, num_splits,
         lse = tl.load(lp_row + c + offs_s, mask=c + offs_s < num_splits, other=float("-inf"))
         m_vec = tl.maximum(m_vec, lse)
     m = tl.max(m_vec, 0)
+    sink2 = float("-inf")
+    if HAS_SINK_LOGIT:  # one more partial: the sink, with weight exp(sink) and output 0
+        sink2 = tl.load(SINK_LOGIT + h) * _LOG2E_C
+        m = tl.maximum(m, sink2)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     # Pass 2: LSE-weighted sum of the partial outputs, in fp32.
     den = tl.zeros([CHUNK], dtype=tl.float32)
@@ -493,6 +505,8 @@ def _merge_kernel(OP, LP, O, LSE, num_splits,
         den += w
         acc += w[:, None] * o
     total = tl.sum(den, 0)
+    if HAS_SINK_LOGIT:
+        total += tl.exp2(sink2 - m_use)
     out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
     tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
     if WRITE_LSE:
@@ -631,7 +645,8 @@ def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens,
 
 def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, window, sink,
                        sm_scale=None, max_q_len=None, sel_pos=None, sel_lens=None,
-                       return_lse=False, q_pos=None, config: KernelConfig | None = None):
+                       return_lse=False, q_pos=None, config: KernelConfig | None = None,
+                       sink_logits=None):
     """Per-head sink/window(/selected) attention over each KV head's own pages.
 
     q [total_q, Hq, D] (varlen, packed by cu_seqlens_q); k_pages/v_pages
@@ -640,8 +655,10 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
     max_q_len: host int bound on q_len (None: total_q); sel_pos int32 [B, Hkv, max_sel] sorted,
     -1 padded, with sel_lens [B, Hkv]. q_pos int32 [total_q]: explicit, sorted query positions
     per sequence (default: the last q_len positions). config: launch choices (KernelConfig;
-    None: the built-in ones). Returns o (dtype of q) and, if return_lse, float32 lse
-    [total_q, Hq] (natural log). No host syncs: every launch parameter comes from shapes."""
+    None: the built-in ones). sink_logits [Hq]: a learned logit per query head in every softmax
+    denominator, with no value (gpt-oss; None: none). Returns o (dtype of q) and, if return_lse,
+    float32 lse [total_q, Hq] (natural log, the sink logit included). No host syncs: every
+    launch parameter comes from shapes."""
     total_q, hq, d = q.shape
     _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, d)
     B, hkv, max_pages = block_tables.shape
@@ -674,6 +691,14 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
         sel_strides = (sel.stride(0), sel.stride(1), nsel.stride(0))
     else:
         sel, nsel, sel_strides = sl, sl, (0, 0, 0)  # unused placeholders
+    has_sink_logit = sink_logits is not None
+    if has_sink_logit:
+        if sink_logits.shape != (hq,):
+            raise ValueError(f"sink_logits must have one value per query head ({hq}), got shape "
+                             f"{tuple(sink_logits.shape)}")
+        sink_logit = sink_logits.to(device=dev, dtype=torch.float32).contiguous()
+    else:
+        sink_logit = sl  # unused placeholder
     # fp32 inputs: exact fp32 dots (no silent tf32); 16-bit inputs: the default tensor-core path.
     dot_prec = "ieee" if q.dtype == torch.float32 else None
     upcast = _upcast(q.dtype)
@@ -690,12 +715,12 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
     qpos = _int32(q_pos, dev).contiguous() if has_qpos else cu  # placeholder when unused
     if mq <= decode_max_q and not has_qpos:
         _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, has_sel,
-                qk_scale, o, lse, return_lse, gqa, mq, dot_prec, cfg)
+                qk_scale, o, lse, return_lse, gqa, mq, dot_prec, cfg, sink_logit, has_sink_logit)
     else:
         block_m, block_n, warps, stages = _prefill_config(d, q.dtype, mq, cfg)
         grid = (hq, triton.cdiv(mq, block_m), B)
         _prefill_kernel[grid](
-            q, k_pages, v_pages, o, lse, bt, cu, sl, win, snk, sel, nsel, qpos, qk_scale,
+            q, k_pages, v_pages, o, lse, bt, cu, sl, win, snk, sel, nsel, qpos, sink_logit, qk_scale,
             q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse_stride,
             k_pages.stride(0), k_pages.stride(1), bt.stride(0), bt.stride(1), max_pages,
             *sel_strides,
@@ -703,13 +728,13 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
             SEL_N=block_n, HAS_SEL=has_sel, WRITE_LSE=return_lse, DOT_PREC=dot_prec,
             UPCAST=upcast, FAST_INTERIOR=True if cfg.fast_interior is None else cfg.fast_interior,
             MERGE_EDGES=_prefill_merge_edges(block_n, cfg), HAS_QPOS=has_qpos,
-            num_warps=warps, num_stages=stages,
+            HAS_SINK_LOGIT=has_sink_logit, num_warps=warps, num_stages=stages,
         )
     return (o, lse) if return_lse else o
 
 
 def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, has_sel,
-            qk_scale, o, lse, return_lse, gqa, mq, dot_prec, cfg):
+            qk_scale, o, lse, return_lse, gqa, mq, dot_prec, cfg, sink_logit, has_sink_logit):
     total_q, hq, d = q.shape
     B, hkv, max_pages = bt.shape
     page = k_pages.shape[1]
@@ -751,10 +776,10 @@ def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, h
         num_warps=warps, num_stages=stages, **extra,
     )
     _merge_kernel[(total_q, hq)](
-        o_part, lse_part, o, lse, num_splits,
+        o_part, lse_part, o, lse, sink_logit, num_splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         o.stride(0), o.stride(1), lse.stride(0) if return_lse else 0,
         HEAD_DIM=d, CHUNK=min(16, triton.next_power_of_2(num_splits)), WRITE_LSE=return_lse,
-        num_warps=2 if d <= 64 else 4,
+        HAS_SINK_LOGIT=has_sink_logit, num_warps=2 if d <= 64 else 4,
     )

@@ -69,6 +69,10 @@ class ModelAdapter:
         """The hidden states leaving layer ``layer``, given its attention output [T, Hq, D]."""
         return self.layer_ffn(layer, self.layer_attention(layer, hidden, attn_out))
 
+    def layer_sink_logits(self, layer: int) -> torch.Tensor | None:
+        """The learned sink logit per query head [Hq] in layer ``layer``'s softmax (gpt-oss), or None."""
+        return None
+
     # ---- BUILDSTATE
     def state_layout(self) -> StateLayout:
         raise NotImplementedError
@@ -118,6 +122,9 @@ class LlamaAdapter(ModelAdapter):
     def layer_qkv(self, layer, hidden, positions):
         block = self._body.layers[layer]
         return block.self_attn.qkv(block.input_layernorm(hidden), positions)
+
+    def layer_sink_logits(self, layer):
+        return getattr(self._body.layers[layer].self_attn, "sinks", None)
 
     def layer_attention(self, layer, hidden, attn_out):
         return hidden + self._body.layers[layer].self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))

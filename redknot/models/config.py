@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 # linear-attention (Gated DeltaNet) layers beside gated full-attention layers, with MoE FFNs
 HYBRID_MODEL_TYPES = ("qwen3_next",)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
@@ -122,6 +122,8 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     # Per-layer native sliding window of the architecture (None = full causal).
     sliding_windows: list[int | None] = field(default_factory=list)
+    # A learned sink logit per query head in every attention softmax (gpt-oss: ``self_attn.sinks``).
+    attention_sinks: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     torch_dtype: str | None = None
@@ -230,8 +232,11 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or (256 if gemma else raw["hidden_size"] // n_heads)
         n_layers = raw["num_hidden_layers"]
         eos = raw.get("eos_token_id")
+        _check_quantization(raw, model_type)
         if gemma:
             return cls._gemma3(raw, n_heads, n_kv, head_dim, n_layers)
+        if model_type == "gpt_oss":
+            raw = _gpt_oss_defaults(raw)
         attention_bias, o_proj_bias = _parse_attention_bias(raw, model_type)
         if model_type == "olmoe" and head_dim * n_heads != raw["hidden_size"]:
             # OLMoE's q norm is sized hidden_size and applied to the whole q projection
@@ -261,6 +266,7 @@ class ModelConfig:
             moe=_parse_moe(raw, model_type, n_layers),
             rope=_parse_rope(raw, head_dim),
             sliding_windows=_parse_sliding_windows(raw, model_type, n_layers),
+            attention_sinks=model_type == "gpt_oss",
             eos_token_ids=_as_int_list(eos) if eos is not None else [],
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
@@ -345,6 +351,40 @@ def _parse_rope(raw: dict, head_dim: int) -> RopeConfig:
     return rc
 
 
+# MXFP4 experts are dequantised at load (models/mxfp4.py); no other quantisation is implemented.
+DEQUANTISED_AT_LOAD = {"gpt_oss": ("mxfp4",)}
+
+
+def _check_quantization(raw: dict, model_type: str) -> None:
+    quant = raw.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method not in DEQUANTISED_AT_LOAD.get(model_type, ()):
+        raise UnsupportedModelError(
+            f"config.json: quantization_config.quant_method={method!r} is not supported for {model_type} "
+            "(load an unquantised bf16/fp32 checkpoint)")
+
+
+def _gpt_oss_defaults(raw: dict) -> dict:
+    """gpt-oss's config with transformers' defaults (GptOssConfig) where a field is absent: bias on
+    every attention projection, YaRN RoPE (factor 32 over 4096 positions, theta 150000), sliding
+    windows of 128 on the even layers."""
+    raw = dict(raw)
+    raw.setdefault("attention_bias", True)
+    raw.setdefault("sliding_window", 128)
+    if not raw.get("rope_parameters") and not raw.get("rope_scaling"):
+        raw["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 4096}
+    params = raw.get("rope_parameters") or {}
+    if "rope_theta" not in params and "rope_theta" not in raw:
+        raw["rope_theta"] = 150000.0
+    if raw.get("layer_types") is None:
+        raw["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                              for i in range(raw["num_hidden_layers"])]
+    return raw
+
+
 def _parse_attention_bias(raw: dict, model_type: str) -> tuple[bool, bool]:
     """(q/k/v projections have a bias, the output projection has one), as transformers builds them."""
     if model_type == "qwen2":  # always q/k/v bias
@@ -354,7 +394,7 @@ def _parse_attention_bias(raw: dict, model_type: str) -> tuple[bool, bool]:
     if model_type in ("mistral", "mixtral"):  # no attention bias whatever the config says
         return False, False
     bias = bool(raw.get("attention_bias", False))
-    return bias, bias  # llama, qwen3, qwen3_moe, olmoe: every projection
+    return bias, bias  # llama, qwen3, qwen3_moe, olmoe, gpt_oss: every projection
 
 
 def _positive_int(raw: dict, key: str, default=None) -> int:
@@ -368,9 +408,13 @@ def _parse_moe(raw: dict, model_type: str, n_layers: int) -> MoEConfig | None:
     """The experts of qwen3_moe / qwen2_moe (``num_experts``, ``moe_intermediate_size``, dense layers
     by ``decoder_sparse_step`` and ``mlp_only_layers``, qwen2_moe's shared expert), mixtral (every
     layer, ``num_local_experts`` of ``intermediate_size``, always renormalised) and olmoe (every
-    layer, ``num_experts`` of ``intermediate_size``); qwen3_next as qwen2_moe (a shared expert)."""
+    layer, ``num_experts`` of ``intermediate_size``), gpt_oss (every layer, ``num_local_experts`` of
+    ``intermediate_size`` with biases, a biased router whose top k logits are softmaxed, the clamped
+    SwiGLU of ``swiglu_limit``); qwen3_next as qwen2_moe (a shared expert)."""
     if model_type not in MOE_MODEL_TYPES + HYBRID_MODEL_TYPES:
         return None
+    if model_type == "gpt_oss":
+        return _parse_gpt_oss_moe(raw, n_layers)
     expert_key = "num_experts" if "num_experts" in raw else "num_local_experts"
     n_experts = raw.get(expert_key)
     if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
@@ -435,6 +479,21 @@ def _parse_hybrid(raw: dict, model_type: str, n_layers: int) -> dict:
     return {"layer_types": list(types), "linear": linear, "attn_output_gate": True, "norm_offset": True}
 
 
+def _parse_gpt_oss_moe(raw: dict, n_layers: int) -> MoEConfig:
+    n_experts = _positive_int(raw, "num_local_experts", 128)
+    top_k = _positive_int(raw, "num_experts_per_tok", 4)
+    if top_k > n_experts:
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok={top_k} exceeds num_local_experts={n_experts}")
+    limit, alpha = raw.get("swiglu_limit", 7.0), raw.get("swiglu_alpha", 1.702)
+    for key, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise UnsupportedModelError(f"config.json: {key} must be a positive number, got {value!r}")
+    return MoEConfig(num_experts=n_experts, top_k=top_k, intermediate_size=raw["intermediate_size"],
+                     layers=[True] * n_layers, routing="topk_softmax", activation="swiglu_clamped",
+                     swiglu_alpha=float(alpha), swiglu_limit=float(limit), router_bias=True, expert_bias=True,
+                     router_name="router", checkpoint_layout="gpt_oss")
+
+
 def _parse_gemma3_rope(raw: dict, head_dim: int) -> tuple[RopeConfig, RopeConfig]:
     """(global, local) RoPE of Gemma 3: ``rope_parameters`` per layer type (transformers >= 5), or
     rope_theta + rope_scaling for the full-attention layers and rope_local_base_freq (unscaled)
@@ -478,6 +537,12 @@ def _parse_sliding_windows(raw: dict, model_type: str, n_layers: int) -> list[in
         return [None] * n_layers
     if model_type in ("mistral", "mixtral"):
         return [int(window)] * n_layers
+    if model_type == "gpt_oss":  # always on the layers `layer_types` marks (defaults filled in)
+        types = raw["layer_types"]
+        if len(types) != n_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError(f"config.json: layer_types must be {n_layers} entries of "
+                                        f"sliding_attention / full_attention, got {types!r}")
+        return [int(window) if t == "sliding_attention" else None for t in types]
     # qwen2 / qwen3 / qwen2_moe / qwen3_moe: sliding only when enabled
     if not raw.get("use_sliding_window", False):
         return [None] * n_layers

@@ -74,6 +74,8 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.head_norm = cfg.qk_norm and cfg.qk_norm_per_head
         self.clip_qkv = cfg.clip_qkv
+        # gpt-oss: a learned logit per query head in the softmax denominator, with no value
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if cfg.attention_sinks else None
         self.rope = rope
         self.backend = None  # set by the runner
         self.qkv_weight = self.qkv_bias = None  # one [Hq+2Hkv)*D, hidden] GEMM once fused
@@ -87,6 +89,8 @@ class Attention(nn.Module):
         self.qkv_bias = _fuse_rows(self.q_proj, self.k_proj, self.v_proj, name="bias")
         if pack:
             self.qkv_packed, self.o_packed = projection.pack(self.qkv_weight), projection.pack(self.o_proj.weight)
+        if self.sinks is not None:  # the kernels read them in fp32: convert once, not every step
+            self.sinks.data = self.sinks.data.float()
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """q [T, Hq, D], k and v [T, Hkv, D] of normed hidden states x, RoPE applied at positions."""
@@ -127,7 +131,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
         q, k, v = self.qkv(x, positions)
-        o = self.backend.attention(self.layer_idx, q, k, v, batch, rows).reshape(x.shape[0], self.n_heads * self.head_dim)
+        o = self.backend.attention(self.layer_idx, q, k, v, batch, rows, sink_logits=self.sinks)
+        o = o.reshape(x.shape[0], self.n_heads * self.head_dim)
         return projection.linear(o, self.o_proj.weight, self.o_proj.bias, self.o_packed)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import mxfp4
 from .config import ModelConfig, MoEConfig
 from .registry import model_class
 from .rope import RotaryEmbedding
@@ -130,6 +131,7 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
     params = dict(model.named_parameters())
     loaded, unexpected = set(), []
     filled: dict[str, int] = {}  # elements copied into parameters that checkpoints give in slices (experts)
+    packed: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 experts: name -> the blocks and scales seen so far
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
@@ -138,6 +140,13 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
                     continue
                 name = key.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name of its MoE block
                 tensor = f.get_tensor(key)
+                if name.endswith((mxfp4.BLOCKS, mxfp4.SCALES)):  # dequantised once both halves are read
+                    base, part = name[:-len(mxfp4.BLOCKS)], name[-len(mxfp4.BLOCKS):]
+                    packed.setdefault(base, {})[part] = tensor
+                    if len(packed[base]) < 2:
+                        continue
+                    halves = {k: v.to(device) for k, v in packed.pop(base).items()}  # dequantised where it runs
+                    name, tensor = base, mxfp4.dequantize(halves[mxfp4.BLOCKS], halves[mxfp4.SCALES], dtype)
                 name, index, tensor = expert_target(name, tensor, cfg.moe) or (name, (slice(None),), tensor)
                 if name not in params:
                     unexpected.append(key)
@@ -156,6 +165,9 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
                 filled[name] = filled.get(name, 0) + dest.numel()
                 if filled[name] == params[name].numel():
                     loaded.add(name)
+    if packed:
+        raise CheckpointError(f"{path}: MXFP4 weights without their other half (_blocks and _scales): "
+                              f"{[k + p for k, parts in packed.items() for p in parts][:5]}")
     if unexpected:
         raise CheckpointError(f"{path}: unexpected weights (not a {cfg.model_type} layout?): {unexpected[:5]}")
     missing = sorted(set(params) - loaded)

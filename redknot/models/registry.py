@@ -25,6 +25,8 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     # hybrid: Gated DeltaNet linear-attention layers beside gated full-attention layers, MoE FFNs
     "qwen3_next": (Qwen3NextForCausalLM, HybridAdapter),
     "gemma3_text": (Gemma3ForCausalLM, Gemma3Adapter),
+    # gpt-oss: the same decoder with attention sinks, biased projections and its own MoE options
+    "gpt_oss": (LlamaForCausalLM, LlamaAdapter),
 }
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import DEFAULT_SINK, HeadConfig
+from ..kernels.reference import softmax_with_sinks
 from ..visibility import GLOBAL_WINDOW, visible
 
 # Score elements per query block ([Hq, rows, keys] fp32): bounds memory at long context.
@@ -87,13 +88,15 @@ def make_samples(tokenizer, records: list[dict], max_tokens: int = 4096) -> list
 
 # ---- metrics on attention probabilities ---------------------------------------------------------
 def attention_stats(probs: torch.Tensor, q_pos: torch.Tensor, sink: int, ref_window: int, page_size: int,
-                    n_buckets: int, retrieval_k: int) -> dict[str, torch.Tensor]:
+                    n_buckets: int, retrieval_k: int, learned_sink: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-query metrics of attention probabilities ``probs`` [H, R, N] (rows sum to 1, causal:
-    key j visible to the query at position q_pos[r] iff j <= q_pos[r]).
+    key j visible to the query at position q_pos[r] iff j <= q_pos[r]). ``learned_sink`` [H, R]:
+    the mass on a learned sink logit (gpt-oss), when the rows sum to 1 with it.
 
     Returns edge [H, R] (mass on j >= sink with p - j >= ref_window), retrieval [H, R] (mass of the
     retrieval_k largest of those keys) and covered [H, R, n_buckets]: the mass on j < sink or
-    p - j < (b + 1) * page_size, i.e. what a local head with that window would keep."""
+    p - j < (b + 1) * page_size (and on the learned sink, which every head keeps), i.e. what a
+    local head with that window would keep."""
     h, r, n = probs.shape
     probs = probs.float()
     j = torch.arange(n, device=probs.device)
@@ -109,21 +112,28 @@ def attention_stats(probs: torch.Tensor, q_pos: torch.Tensor, sink: int, ref_win
     edge = mass_before(p - ref_window + 1)[..., 0]  # keys at distance >= ref_window
     widths = (torch.arange(n_buckets, device=probs.device) + 1) * page_size
     covered = (sink_mass + total)[..., None] - mass_before(p - widths[None, :] + 1)
+    if learned_sink is not None:
+        covered = covered + learned_sink.float()[..., None]
     far = ~visible(p, j[None, :], ref_window, sink)  # [R, N]; keys past p carry no mass
     top = body.masked_fill(~far, 0.0).topk(min(retrieval_k, n), dim=-1).values.sum(-1)
     return {"edge": edge, "retrieval": top, "covered": covered}
 
 
-def window_error(probs: torch.Tensor, q_pos: torch.Tensor, values: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+def window_error(probs: torch.Tensor, q_pos: torch.Tensor, values: torch.Tensor, sink: int, window: int,
+                 learned_sink: torch.Tensor | None = None) -> torch.Tensor:
     """Relative squared change of each query's attention output [H, R] if the head saw only sink +
-    ``window`` (probabilities renormalised over what stays): ||o - o_local||^2 / ||o||^2.
-    ``probs`` [H, R, N], ``values`` [H, N, D]. What a local head would actually lose, where edge mass
-    only says how much attention leaves the window (diffuse far attention can cost little)."""
+    ``window`` (probabilities renormalised over what stays, the learned sink's mass [H, R] included
+    when given): ||o - o_local||^2 / ||o||^2. ``probs`` [H, R, N], ``values`` [H, N, D]. What a
+    local head would actually lose, where edge mass only says how much attention leaves the window
+    (diffuse far attention can cost little)."""
     n = probs.shape[-1]
     j = torch.arange(n, device=probs.device)
     keep = visible(q_pos.to(probs.device).long()[:, None], j[None, :], window, sink)  # [R, N]
     local = probs.float() * keep
-    local = local / local.sum(-1, keepdim=True).clamp_min(_EPS)
+    kept = local.sum(-1, keepdim=True)
+    if learned_sink is not None:
+        kept = kept + learned_sink.float()[..., None]
+    local = local / kept.clamp_min(_EPS)
     o, o_local = probs.float() @ values.float(), local @ values.float()
     return ((o - o_local).pow(2).sum(-1) / o.pow(2).sum(-1).clamp_min(_EPS)).double()
 
@@ -148,10 +158,11 @@ class _Accumulator:
         self.covered = torch.zeros(n_heads, n_buckets, dtype=torch.float64, device=device)
         self.queries = 0
 
-    def add(self, probs, q_pos, values=None):
-        st = attention_stats(probs, q_pos, **self.spec)
+    def add(self, probs, q_pos, values=None, learned_sink=None):
+        st = attention_stats(probs, q_pos, **self.spec, learned_sink=learned_sink)
         if self.window_error is not None:
-            self.window_error += window_error(probs, q_pos, values, self.spec["sink"], self.spec["ref_window"]).sum(1)
+            self.window_error += window_error(probs, q_pos, values, self.spec["sink"], self.spec["ref_window"],
+                                              learned_sink).sum(1)
         self.edge += st["edge"].sum(1).double()
         self.retrieval += st["retrieval"].sum(1).double()
         self.covered += st["covered"].sum(1).double()
@@ -159,10 +170,11 @@ class _Accumulator:
 
 
 # ---- the forward by hand ------------------------------------------------------------------------
-def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=BLOCK_ELEMS):
+def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=BLOCK_ELEMS, sink_logits=None):
     """Causal attention of q [R, Hq, D] at positions q_start.. over k/v [N, Hkv, D] at 0..N-1,
-    in fp32, one block of query rows at a time. ``stats``: (_Accumulator, first position) pairs;
-    queries at positions >= the first position feed the accumulator. Returns o [R, Hq, D] in v's dtype."""
+    in fp32, one block of query rows at a time, with the learned sink logits [Hq] (or None) in
+    the softmax. ``stats``: (_Accumulator, first position) pairs; queries at positions >= the
+    first position feed the accumulator. Returns o [R, Hq, D] in v's dtype."""
     r_total, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -178,13 +190,19 @@ def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=B
         seen = visible(pos[:, None], j[None, :], native_window or GLOBAL_WINDOW, 0)
         qb = q[r0:r1].float().view(r1 - r0, hkv, g, d)
         scores = torch.einsum("rhgd,hnd->hgrn", qb, kf[:, :n]) * scale
-        probs = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)  # [Hkv, g, rows, n]
+        scores = scores.masked_fill(~seen, float("-inf"))
+        if sink_logits is None:
+            probs, learned = scores.softmax(dim=-1), None  # [Hkv, g, rows, n]
+        else:
+            probs = softmax_with_sinks(scores, sink_logits.float().view(hkv, g, 1, 1))
+            learned = 1 - probs.sum(-1)  # [Hkv, g, rows]: the learned sink's mass
         out[r0:r1] = torch.einsum("hgrn,hnd->rhgd", probs, vf[:, :n]).reshape(r1 - r0, hq, d).to(v.dtype)
         for acc, measure_from in stats:
             i0 = max(0, measure_from - (q_start + r0))  # rows are sorted by position
             if i0 < r1 - r0:
                 values = vf[:, :n].repeat_interleave(g, 0) if acc.window_error is not None else None
-                acc.add(probs[:, :, i0:].reshape(hq, r1 - r0 - i0, n), pos[i0:], values)
+                acc.add(probs[:, :, i0:].reshape(hq, r1 - r0 - i0, n), pos[i0:], values,
+                        None if learned is None else learned[:, :, i0:].reshape(hq, r1 - r0 - i0))
     return out
 
 
@@ -232,15 +250,15 @@ def measure_heads(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK
         pos, pos_alt = torch.arange(ids.numel(), device=dev), torch.arange(alt.numel(), device=dev)
         h, h_alt = adapter.embed(ids), adapter.embed(alt)
         for l in range(n_layers):
-            scale, win = cfg.attention_scale, native[l]
+            scale, win, sinks = cfg.attention_scale, native[l], adapter.layer_sink_logits(l)
             q, k, v = adapter.layer_qkv(l, h, pos)
             qa, ka, va = adapter.layer_qkv(l, h_alt, pos_alt)
             o = _attend(q, 0, k, v, scale, win, [(acc[l], measure_from), (acc_q[l], max(c1, measure_from))],
-                        block_elems)
-            o_alt = _attend(qa, 0, ka, va, scale, win, block_elems=block_elems)
+                        block_elems, sinks)
+            o_alt = _attend(qa, 0, ka, va, scale, win, block_elems=block_elems, sink_logits=sinks)
             # the chunk's own q/k/v, the other document's K/V before it
             o_mix = _attend(q[c0:c1], c0, torch.cat([ka[:c0], k[c0:c1]]), torch.cat([va[:c0], v[c0:c1]]),
-                            scale, win, block_elems=block_elems)
+                            scale, win, block_elems=block_elems, sink_logits=sinks)
             sens[l] += _relative_l2(o[c0:c1], o_mix, hkv)
             sens_e2e[l] += _relative_l2(o[c0:c1], o_alt[c0:c1], hkv)
             h, h_alt = adapter.layer_finish(l, h, o), adapter.layer_finish(l, h_alt, o_alt)

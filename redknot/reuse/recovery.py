@@ -8,7 +8,9 @@ policy "every token, every layer, every head global", so exact mode runs the sam
 The sets shrink monotonically (a token dropped after layer l has no hidden state later), and a
 dropped token must be cached. The forward returns the K/V of every position at every layer: the
 cache the decode continues from. Softmax in fp32; attention masks are built per head from the
-same (window, sink) rule as the kernels.
+same (window, sink) rule as the kernels. A model with learned attention sinks (gpt-oss: an
+attention module's ``sinks``, one logit per query head) has them in every softmax here, the
+attention masses the policies observe included.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
+from ..kernels.reference import softmax_with_sinks
 from ..models.registry import adapter_for
 from ..visibility import visible
 from .flops import FlopReport, visible_pairs
@@ -107,6 +110,7 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
     # record_function ranges name the phases in a torch.profiler trace (`redknot bench ttft --profile`)
     for l, layer in enumerate(body.layers):
         attn = layer.self_attn
+        sinks = adapter.layer_sink_logits(l)  # gpt-oss: a learned logit per query head in every softmax
         t = cur.numel()
         with record_function("recover.qkv"):
             q, k, v = attn.qkv(layer.input_layernorm(h), cur)
@@ -130,7 +134,7 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
         with record_function("recover.attention"):
             if split is None:
                 o, mass = _attend(q, cur, keys, values, window.to(dev), sink.to(dev), cfg.attention_scale,
-                                  policy.observe(l), full=window.cpu() >= n, paged=paged)
+                                  policy.observe(l), full=window.cpu() >= n, paged=paged, sink_logits=sinks)
                 pairs = visible_pairs(cur, window, sink, group)
             else:  # rows before `at` under (window, sink), rows from `at` on under their own
                 at, window2, sink2 = split
@@ -140,7 +144,8 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
                                             (slice(r, t), window2, sink2, min(policy.observe(l), t - r))):
                     if rows.stop > rows.start:
                         o[rows], m_ = _attend(q[rows], cur[rows], keys, values, w_.to(dev), s_.to(dev),
-                                              cfg.attention_scale, n_obs, full=w_.cpu() >= n, paged=paged)
+                                              cfg.attention_scale, n_obs, full=w_.cpu() >= n, paged=paged,
+                                              sink_logits=sinks)
                         mass = m_ if n_obs else mass
                         pairs += visible_pairs(cur[rows], w_, s_, group)
         info["mass"] = mass
@@ -148,7 +153,7 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
         if chunk_id is not None:
             with record_function("recover.cross_mass"):
                 info["cross"] = cross_chunk_mass(q, cur, keys, window.to(dev), sink.to(dev), cfg.attention_scale,
-                                                 chunk_id.to(dev))
+                                                 chunk_id.to(dev), sinks)
         with record_function("recover.o_proj"):
             h = adapter.layer_attention(l, h, o)
         with record_function("recover.select"):
@@ -186,44 +191,52 @@ def _run(pos: torch.Tensor) -> tuple[int, int] | None:
     return (lo, hi + 1) if hi + 1 - lo == pos.numel() else None
 
 
-def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None, paged=False):
-    """q [R, Hq, D] at positions q_pos over keys/values [N, Hkv, D] under (window, sink) per KV head.
+def _attend(q, q_pos, keys, values, window, sink, scale, n_obs, full=None, paged=False, sink_logits=None):
+    """q [R, Hq, D] at positions q_pos over keys/values [N, Hkv, D] under (window, sink) per KV head,
+    with the learned sink logits [Hq] (or None) in every softmax.
 
     Returns o [R, Hq, D] and, for the last n_obs queries, the attention mass each key receives
     (summed over those queries and all heads; float32 [N]) or None. ``full`` (bool [Hkv], on the
     host) marks heads that see their whole causal past: when (nearly) every position is a query
-    they go through one causal SDPA (flash attention on a GPU). The other heads run the SegPaged
-    kernel on a GPU (the buffers viewed as pages), a masked SDPA elsewhere."""
+    (and there are no sink logits, which SDPA has no place for) they go through one causal SDPA
+    (flash attention on a GPU). The other heads run the SegPaged kernel on a GPU (the buffers
+    viewed as pages), a masked SDPA (an explicit softmax with sink logits) elsewhere."""
     r, hq, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
     g = hq // hkv
     j = torch.arange(n, device=q.device)[None, None, :]
     w, s = window[:, None, None], sink[:, None, None]
-    if full is not None and bool(full.any()) and r * _CAUSAL_MIN_SHARE[1] >= n * _CAUSAL_MIN_SHARE[0]:
+    if (full is not None and sink_logits is None and bool(full.any())
+            and r * _CAUSAL_MIN_SHARE[1] >= n * _CAUSAL_MIN_SHARE[0]):
         out = _attend_split(q, q_pos, keys, values, window, sink, scale, full, paged)
     elif paged:
-        out = _attend_paged(q, q_pos, keys, values, window, sink, scale)
+        out = _attend_paged(q, q_pos, keys, values, window, sink, scale, sink_logits=sink_logits)
+    elif sink_logits is not None:
+        out = _attend_sinks(q, q_pos, keys, values, j, w, s, scale, sink_logits)
     else:
         out = _attend_masked(q, q_pos, keys, values, j, w, s, scale, g)
     mass = None
     if n_obs:
         with record_function("recover.attention_mass"):
-            mass = observation_mass(q[-n_obs:], q_pos[-n_obs:], keys, window, sink, scale)
+            mass = observation_mass(q[-n_obs:], q_pos[-n_obs:], keys, window, sink, scale, sink_logits)
     return out, mass
 
 
-def observation_mass(q_obs, p_obs, keys, window, sink, scale) -> torch.Tensor:
+def observation_mass(q_obs, p_obs, keys, window, sink, scale, sink_logits=None) -> torch.Tensor:
     """The attention mass each key [N] receives from the queries q_obs [o, Hq, D] at positions
     p_obs under (window, sink) per KV head, summed over those queries and all heads (fp32)."""
     n = torch.tensor([keys.shape[0]], device=q_obs.device)
     weight = torch.ones(1, q_obs.shape[0], device=q_obs.device)
-    return observation_mass_batched(q_obs[None], p_obs[None], keys[None], n, weight, window, sink, scale)[0]
+    return observation_mass_batched(q_obs[None], p_obs[None], keys[None], n, weight, window, sink, scale,
+                                    sink_logits)[0]
 
 
-def observation_mass_batched(q_obs, p_obs, keys, key_lens, weight, window, sink, scale) -> torch.Tensor:
+def observation_mass_batched(q_obs, p_obs, keys, key_lens, weight, window, sink, scale,
+                             sink_logits=None) -> torch.Tensor:
     """``observation_mass`` of R requests at once: queries q_obs [R, o, Hq, D] at p_obs [R, o]
     (``weight`` [R, o] is 1 for a query that counts, 0 for padding) over keys [R, N, Hkv, D], of
-    which row r has the first ``key_lens[r]``. float32 [R, N] (0 past a row's keys)."""
+    which row r has the first ``key_lens[r]``; sink_logits [Hq] or None. float32 [R, N] (0 past
+    a row's keys)."""
     r, o, hq, d = q_obs.shape
     n, hkv = keys.shape[1], keys.shape[2]
     g = hq // hkv
@@ -231,20 +244,29 @@ def observation_mass_batched(q_obs, p_obs, keys, key_lens, weight, window, sink,
     w, s = window.to(q_obs.device)[None, :, None, None], sink.to(q_obs.device)[None, :, None, None]
     mask = visible(p_obs[:, None, :, None], j, w, s) & (j < key_lens[:, None, None, None])  # [R, Hkv, o, N]
     scores = torch.einsum("rohgd,rkhd->rhgok", q_obs.reshape(r, o, hkv, g, d), keys).float() * scale  # fp32 softmax
-    probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if sink_logits is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        probs = softmax_with_sinks(scores, sink_logits.float().view(1, hkv, g, 1, 1))
     return (probs * weight[:, None, None, :, None]).sum(dim=(1, 2, 3))
 
 
-def cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Tensor:
+def cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id, sink_logits=None) -> torch.Tensor:
     """Per query row: the attention mass it gives keys of chunks other than its own (keys outside
     any chunk, e.g. the prefix, count as its own context: its cache saw them), averaged over the KV
-    heads that see the whole context here (all heads if none does). float32 [R]; 0 for rows outside
-    chunks."""
+    heads that see the whole context here (all heads if none does); sink_logits [Hq] or None.
+    float32 [R]; 0 for rows outside chunks."""
     n = keys.shape[0]
     heads = (window >= n).nonzero().flatten()
-    if heads.numel():
+    if heads.numel() and sink_logits is None:
         return _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id)
-    return _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id)
+    if heads.numel():  # with sink logits: those heads' softmax materialised
+        g = q.shape[1] // keys.shape[1]
+        qh = _query_heads(heads, g)
+        return _cross_mass_blocked(q[:, qh], q_pos, keys[:, heads], window[heads], sink[heads], scale, chunk_id,
+                                   sink_logits[qh])
+    return _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id, sink_logits)
 
 
 def _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id) -> torch.Tensor:
@@ -286,9 +308,9 @@ def _cross_mass_causal(q, q_pos, keys, heads, scale, chunk_id) -> torch.Tensor:
     return torch.where(own >= 0, out, torch.zeros((), device=dev))
 
 
-def _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.Tensor:
-    """``cross_chunk_mass`` when no head sees the whole context: every head under its own
-    (window, sink), the softmax materialised in fp32 query block by query block."""
+def _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id, sink_logits=None) -> torch.Tensor:
+    """``cross_chunk_mass`` when no head sees the whole context (or there are sink logits): every
+    head under its own (window, sink), the softmax materialised in fp32 query block by query block."""
     r, hq, d = q.shape
     n, hkv = keys.shape[0], keys.shape[1]
     g = hq // hkv
@@ -306,7 +328,11 @@ def _cross_mass_blocked(q, q_pos, keys, window, sink, scale, chunk_id) -> torch.
         p = pos[None, :, None]
         mask = visible(p, j, w, s)  # [h, b, N]
         scores = torch.einsum("bhgd,nhd->hgbn", qb, k) * scale
-        probs = scores.masked_fill(~mask[:, None], float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~mask[:, None], float("-inf"))
+        if sink_logits is None:
+            probs = scores.softmax(dim=-1)
+        else:
+            probs = softmax_with_sinks(scores, sink_logits.float().view(hkv, g, 1, 1))
         other = (key_chunk >= 0) & (key_chunk != own[:, None])  # [b, N]
         mass = (probs * other[None, None]).sum(-1).mean(dim=(0, 1))  # [b]
         out[r0:r0 + _QUERY_BLOCK] = torch.where(own >= 0, mass, torch.zeros((), device=q.device))
@@ -382,9 +408,9 @@ def _paged_view(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pages, table
 
 
-def _attend_paged(q, q_pos, keys, values, window, sink, scale, heads=None):
+def _attend_paged(q, q_pos, keys, values, window, sink, scale, heads=None, sink_logits=None):
     """The SegPaged prefill kernel reading the request's K/V buffers in place (only the KV heads
-    ``heads`` when given: q then holds just their query heads)."""
+    ``heads`` when given: q then holds just their query heads, and sink_logits theirs)."""
     from ..kernels import segpaged_attention
 
     k_pages, table = _paged_view(keys)
@@ -393,7 +419,7 @@ def _attend_paged(q, q_pos, keys, values, window, sink, scale, heads=None):
         table = table[:, heads].contiguous()
     cu = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     return segpaged_attention(q, k_pages, v_pages, table, cu, cu.new_tensor([keys.shape[0]]), window, sink,
-                              scale, max_q_len=q.shape[0], q_pos=q_pos)
+                              scale, max_q_len=q.shape[0], q_pos=q_pos, sink_logits=sink_logits)
 
 
 def _attend_masked(q, q_pos, keys, values, j, w, s, scale, g):
@@ -407,4 +433,28 @@ def _attend_masked(q, q_pos, keys, values, j, w, s, scale, g):
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.repeat_interleave(g, dim=0)[None],
                                             scale=scale, enable_gqa=True)
         out[r0:r0 + _QUERY_BLOCK] = ob[0].transpose(0, 1)
+    return out
+
+
+# Score elements per query block of the explicit softmax ([Hq, rows, N] fp32, 64 MiB).
+_SCORE_ELEMS = 2**24
+
+
+def _attend_sinks(q, q_pos, keys, values, j, w, s, scale, sink_logits):
+    """``_attend_masked`` with learned sink logits [Hq]: the softmax materialised in fp32 (SDPA has
+    no term without a value), in query blocks that bound the scores' memory."""
+    r, hq, d = q.shape
+    n, hkv = keys.shape[0], keys.shape[1]
+    g = hq // hkv
+    kf, vf = keys.float().transpose(0, 1), values.float().transpose(0, 1)  # [Hkv, N, D]
+    sinks = sink_logits.float().view(hkv, g, 1, 1)
+    out = torch.empty_like(q)
+    rows = max(1, _SCORE_ELEMS // (hq * n))
+    for r0 in range(0, r, rows):
+        p = q_pos[r0:r0 + rows][None, :, None]
+        mask = visible(p, j, w, s)  # [Hkv, rows, N]
+        qb = q[r0:r0 + rows].float().view(-1, hkv, g, d)
+        scores = torch.einsum("bhgd,hnd->hgbn", qb, kf) * scale
+        probs = softmax_with_sinks(scores.masked_fill(~mask[:, None], float("-inf")), sinks)
+        out[r0:r0 + rows] = torch.einsum("hgbn,hnd->bhgd", probs, vf).reshape(-1, hq, d).to(q.dtype)
     return out

@@ -46,7 +46,7 @@ from .metrics import ServerMetrics
 from .choices import ChatStream, Choice, TokenText, ToolMode, chat_choice, completion_choice, merge
 from .protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
                        CompletionRequest, CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
-                       ErrorResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, Usage, new_id, now)
+                       ErrorResponse, KVTransferUsage, ModelCard, ModelList, TokenizeRequest, TokenizeResponse, Usage, new_id, now)
 
 log = logging.getLogger("redknot.serve")
 
@@ -119,14 +119,15 @@ def tenant_salt(key: str) -> str:
 
 def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: ServerLimits | None = None,
               share_cache_across_keys: bool = False, tool_call_parser: str = "hermes",
-              chat_template: str | None = None, metrics_key: str | None = None) -> FastAPI:
+              chat_template: str | None = None, metrics_key: str | None = None, pd=None) -> FastAPI:
     """The FastAPI app. ``api_keys``: keys accepted on every ``/v1`` route (none: open).
     ``/metrics`` takes ``metrics_key`` when given, else any of ``api_keys`` (open with neither).
     ``tool_call_parser``: how ``tool_choice: auto`` outputs become tool calls (``tools.PARSERS``).
     ``chat_template``: a Jinja template (or a file holding one) replacing the tokenizer's.
     With several keys, each key's requests get their own cache namespace unless
     ``share_cache_across_keys``; that needs an engine that namespaces its caches by
-    ``Sequence.cache_salt`` (``Engine.honours_cache_salt``), so without one it is refused here."""
+    ``Sequence.cache_salt`` (``Engine.honours_cache_salt``), so without one it is refused here.
+    ``pd``: ``serve.pd.PDOptions`` (prefill/decode disaggregation: the role, the KV transport)."""
     llm = engine.llm
     api_keys = tuple(k for k in api_keys if k)
     limits = (limits or ServerLimits()).resolve(llm.max_model_len)
@@ -147,6 +148,12 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
                        metrics_keys=(metrics_key,) if metrics_key else api_keys)
     _add_error_handlers(app)
     srv = _Server(engine, model_name, limits, api_keys, per_key_cache, honours_salt, pool, tool_call_parser)
+    if pd is not None:
+        from .pd import PDService
+
+        srv.pd = PDService(engine, pd)
+        srv.metrics.pd = srv.pd
+    app.state.pd = srv.pd
     _add_routes(app, srv)
     _add_token_routes(app, srv)
     app.openapi = lambda: _openapi(app, bool(api_keys), bool(api_keys or metrics_key))
@@ -252,6 +259,26 @@ class _Server:
         self.errors = 0  # requests that failed inside the server (5xx)
         self.metrics = ServerMetrics(engine, model_name, lambda: self.errors)
         engine.observer = self.metrics
+        self.pd = None  # serve.pd.PDService: this instance's side of prefill/decode disaggregation
+
+    async def handoff(self, req, seqs) -> None:
+        """A PD router's leg: mark the prefill leg's sequence for export, or pull the decode leg's KV."""
+        if self.pd is None:
+            if req.kv_transfer_params and (req.kv_transfer_params.get("do_remote_decode")
+                                           or req.kv_transfer_params.get("do_remote_prefill")):
+                raise APIError(400, "kv_transfer_params: this server runs without prefill/decode disaggregation",
+                               param="kv_transfer_params")
+            return
+        from .pd import PDError
+
+        try:
+            await self.pd.prepare(req, seqs)
+        except PDError as e:
+            raise APIError(e.status, e.message, "server_overloaded" if e.status == 503 else "invalid_request_error",
+                           e.param, e.code) from None
+
+    def kv_transfer_params(self, seqs) -> dict | None:
+        return None if self.pd is None else self.pd.response_params(seqs)
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist (serving `{self.model_name}`).",
@@ -434,11 +461,16 @@ class _Server:
         finally:
             await _close(streams + gens)
 
-    def usage(self, choices, n: int) -> Usage:
-        """Usage of a request: each prompt counted once (choice p*n is prompt p's first)."""
+    def usage(self, choices, n: int, seqs=()) -> Usage:
+        """Usage of a request: each prompt counted once (choice p*n is prompt p's first); a decode
+        leg's KV handoff as ``kv_transfer``."""
         firsts = choices[::n]
-        return Usage.of(sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
-                        sum(c.cached_tokens for c in firsts))
+        usage = Usage.of(sum(c.prompt_tokens for c in firsts), sum(c.completion_tokens for c in choices),
+                         sum(c.cached_tokens for c in firsts))
+        moved = [s.kv_transfer for s in seqs if s.kv_transfer is not None]
+        if moved:
+            usage.kv_transfer = KVTransferUsage(**moved[0])
+        return usage
 
     def tool_mode(self, req: ChatCompletionRequest) -> ToolMode:
         if not req.tools or req.tool_choice == "none":
@@ -473,6 +505,7 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
     @app.post("/v1/chat/completions", responses=_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         seqs = await srv.tokenize(request, req)
+        await srv.handoff(req, seqs)
         streams, gens = await srv.start(request, seqs, req.n)
         rid, created, mode = new_id("chatcmpl"), now(), srv.tool_mode(req)
         # echo: the last message's content leads the answer when it is the assistant's (vLLM)
@@ -492,7 +525,7 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
                         for ch in states[i].feed(d):
                             yield chunk([ch])
                     if req.include_usage:
-                        yield chunk([], srv.usage([st.choice for st in states], req.n))
+                        yield chunk([], srv.usage([st.choice for st in states], req.n, seqs))
                 except Exception as e:  # the stream has started: report in-band
                     srv.errors += 1
                     yield _stream_error("chat stream failed", e)
@@ -501,7 +534,8 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
                 yield "data: [DONE]\n\n"
             return _SSEResponse(body(), media_type="text/event-stream")
         choices = await srv.collect(request, streams, gens)
-        return ChatCompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(choices, req.n),
+        return ChatCompletionResponse(id=rid, created=created, model=srv.model_name,
+                                      usage=srv.usage(choices, req.n, seqs), kv_transfer_params=srv.kv_transfer_params(seqs),
                                       choices=[chat_choice(c, mode, srv.token_text, req.logprobs, echo)
                                                for c in choices])
 
@@ -513,6 +547,7 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
         prompts = req.prompts()
         # no documents and an empty list are the same request (a raw prompt, no chat template)
         seqs = await srv.tokenize(request, req, prompts, req.document_texts() or None)
+        await srv.handoff(req, seqs)
         streams, gens = await srv.start(request, seqs, req.n)
         rid, created = new_id("cmpl"), now()
         tok = srv.llm.tokenizer
@@ -538,7 +573,7 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
                             yield chunk([CompletionChoice(index=i, text=d.text, logprobs=lp,
                                                           finish_reason=d.finish_reason)])
                     if req.include_usage:
-                        yield chunk([], srv.usage(states, req.n))
+                        yield chunk([], srv.usage(states, req.n, seqs))
                 except Exception as e:
                     srv.errors += 1
                     yield _stream_error("completion stream failed", e)
@@ -547,7 +582,8 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
                 yield "data: [DONE]\n\n"
             return _SSEResponse(body(), media_type="text/event-stream")
         choices = await srv.collect(request, streams, gens)
-        return CompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(choices, req.n),
+        return CompletionResponse(id=rid, created=created, model=srv.model_name, usage=srv.usage(choices, req.n, seqs),
+                                  kv_transfer_params=srv.kv_transfer_params(seqs),
                                   choices=[completion_choice(c, srv.token_text, want_lp, echoes[c.index])
                                            for c in choices])
 

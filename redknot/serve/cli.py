@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-cache-bytes", type=int, default=None,
                    help="pool bytes cached document KV may hold at most (default: as much as the pool has free)")
     add_offload_arguments(p)
+    add_pd_arguments(p)
     p.add_argument("--retrieval-heads", action="store_true",
                    help="serve the head config's retrieval heads as sink + window + the prompt tokens covering "
                         "its retrieval_top_p of the observation window's attention (default: as global heads)")
@@ -89,6 +91,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "raised to its hard maximum, less a reserve)")
 
 
+def add_pd_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("prefill/decode disaggregation (docs/pd.md; behind vllm-router --vllm-pd-disaggregation)")
+    g.add_argument("--role", choices=("both", "prefill", "decode"), default="both",
+                   help="prefill: keep prefilled requests' pages (per head, what the plan sees) for a decode "
+                        "instance to pull; decode: pull them and decode; both (default): either leg, and plain "
+                        "requests as always")
+    g.add_argument("--pd-transport", choices=("tcp", "cuda_ipc", "nccl"), default="tcp",
+                   help="how page bytes travel: tcp (ZeroMQ), cuda_ipc (two processes on one GPU), nccl "
+                        "(torch.distributed point-to-point; gloo on CPUs)")
+    g.add_argument("--pd-host", default=None,
+                   help="address the KV server binds and names in kv_transfer_params (default: --host)")
+    g.add_argument("--pd-port", type=int, default=0, help="KV server port (default 0: any free one)")
+    g.add_argument("--pd-lease-s", type=float, default=30.0,
+                   help="seconds a prefilled request's pages wait for their pull before they are freed")
+    g.add_argument("--pd-pull-timeout-s", type=float, default=30.0,
+                   help="a decode instance's pull fails after this long without data")
+    g.add_argument("--pd-on-failure", choices=("recompute", "fail"), default="recompute",
+                   help="when a pull fails (prefill gone, lease expired, checksum or plan mismatch): compute the "
+                        "prompt here (recompute) or answer 503 (fail)")
+    g.add_argument("--pd-nccl-init", default=None, metavar="URL",
+                   help="torch.distributed init method shared by a prefill/decode pair (tcp://host:port; nccl)")
+    g.add_argument("--pd-nccl-rank", type=int, default=None, choices=(0, 1),
+                   help="0 on the prefill instance, 1 on the decode instance (nccl)")
+
+
+def pd_options(args: argparse.Namespace):
+    """PDOptions from the --role and --pd-* flags (the default role, both, serves either leg)."""
+    from .pd import PDOptions
+
+    try:
+        return PDOptions(role=args.role, transport=args.pd_transport, host=args.pd_host or args.host,
+                         port=args.pd_port, lease_s=args.pd_lease_s, pull_timeout_s=args.pd_pull_timeout_s,
+                         on_failure=args.pd_on_failure, nccl_init=args.pd_nccl_init, nccl_rank=args.pd_nccl_rank)
+    except ValueError as e:
+        raise SystemExit(f"redknot serve: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -98,6 +137,13 @@ def run(args: argparse.Namespace) -> int:
     from .http import uvicorn_config
 
     api_keys = api_keys_of(args)
+    log = logging.getLogger("redknot")  # the server's own messages (PD handoffs, tiers) beside uvicorn's
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(args.log_level.upper())
+        log.propagate = False
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_documents=args.max_documents,
                           max_document_bytes=args.max_document_bytes, max_stop_strings=args.max_stop_strings,
                           max_stop_string_chars=args.max_stop_string_chars, tokenizer_workers=args.tokenizer_workers)
@@ -119,10 +165,13 @@ def run(args: argparse.Namespace) -> int:
         app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"), api_keys=api_keys,
                         limits=limits, share_cache_across_keys=args.share_cache_across_keys,
                         tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
-                        metrics_key=args.metrics_key or os.environ.get("REDKNOT_METRICS_KEY") or None)
+                        metrics_key=args.metrics_key or os.environ.get("REDKNOT_METRICS_KEY") or None,
+                        pd=pd_options(args))
     except ValueError as e:
         engine.shutdown()
         raise SystemExit(f"redknot serve: {e}") from None
+    if app.state.pd is not None and app.state.pd.server is not None:
+        print(f"role {args.role}: KV server at {app.state.pd.address} ({args.pd_transport})", flush=True)
     print(f"API key required on /v1 routes: {'yes' if api_keys else 'no'}; "
           f"max context of a default request: {llm.max_context()} tokens", flush=True)
     try:
@@ -132,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
                                       max_connections=args.max_connections, write_timeout=args.write_timeout,
                                       shutdown_timeout=args.shutdown_timeout)).run()
     finally:
+        if app.state.pd is not None:
+            app.state.pd.close()
         engine.shutdown()
     return 0
 

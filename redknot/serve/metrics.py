@@ -29,6 +29,7 @@ class ServerMetrics:
 
     def __init__(self, engine, model_name: str, errors=lambda: 0):
         self.engine, self.model_name, self.errors = engine, model_name, errors
+        self.pd = None  # serve.pd.PDService, when the server disaggregates prefill and decode
         self.registry = r = CollectorRegistry()
         lab = ["model_name"]
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from a request's arrival to its first token.",
@@ -153,6 +154,7 @@ class _StatsCollector:
         yield gauge("chunk_cache_pages", "Pool pages cached document KV holds.", chunk.get("pages", 0))
         yield gauge("prefix_cache_pages", "Pool pages the prefix cache references.", st.get("prefix_cache_pages", 0))
         yield from _tier_series(name, chunk.get("tiers"))
+        yield from _pd_series(name, st, m.pd)
         yield counter("request_errors", "Requests that failed inside the server (5xx).", m.errors())
         yield counter("requests_abandoned_before_prefill", "Requests whose client left while they were queued.",
                       st.get("abandoned_before_prefill", 0))
@@ -190,3 +192,45 @@ def _tier_series(name: list, tiers: dict | None):
     for t, n in (tiers.get("hits") or {}).items():
         loads.add_metric(name + [t], n)
     yield loads
+
+
+def _pd_series(name: list, st: dict, pd):
+    """Pages held by requests and leases, and prefill/decode disaggregation's handoffs (``pd_*``)."""
+    g = GaugeMetricFamily(P + "kv_pool_held_pages", "Pool pages held by requests and PD leases (not the caches).",
+                          labels=["model_name"])
+    g.add_metric(name, st.get("held_pages", 0))
+    yield g
+    leases = st.get("leases") or {}
+    for key, help_ in (("active", "Prefilled requests whose pages wait for a decode instance's pull."),
+                       ("pages", "Pool pages those leases hold.")):
+        g = GaugeMetricFamily(P + ("pd_leases" if key == "active" else "pd_lease_pages"), help_, labels=["model_name"])
+        g.add_metric(name, leases.get(key, 0))
+        yield g
+    for key, help_ in (("pulled", "Leases a decode instance pulled."),
+                       ("expired", "Leases that expired unpulled (their pages freed).")):
+        c = CounterMetricFamily(P + f"pd_leases_{key}", help_, labels=["model_name"])
+        c.add_metric(name, leases.get(key, 0))
+        yield c
+    if pd is None:
+        return
+    s = pd.stats()
+    for side, key in (("sent", "bytes_sent"), ("received", "bytes_received")):
+        c = CounterMetricFamily(P + f"pd_kv_bytes_{side}", f"KV handoff bytes {side}, by head class.",
+                                labels=["model_name", "head_class"])
+        for cls in ("global", "local", "retrieval"):
+            c.add_metric(name + [cls], (s.get(side) or {}).get(f"bytes_{cls}", 0))
+        yield c
+    c = CounterMetricFamily(P + "pd_transfers", "KV handoffs, by side and result.",
+                            labels=["model_name", "side", "result"])
+    sent, got = s.get("sent") or {}, s.get("received") or {}
+    c.add_metric(name + ["sent", "ok"], sent.get("transfers", 0))
+    c.add_metric(name + ["sent", "failed"], sent.get("failed", 0))
+    c.add_metric(name + ["received", "ok"], got.get("transfers", 0))
+    c.add_metric(name + ["received", "failed"], got.get("failed", 0) - got.get("rejected", 0))
+    c.add_metric(name + ["received", "rejected"], got.get("rejected", 0))
+    yield c
+    for key, help_ in (("recomputed", "Decode legs computed here after their handoff failed (policy recompute)."),
+                       ("refused", "Decode legs answered 503 after their handoff failed (policy fail).")):
+        c = CounterMetricFamily(P + f"pd_{key}", help_, labels=["model_name"])
+        c.add_metric(name, s.get(key, 0))
+        yield c

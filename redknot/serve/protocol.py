@@ -19,7 +19,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_serializer, model_validator
 
 
 _INT64 = (-(2 ** 63), 2 ** 63 - 1)
@@ -172,6 +172,9 @@ class _SamplingRequest(_Request):
     method: str | None = None  # extension: dense, headsparse, full_reuse, redknot, ...
     stop_token_ids: list[int] | None = None  # extension (as in vLLM): token ids that end the output
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # extension (as in vLLM)
+    # vLLM's prefill/decode handoff (serve/pd.py): {"do_remote_decode": true} on a prefill leg, a
+    # prefill response's kv_transfer_params on the decode leg
+    kv_transfer_params: dict | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     best_of: int | None = Field(default=None, ge=1)  # only as many as n: choices are not ranked
     # structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
@@ -189,7 +192,11 @@ class _SamplingRequest(_Request):
     @classmethod
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
+            kv = data.get("kv_transfer_params")
+            prefill_leg = isinstance(kv, dict) and kv.get("do_remote_decode") is True
             for name, off in UNSUPPORTED_FIELDS.items():
+                if name == "min_tokens" and prefill_leg:
+                    continue  # a PD router's prefill leg sends min_tokens 1: its one token is never the answer
                 if name in data and not any(data[name] == o and type(data[name]) is type(o) for o in off):
                     hint = "omit it" if off[-1] is None else f"omit it or send {off[-1]!r}"
                     raise ValueError(f"{name}: not supported by this server ({hint})")
@@ -451,11 +458,34 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
+class KVTransferUsage(BaseModel):
+    """What a disaggregated request's KV handoff moved into this (decode) instance."""
+    bytes: int
+    bytes_by_head_class: dict[str, int]
+    transport: str
+    seconds: float
+    pages: int
+
+
+def _without_none(names):
+    """A serializer that leaves ``names`` out while they are None (vLLM-compatible bodies stay as they were)."""
+    def serialize(self, handler):
+        out = handler(self)
+        for n in names:
+            if out.get(n, 0) is None:
+                del out[n]
+        return out
+    return model_serializer(mode="wrap")(serialize)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    kv_transfer: KVTransferUsage | None = None  # a decode leg's handoff (prefill/decode disaggregation)
+
+    _drop = _without_none(("kv_transfer",))
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> "Usage":
@@ -509,6 +539,9 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict | None = None  # a prefill leg's: where its KV is pulled
+
+    _drop = _without_none(("kv_transfer_params",))
 
 
 class DeltaFunctionCall(BaseModel):
@@ -570,6 +603,9 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None  # None only on streamed chunks
+    kv_transfer_params: dict | None = None  # a prefill leg's: where its KV is pulled
+
+    _drop = _without_none(("kv_transfer_params",))
 
 
 class ModelCard(BaseModel):

@@ -36,11 +36,12 @@ QUESTION = "Question: who founded the city of Varna? Answer:"
 
 
 def rel_err(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    a, b = a.cpu().double(), b.cpu().double()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def cos(a, b):
-    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
+    return torch.nn.functional.cosine_similarity(a.cpu().double(), b.cpu().double(), dim=0).item()
 
 
 def hf_greedy(hf, ids, n):
@@ -58,7 +59,7 @@ def hf_greedy(hf, ids, n):
 def test_logits_and_greedy_match_transformers(tiny_checkpoint, kw):
     path = tiny_checkpoint(FAMILY, **kw)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(model=path, device=DEVICE, dtype="float32")
+    llm = LLM(model=path, device=DEVICE, dtype="float32", kv_pages=512)
     assert llm.config.sliding_windows == [8, 8, 8, 8, 8, None]
     ids = llm.tokenizer(PROMPT, return_tensors="pt").input_ids
     assert ids.shape[1] > 8
@@ -235,7 +236,7 @@ def test_cuda_bf16_and_graph_decode_follow_transformers(tiny_checkpoint, graphs)
     transformers, greedy tokens with and without CUDA-graph decode."""
     path = tiny_checkpoint(FAMILY, tie_word_embeddings=True)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().cuda()
-    llm = LLM(model=path, device="cuda", dtype="float32", cuda_graphs=graphs)
+    llm = LLM(model=path, device="cuda", dtype="float32", cuda_graphs=graphs, kv_pages=512)
     ids = llm.tokenizer(PROMPT, return_tensors="pt").input_ids.cuda()
     with torch.no_grad():
         ref = hf(ids).logits[0, -1].float()
@@ -243,7 +244,7 @@ def test_cuda_bf16_and_graph_decode_follow_transformers(tiny_checkpoint, graphs)
     assert rel_err(llm.first_token_logits(PROMPT), ref) <= 1e-4
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     assert llm.generate([PROMPT, PROMPT[:30]], params)[0].outputs[0].token_ids == gen
-    bf16 = LLM(model=path, device="cuda", dtype="bfloat16", cuda_graphs=graphs)
+    bf16 = LLM(model=path, device="cuda", dtype="bfloat16", cuda_graphs=graphs, kv_pages=512)
     hf16 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval().cuda()
     with torch.no_grad():
         ref16 = hf16(ids).logits[0, -1].float()

@@ -429,3 +429,113 @@ def test_store_then_attend():
                             c["cu_seqlens_q"], c["seq_lens"])
     o = run(segpaged.segpaged_attention, c, return_lse=False)
     close(o, o_d, 1e-4)
+
+
+# --------------------------------------------------------------------------------------------
+# Learned attention sinks (gpt-oss): one logit per query head in the denominator, no value
+# --------------------------------------------------------------------------------------------
+
+def _sink_logits(hq, seed):
+    # spread around the scores' scale: some heads dump most of their mass on the sink
+    return torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _eager_sinks_f64(q, k, v, window, sink, sink_logits):
+    """transformers' gpt-oss eager attention in float64 for one sequence (the last q_len
+    positions): logits, the sink column appended, the row max subtracted, softmax, sink dropped."""
+    q_len, hq, d = q.shape
+    n, hkv, _ = k.shape
+    g = hq // hkv
+    p = torch.arange(n - q_len, n)[:, None]
+    j = torch.arange(n)[None, :]
+    mask = torch.stack([(j <= p) & ((j < int(sink[h])) | (p - j < int(window[h]))) for h in range(hkv)])
+    mask = mask.repeat_interleave(g, 0)  # [Hq, Q, N]
+    scores = torch.einsum("qhd,nhd->hqn", q.double(), k.double().repeat_interleave(g, 1)) * d**-0.5
+    scores = scores.masked_fill(~mask, torch.finfo(torch.float64).min)
+    logits = torch.cat([scores, sink_logits.double()[:, None, None].expand(hq, q_len, 1)], -1)
+    probs = torch.softmax(logits - logits.max(-1, keepdim=True).values, -1)[..., :-1]
+    return torch.einsum("hqn,nhd->qhd", probs, v.double().repeat_interleave(g, 1))
+
+
+def test_sink_logits_float64():
+    """Both references with sink logits equal transformers' eager formula in float64."""
+    c = make_case(*CASES["mixed"], seed=20)
+    sl = _sink_logits(8, 20)
+    cu = c["cu_seqlens_q"].tolist()
+    expect = torch.cat([_eager_sinks_f64(c["q"][cu[b]:cu[b + 1]], c["full_k"][b], c["full_v"][b], c["window"],
+                                         c["sink"], sl) for b in range(len(c["full_k"]))])
+    dense64 = torch.cat([dense_masked_attention(c["q"][cu[b]:cu[b + 1]].double(), c["full_k"][b].double(),
+                                                c["full_v"][b].double(), c["window"], c["sink"], sink_logits=sl)
+                         for b in range(len(c["full_k"]))])
+    torch.testing.assert_close(dense64, expect, atol=1e-12, rtol=1e-12)
+    o = run(segpaged_attention_ref, c, return_lse=False, sink_logits=sl)
+    torch.testing.assert_close(o.double(), expect, atol=1e-5, rtol=1e-5)
+    o_plain = run(segpaged_attention_ref, c, return_lse=False)
+    assert (o - o_plain).abs().max() > 1e-2  # the sinks matter here
+
+
+@pytest.mark.parametrize("name,blocks", [("varlen_gqa2", (16, 16, 4, 1)), ("mixed", (32, 16, 4, 1)),
+                                         ("gqa4_bigwin", (16, 16, 4, 1))])
+def test_prefill_sink_logits_match_ref(name, blocks):
+    c = make_case(*CASES[name], seed=21, nan_tail=True)
+    sl = _sink_logits(c["q"].shape[1], 21)
+    cfg = segpaged.KernelConfig(prefill=blocks, merge_edges=name == "gqa4_bigwin")
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg, sink_logits=_dev(sl))
+    o_r, lse_r = run(segpaged_attention_ref, c, sink_logits=sl)
+    close(o, o_r, 1e-4)
+    close(lse, lse_r, 1e-4)
+    o_d, _ = dense(c)  # no sinks: the outputs must differ
+    assert (o - o_d).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("per_split", [1, None])
+def test_decode_sink_logits_match_ref(per_split):
+    """Split-KV decode: the sink enters once, in the merge, however many splits a head has."""
+    cfg = segpaged.KernelConfig(decode=(16, 4, 1), decode_tiles_per_split=per_split)
+    c = make_case([(1, 1), (3, 77), (1, 300)], 8, 2, 16, 16, [G, 40], [4, 0], seed=22, nan_tail=True)
+    sl = _sink_logits(8, 22)
+    o, lse = run(segpaged.segpaged_attention, c, config=cfg, sink_logits=_dev(sl))
+    o_r, lse_r = run(segpaged_attention_ref, c, sink_logits=sl)
+    close(o, o_r, 1e-4)
+    close(lse, lse_r, 1e-4)
+
+
+def test_sink_logits_explicit_positions_and_bf16():
+    """Recovery rows (q_pos) and 16-bit inputs carry the sinks too; a gathered CPU decode agrees."""
+    from redknot.kernels.reference import paged_decode_attention
+
+    cfg = segpaged.KernelConfig(prefill=(16, 16, 4, 1), decode=(16, 4, 1), decode_tiles_per_split=2)
+    c = make_case([(90, 90)], 8, 2, 64, 16, [G, 20], [3, 0], seed=23)
+    sl = _sink_logits(8, 23)
+    pos = torch.tensor([0, 5, 40, 41, 70, 89], dtype=torch.int32)
+    keys = [k for k in ATTN_KEYS if k != "q"]
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    args = [c[k] if k != "cu_seqlens_q" else cu for k in keys]
+    o = segpaged.segpaged_attention(_dev(c["q"][pos]), *map(_dev, args), max_q_len=6, q_pos=_dev(pos),
+                                    config=cfg, sink_logits=_dev(sl)).cpu()
+    o_r = segpaged_attention_ref(c["q"][pos], *args, q_pos=pos, sink_logits=sl)
+    close(o, o_r, 1e-4)
+    cb = make_case([(1, 100), (1, 45)], 8, 2, 64, 16, [G, 20], [4, 0], dtype=torch.bfloat16, seed=24)
+    o, lse = run(segpaged.segpaged_attention, cb, config=cfg, sink_logits=_dev(sl))
+    o_r, lse_r = run(segpaged_attention_ref, cb, sink_logits=sl)
+    close(o, o_r, 2e-2)
+    close(lse, lse_r, 2e-2)
+    o_g = paged_decode_attention(cb["q"], cb["k_pages"], cb["v_pages"], cb["block_tables"], cb["seq_lens"],
+                                 cb["window"], cb["sink"], 64**-0.5, 100, sink_logits=sl)
+    close(o_g, o_r, 2e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real head counts at bf16: compiled on a GPU (REDKNOT_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("window", [128, G])
+@pytest.mark.parametrize("q_len", [1, 4, 700])
+def test_sink_logits_bf16_gpt_oss_heads_on_gpu(window, q_len):
+    """gpt-oss-20b's attention shape (64 query heads, 8 KV heads, head_dim 64) in bf16 with the
+    built-in launch choices: sliding layers (window 128) and full ones, decode and prefill, against
+    the reference on the same GPU."""
+    seqs = [(q_len, 2000), (min(q_len, 300), 300), (1, 129)]
+    c = make_case(seqs, 64, 8, 64, 64, [window] * 8, [0] * 8, dtype=torch.bfloat16, seed=30, nan_tail=True)
+    sl = _sink_logits(64, 30)
+    o, lse = run(segpaged.segpaged_attention, c, sink_logits=_dev(sl))
+    o_r, lse_r = run(segpaged_attention_ref, c, sink_logits=_dev(sl))
+    close(o, o_r, 2e-2)
+    close(lse, lse_r, 2e-2)
