@@ -20,6 +20,7 @@ import time
 import torch
 
 from ..cache.chunk_cache import ChunkCache
+from ..cache.linear_prefix import StatePrefixCache
 from ..cache.prefix_cache import PrefixCache
 from ..models.registry import adapter_for
 from ..pd.lease import LeaseStore
@@ -56,9 +57,10 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.adapter = adapter_for(model, config)
         self.adapter.prepare(device)
-        if cfg.enable_prefix_caching and not self.adapter.prefix_caching:
+        hybrid = self.adapter.state_layout().linear is not None
+        if cfg.enable_prefix_caching and not self.adapter.prefix_caching and not (hybrid and cfg.linear_state_snapshots):
             log.info("prefix caching is off for %s: its linear-attention layers carry a state over the whole "
-                     "prompt, which a cached prefix's pages do not hold", config.model_type)
+                     "prompt, which a cached prefix's pages do not hold (linear_state_snapshots=0)", config.model_type)
             self.cfg = cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
         page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
         pages, profile = initial_pages(cfg, config.num_hidden_layers, config.num_key_value_heads, page_bytes,
@@ -93,9 +95,11 @@ class Engine:
         scheduler = getattr(self, "scheduler", None)
         self.pool = build_pool(self.adapter, self.head_config, num_pages, self.cfg.page_size, self.dtype, self.device,
                                self.cfg.max_num_seqs + (CHUNK_SLOTS if self.adapter.document_reuse else 0),
-                               self.max_model_len, plans)
+                               self.max_model_len, plans,
+                               self.cfg.linear_state_snapshots if self.cfg.enable_prefix_caching else 0)
         self.runner = build_runner(self.adapter, self.pool, self.cfg)
-        self.prefix_cache = (PrefixCache(self.pool, self.fingerprint, self.kv_events)
+        prefix_cache = StatePrefixCache if self.pool.linear_state is not None else PrefixCache  # hybrid: + state
+        self.prefix_cache = (prefix_cache(self.pool, self.fingerprint, self.kv_events)
                              if self.cfg.enable_prefix_caching else None)
         self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes, self.kv_tiers,
                                       self.kv_events)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -149,15 +150,36 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed, z, beta, g = self.project(x)
         slots, fresh = batch.state_slots, batch.extras["linear_fresh"]
-        conv_state, rec_state = self.state.read(self.state_layer, slots, fresh)
-        cu = batch.cu_seqlens_q
+        state = self.state.read(self.state_layer, slots, fresh)
+        split = batch.extras.get("linear_split")
+        if split is None:
+            o, state = self.mix(mixed, g, beta, state, batch.cu_seqlens_q, batch.max_q_len)
+        else:  # rows up to each sequence's snapshot point, then the rest from the state there
+            first, second = split
+            o = mixed.new_empty(t, self.hv, self.dv)
+            o1, state = self.mix(mixed[first.rows], g[first.rows], beta[first.rows], state, first.cu, first.max_len)
+            o[first.rows] = o1
+            self.state.write(self.state_layer, batch.extras["linear_snapshot_rows"], *state)
+            if second is not None:
+                keep = [x.index_select(0, second.seqs) for x in state]
+                o2, part = self.mix(mixed[second.rows], g[second.rows], beta[second.rows], keep, second.cu,
+                                    second.max_len)
+                o[second.rows] = o2
+                state = [x.index_copy(0, second.seqs, y) for x, y in zip(state, part)]
+        self.state.write(self.state_layer, slots, *state)
+        o = self.norm(o, z).reshape(t, self.value_dim)
+        return self.out_proj(o)
+
+    def mix(self, mixed, g, beta, state, cu, max_len):
+        """The convolution and the gated delta rule over packed rows of sequences continuing from
+        ``state`` (conv [B, C, W-1], recurrent [B, HV, Dk, Dv]). Returns (o [T, HV, Dv], the new state)."""
+        t = mixed.shape[0]
+        conv_state, rec_state = state
         mixed, conv_state = ref.causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], conv_state, cu)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
-        o, rec_state = _gated_delta(q, k, v, g, beta, rec_state, cu, batch.max_q_len)
-        self.state.write(self.state_layer, slots, conv_state, rec_state)
-        o = self.norm(o, z).reshape(t, self.value_dim)
-        return self.out_proj(o)
+        o, rec_state = _gated_delta(q, k, v, g, beta, rec_state, cu, max_len)
+        return o, [conv_state, rec_state]
 
 
 def _gated_delta(q, k, v, g, beta, state, cu, max_len: int):
@@ -177,6 +199,33 @@ def _gated_delta(q, k, v, g, beta, state, cu, max_len: int):
     o, state = chunk(q[None], k[None], v[None], g=g[None], beta=beta[None].to(q.dtype), initial_state=state,
                      output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
     return o[0], state
+
+
+class _Rows(NamedTuple):
+    rows: torch.Tensor  # packed rows of this part, in order
+    cu: torch.Tensor  # int32 [B' + 1]: its sequences' rows
+    max_len: int
+    seqs: torch.Tensor | None  # the batch's sequences it holds (None: all of them)
+
+
+def _split_at_snapshots(batch) -> None:
+    """A forward that also snapshots some sequences' state (``linear_snapshot``: per sequence the row
+    offset of its snapshot point or -1, and the state row to write): each linear layer runs the rows
+    before the points, writes the snapshots, then runs the rest. Sequences without a point run
+    whole in the first part; the second holds only sequences with rows after their point."""
+    offsets, snap_rows = batch.extras["linear_snapshot"]
+    dev = batch.cu_seqlens_q.device
+    first = [o if o >= 0 else n for o, n in zip(offsets, batch.q_lens)]
+    rest = [n - f for n, f in zip(batch.q_lens, first)]
+    seq, local = ref.row_coordinates(batch.cu_seqlens_q, sum(batch.q_lens))
+    in_first = local < torch.tensor(first, device=dev)[seq]
+    cu = lambda lens: torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)  # noqa: E731
+    part1 = _Rows(in_first.nonzero()[:, 0], cu(first), max(first), None)
+    later = [i for i, n in enumerate(rest) if n]
+    part2 = (_Rows((~in_first).nonzero()[:, 0], cu([rest[i] for i in later]), max(rest),
+                   torch.tensor(later, device=dev)) if later else None)
+    batch.extras["linear_split"] = (part1, part2)
+    batch.extras["linear_snapshot_rows"] = torch.tensor(snap_rows, device=dev)
 
 
 def _ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
@@ -223,6 +272,8 @@ class HybridBackbone(nn.Module):
         # a sequence whose rows start at position 0 starts from a zero state (its slot may hold an
         # earlier owner's); computed on the device, so decode graphs capture it
         batch.extras["linear_fresh"] = positions[batch.cu_seqlens_q[:-1].long()] == 0
+        if "linear_snapshot" in batch.extras:
+            _split_at_snapshots(batch)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(x, positions, batch)
@@ -269,9 +320,10 @@ class HybridAdapter(ModelAdapter):
     """Qwen3-Next's adapter: K/V pages for the full-attention layers only (the pool's layer i is the
     i-th full layer), a linear state per sequence for the others. Head plans are written over every
     layer of the model (a head config lists each layer) and the full layers' rows are what the pool
-    sees. The linear layers' state at a token depends on every earlier token, so a prompt cannot
-    start from a cached prefix or place cached documents: every document method recomputes the
-    whole prompt (the "all heads recompute" rule), and prefix caching is off."""
+    sees. The linear layers' state at a token depends on every earlier token, so cached K/V pages
+    alone cannot resume a prompt: a cached prefix needs the state stored at its end
+    (``cache/linear_prefix.py``), and cached documents cannot be placed: every document method
+    recomputes the whole prompt (the "all heads recompute" rule)."""
 
     document_reuse = False
     prefix_caching = False

@@ -1,7 +1,7 @@
 """Qwen3-Next (Gated DeltaNet linear-attention layers + gated full-attention layers + MoE with a
 shared expert) against transformers on tiny random checkpoints: logits and greedy tokens, batched
-and chunked prefill (the linear state carried across chunks and steps), prefix caching (off, said
-so), every reuse method (all of them "all heads recompute" on a hybrid: equal to dense), linear
+and chunked prefill (the linear state carried across chunks and steps), prefix-cache hits resuming
+from a stored linear state (equal to cold prefill; off without snapshot rows), every reuse method (all of them "all heads recompute" on a hybrid: equal to dense), linear
 state slots back to idle after finish, abort and preemption, and on a GPU CUDA-graph decode."""
 
 import logging
@@ -43,6 +43,18 @@ def greedy(n):
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
 
+def hybrid_llm(path, snapshots: int, **kw):
+    """An LLM whose engine keeps ``snapshots`` linear-state snapshots (EngineConfig.linear_state_snapshots)."""
+    import functools
+    from unittest import mock
+
+    import redknot.engine.llm as llm_mod
+
+    config = functools.partial(llm_mod.EngineConfig, linear_state_snapshots=snapshots)
+    with mock.patch.object(llm_mod, "EngineConfig", config):
+        return LLM(model=path, device="cpu", dtype="float32", page_size=16, **kw)
+
+
 @pytest.fixture(scope="module")
 def hybrid(tiny_checkpoint):
     return tiny_checkpoint("qwen3_next")
@@ -82,14 +94,32 @@ def test_batched_and_chunked_prefill_equal_one_by_one(hybrid, llm):
     assert chunked.engine.request_kv_bytes() == 0
 
 
-def test_prefix_caching_is_off_and_says_so(hybrid, caplog):
+@pytest.mark.parametrize("budget", [8192, 40], ids=["one-forward", "chunked"])
+def test_a_prefix_cache_hit_resumes_from_the_stored_state_and_equals_cold_prefill(hybrid, budget):
+    """A prompt's prefill snapshots the linear state at the last page boundary each forward crosses;
+    a later prompt with the same start maps the cached pages, copies the snapshot into its slot and
+    prefills only the rest: the tokens of a cold prefill. With one snapshot row, each prefill's
+    snapshot takes the older one's row (least recently used): those prefixes prefill cold, still equal."""
+    cold = hybrid_llm(hybrid, 0)
+    questions = ["Who?", "Where was the ledger kept?", "What color was it?"]
+    want = [cold.generate(LONG + q, greedy(8))[0].outputs[0].token_ids for q in questions]
+    for snapshots in (16, 1):
+        warm = hybrid_llm(hybrid, snapshots, max_num_batched_tokens=budget)
+        out = [warm.generate(LONG + q, greedy(8))[0] for q in questions]
+        assert [o.outputs[0].token_ids for o in out] == want
+        cached = [o.metrics["cached_tokens"] for o in out]
+        # the shared start's full pages; with one row the second prompt's own snapshot took the first's
+        assert cached[0] == 0 and cached[1] >= 13 * 16 and (cached[2] >= 13 * 16) == (snapshots > 1)
+        again = warm.generate(LONG + questions[1], greedy(8))[0]
+        assert again.outputs[0].token_ids == want[1]
+        assert (again.metrics["cached_tokens"] > 0) == (snapshots > 1)
+
+
+def test_prefix_caching_off_without_snapshots_and_says_so(hybrid, caplog):
     with caplog.at_level(logging.INFO, logger="redknot.engine.engine"):
-        llm = LLM(model=hybrid, device="cpu", dtype="float32", page_size=16, enable_prefix_caching=True)
-    assert llm.engine.prefix_cache is None
+        llm = hybrid_llm(hybrid, 0)
+    assert llm.engine.prefix_cache is None and llm.pool.linear_state.snapshot_rows == []
     assert any("prefix caching is off for qwen3_next" in r.getMessage() for r in caplog.records)
-    cold = llm.generate(LONG + "Who?", greedy(6))[0]
-    again = llm.generate(LONG + "Who?", greedy(6))[0]  # a repeated prompt prefills again: same tokens
-    assert again.outputs[0].token_ids == cold.outputs[0].token_ids and again.metrics["cached_tokens"] == 0
 
 
 def test_every_reuse_method_runs_and_all_heads_recompute_equals_dense(llm):
@@ -107,7 +137,7 @@ def test_every_reuse_method_runs_and_all_heads_recompute_equals_dense(llm):
         if METHODS[method].plan == "dense":
             assert cos(out[0].first_token_logits, dense) >= 0.99999, method
             assert rel(out[0].first_token_logits, dense) <= 1e-5, method
-    assert llm.engine.request_kv_bytes() == 0 and llm.pool.num_free_pages == llm.pool.num_pages
+    assert llm.engine.request_kv_bytes() == 0 and llm.engine.idle()
 
 
 def _free_slots(llm):
@@ -125,7 +155,7 @@ def test_state_slots_go_back_after_finish_abort_and_preemption(hybrid, llm):
     assert small.engine.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in out] == ref
     free, total = _free_slots(small)
-    assert free == total and small.pool.num_free_pages == small.pool.num_pages
+    assert free == total and small.engine.idle()
     # an aborted request's slot goes back, and the next owner of that slot starts from a zero state
     seqs = [small.make_sequence(p, greedy(20), None, "dense") for p in prompts[:2]]
     for s in seqs:
@@ -137,7 +167,9 @@ def test_state_slots_go_back_after_finish_abort_and_preemption(hybrid, llm):
         small.engine.step()
     assert seqs[1].finish_reason == "abort" and seqs[0].output_token_ids == ref[0]
     free, total = _free_slots(small)
-    assert free == total and small.pool.num_free_pages == small.pool.num_pages
+    assert free == total and small.engine.idle()
+    small.engine.clear_caches()  # every page back once the cached prefixes go
+    assert small.pool.num_free_pages == small.pool.num_pages
     assert small.generate(prompts[3], greedy(20))[0].outputs[0].token_ids == ref[3]
 
 
