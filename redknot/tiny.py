@@ -8,7 +8,7 @@ from pathlib import Path
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe",
-            "gpt_oss", "qwen3_next")
+            "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_next")
 
 # Mixture-of-experts families: 8 experts of width 32, top-2 (the dense MLP of qwen3_moe/qwen2_moe
 # layers that mlp_only_layers or decoder_sparse_step make dense is intermediate_size wide).
@@ -19,7 +19,9 @@ MOE_OVERRIDES = {
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
                       shared_expert_intermediate_size=48),
     # gpt-oss: its layers alternate an 8-token sliding window and full attention (transformers'
-    # default layer_types); a SwiGLU limit of 1 makes the clamps bite on tiny activations
+    # default layer_types); a SwiGLU limit of 1 makes the clamps bite on tiny activations (transformers
+    # 5.17 ignores config.json's swiglu_limit and clamps at 7.0, 5.25 reads it: a reference built with
+    # transformers sets its experts' limit from the config, as test_models_gpt_oss does)
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
                     swiglu_limit=1.0),
     # hybrid: Gated DeltaNet layers (2 key heads, 4 value heads of 16) with every 4th layer full attention
@@ -31,12 +33,29 @@ MOE_OVERRIDES = {
 # Layers a family's checkpoint has unless the caller says (a hybrid needs a full-attention layer)
 DEFAULT_LAYERS = {"qwen3_next": 4, "gemma3_text": 6}
 
+# DeepSeek (multi-head latent attention): a 32-wide latent and a 16-dim RoPE key part per token, the
+# first layer dense, then 8 experts of width 32 (top-2, one shared); V3 routes by sigmoid scores in
+# 2 groups (the best one chosen), V2 greedily by softmax
+MLA_OVERRIDES = {
+    "deepseek_v3": dict(q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True),
+    "deepseek_v2": dict(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.0,
+                        topk_method="greedy", norm_topk_prob=False),
+}
+
 ROPE_VARIANTS = {
     "default": {"rope_type": "default"},
     "linear": {"rope_type": "linear", "factor": 2.0},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    # DeepSeek's YaRN: mscale / mscale_all_dim set the cos/sin factor, mscale_all_dim also MLA's softmax scale
+    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 1.0,
+                    "mscale_all_dim": 0.7},
     # gpt-oss's own (YaRN factor 32, untruncated ramp, theta 150000) over a 32-token original context
     "gpt_oss": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 32, "rope_theta": 150000.0},
@@ -50,7 +69,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     """Write a random checkpoint (config.json, safetensors, tokenizer) and return its directory.
 
     ``num_hidden_layers`` defaults to 2 (gemma3_text: 6, so its five sliding layers to one global
-    show; qwen3_next: 4, three linear layers and a full one). gemma3_text: ``rope`` is the global layers' RoPE; the sliding layers (window 8) rotate
+    show; DeepSeek: 3, a dense layer before two MoE ones; qwen3_next: 4, three linear layers and a full
+    one). gemma3_text: ``rope`` is the global layers' RoPE; the sliding layers (window 8) rotate
     with their own base, scores scale by query_pre_attn_scalar 24 (not head_dim), and every norm
     weight is random (HF initialises them to 0, i.e. a scale of 1)."""
     import torch
@@ -65,6 +85,7 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                   "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
                   "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
                   "gemma3_text": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig,
+                  "deepseek_v3": transformers.DeepseekV3Config, "deepseek_v2": transformers.DeepseekV2Config,
                   "qwen3_next": transformers.Qwen3NextConfig}[family]
     if family == "gpt_oss" and rope == "default":
         rope = "gpt_oss"
@@ -72,7 +93,7 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     if family == "qwen3_next":
         rope_params["partial_rotary_factor"] = 0.25  # the released models' share
     if num_hidden_layers is None:
-        num_hidden_layers = DEFAULT_LAYERS.get(family, 2)
+        num_hidden_layers = DEFAULT_LAYERS.get(family, 3 if family in MLA_OVERRIDES else 2)
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=num_attention_heads * head_dim, intermediate_size=96,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
@@ -88,6 +109,9 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
         kwargs.update(sliding_window=8, query_pre_attn_scalar=24, rope_parameters={
             "full_attention": {**rope_params, "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    if family in MLA_OVERRIDES:  # per-head widths come from the MLA fields; every head has its keys
+        kwargs.pop("head_dim")
+        kwargs.update(MLA_OVERRIDES[family], num_key_value_heads=overrides.get("num_attention_heads", num_attention_heads))
     kwargs.update(overrides)
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
@@ -106,6 +130,9 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                 p.add_(torch.randn_like(p) * 0.1)  # zero-centred norms: make (1 + w) differ from 1
             elif family == "gemma3_text" and name.endswith("norm.weight"):
                 p.normal_(0, 0.3)  # Gemma's norm weights are offsets from 1, zero at init: make them matter
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: zero would not test it
+                b.normal_(0, 0.1)
     model.save_pretrained(path, max_shard_size="100KB" if sharded else "10GB")
     tokenizer.save_pretrained(path)
     return path

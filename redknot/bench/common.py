@@ -43,7 +43,23 @@ ARCHS = {
                     "layer_types": ["sliding_attention", "full_attention"] * 12, "rope_theta": 150000.0,
                     "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False, "original_max_position_embeddings": 4096}},
+    # DeepSeek-V2-Lite: multi-head latent attention (a 512-wide latent + a 64-dim RoPE key per token
+    # and layer, 16 query heads of 128 + 64), no q LoRA; 64 experts of 1408 (top-6, 2 shared) from
+    # layer 1 on (2.4B of 15.7B parameters active per token)
+    "deepseek-v2-lite": {"model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+                         "intermediate_size": 10944, "num_hidden_layers": 27, "num_attention_heads": 16,
+                         "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                         "qk_nope_head_dim": 128, "v_head_dim": 128, "n_routed_experts": 64, "num_experts_per_tok": 6,
+                         "n_shared_experts": 2, "moe_intermediate_size": 1408, "first_k_dense_replace": 1,
+                         "topk_method": "greedy", "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+                         "max_position_embeddings": 163840, "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
     # CPU smoke tests
+    "tiny-deepseek": {"model_type": "deepseek_v3", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+                      "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32,
+                      "q_lora_rank": 24, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+                      "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
+                      "topk_group": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                      "max_position_embeddings": 4096},
     "tiny-gpt-oss": {"model_type": "gpt_oss", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 32,
                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                      "max_position_embeddings": 4096, "num_local_experts": 8, "num_experts_per_tok": 2,
@@ -117,11 +133,12 @@ def hf_model(arch: dict, dev, dtype):
         return _hf_gemma3(arch, dev, dtype)
     cls = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "gpt_oss": transformers.GptOssConfig, "qwen3_next": transformers.Qwen3NextConfig}[arch["model_type"]]
+           "gpt_oss": transformers.GptOssConfig, "deepseek_v2": transformers.DeepseekV2Config,
+           "deepseek_v3": transformers.DeepseekV3Config, "qwen3_next": transformers.Qwen3NextConfig}[arch["model_type"]]
     kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta", "rope_scaling", "partial_rotary_factor")}
-    # HF's MistralConfig defaults to a 4096-token sliding window; ours reads none from the arch: the
-    # baseline must compute the same attention (full causal) as our dense
-    if arch["model_type"] != "qwen3_next":
+    if not arch["model_type"].startswith("deepseek") and arch["model_type"] != "qwen3_next":
+        # HF's MistralConfig defaults to a 4096-token sliding window; ours reads none from the arch: the
+        # baseline must compute the same attention (full causal) as our dense
         kw.setdefault("sliding_window", None)
     rope = {"rope_type": "default", **arch.get("rope_scaling", {}), "rope_theta": arch.get("rope_theta", 1e4)}
     if "partial_rotary_factor" in arch:

@@ -8,7 +8,9 @@ the whole engine loop (scheduling, sampling, detokenisation, CUDA-graph replay) 
 
 The bound of a step is (weight bytes + KV bytes the plan reads) / bandwidth; on a mixture of
 experts the weight bytes are the active ones: the dense parts and, of each MoE layer's E experts,
-the E(1 - (1 - k/E)^B) a step of B sequences is expected to touch (B*k uniform picks). The table shows
+the E(1 - (1 - k/E)^B) a step of B sequences is expected to touch (B*k uniform picks). With latent
+attention (DeepSeek's MLA) the KV bytes are each layer's cached [k_rope | latent] rows that any of
+its query heads sees, read once for all of them. The table shows
 tok/s, its fraction of the bound, and HF transformers' eager ``generate`` in the same run (its
 decode time is generate(N tokens) - generate(1 token), so its prefill is not counted).
 
@@ -122,7 +124,11 @@ def expert_share(cfg: ModelConfig, batch: int) -> float:
 
 def _kv_read_bytes(cfg: ModelConfig, window, sink, context: int, batch: int, itemsize: int) -> int:
     """KV bytes one decode step reads under a plan (window/sink [L, Hkv]): each head its sink and
-    window of the context, every head all of it when global."""
+    window of the context, every head all of it when global. MLA (window/sink per query head): each
+    layer's latent rows that some query head sees (the widest window and sink), latent_dim wide."""
+    if cfg.mla is not None:
+        window, sink = window.max(dim=1, keepdim=True).values, sink.max(dim=1, keepdim=True).values
+        return int(visible_keys(window, sink, context).sum()) * cfg.mla.latent_dim * itemsize * batch
     return int(visible_keys(window, sink, context).sum()) * 2 * cfg.head_dim * itemsize * batch
 
 
@@ -320,8 +326,9 @@ def run(args) -> dict:
         head = head_config(args.head_config, cfg, args.anchor_head_config)
         if getattr(args, "retrieval_ratio", 0.0) > 0:
             head = _with_retrieval(head, args.retrieval_ratio)
-        # a pool for the largest case under the dense plan (+ a page per head and sequence)
-        heads = len(cfg.attention_layers) * cfg.num_key_value_heads  # a hybrid's linear layers hold no pages
+        # a pool for the largest case under the dense plan (+ a page per head and sequence); MLA stores
+        # one latent head per layer, a hybrid's linear layers none
+        heads = len(cfg.attention_layers) * (1 if cfg.mla is not None else cfg.num_key_value_heads)
         pages = max(b * heads * (-(-(n + args.tokens + 8) // 64) + 1) for b, n in cases)
         kv_pages = getattr(args, "kv_pages", "cases")
         pages = None if kv_pages == "auto" else (pages if kv_pages == "cases" else int(kv_pages))
@@ -347,6 +354,9 @@ def run(args) -> dict:
         if state_slot:
             result["linear_state"] = {"bytes_per_sequence": state_slot,
                                       "bound": "each step reads and writes every sequence's linear-layer state"}
+        if cfg.mla is not None:
+            result["mla"] = {"kv_lora_rank": cfg.mla.kv_lora_rank, "qk_rope_head_dim": cfg.mla.qk_rope_head_dim,
+                             "bound": "KV: per layer the latent rows (latent + k_rope) its widest query head sees"}
         vis = {"dense": llm.engine.runner.plans["dense"], "headsparse": llm.engine.runner.plans["headsparse"]}
         runs = [(m, None) for m in ours] + ([(m, guided) for m in ours] if guided is not None else [])
         for b, n in cases:
@@ -439,6 +449,10 @@ def print_table(result: dict) -> None:
         m = result["moe"]
         print(f"MoE ({m['num_experts']} experts, top-{m['top_k']}): the bound's weight bytes are the active ones, the "
               f"dense parts and the E(1-(1-k/E)^B) experts per layer B*k uniform picks touch on average")
+    if result.get("mla"):
+        m = result["mla"]
+        print(f"latent attention: the bound's KV bytes are {m['kv_lora_rank']} + {m['qk_rope_head_dim']} elements per "
+              f"token and layer (read once for every query head; headsparse: what the widest head of a layer sees)")
     print(f"{'B x ctx':>12} {'dense':>16} {'headsparse':>16} {'hf eager':>10} {'dense/hf':>9} {'hs/dense':>9}")
     for b, n in cases:
         d, h, f = by.get(("dense", b, n)), by.get(("headsparse", b, n)), by.get(("hf", b, n))

@@ -12,7 +12,10 @@ table `[L, slots, Hkv, max_pages]`: every table change is recorded and `sync_dev
 applies only the changed columns (one small pinned copy), so a decode step never rebuilds tables.
 
 One pool serves every head plan: each sequence names the plan (window and sink per (layer, KV
-head)) its pages are trimmed by; dense is the all-global plan.
+head)) its pages are trimmed by; dense is the all-global plan. A plan may class more heads than
+the pool stores (``stored_heads``: MLA's query heads over one latent head per layer): each stored
+head then serves a group of plan heads and keeps what any of them can still see (the largest
+window and sink of the group); ``head_window_sink`` gives the plan per plan head.
 
 Retrieval heads: until a sequence has a selected set (`select`), a head whose selected set may
 reach any earlier token must be given `window = GLOBAL_WINDOW`, or its pages would be trimmed.
@@ -48,6 +51,7 @@ class _Plan(NamedTuple):
     sink_pages: np.ndarray  # logical pages holding a sink token
     is_global: np.ndarray  # bool [L, Hkv]
     trim_at: tuple  # trim_at[n % page_size]: some local head's window leaves a page at length n
+    heads: tuple  # (window, sink) [L, plan heads] as registered (one per stored head, or a group each)
 
 
 class _Seq:
@@ -71,13 +75,16 @@ def _cdiv(a, b):
 
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, head_dim: int, window, sink,
-                 dtype: torch.dtype = torch.float32, device="cpu"):
+                 dtype: torch.dtype = torch.float32, device="cpu", stored_heads: int | None = None):
+        """``window``/``sink`` [L, H]: the default plan; ``stored_heads``: KV heads per layer with
+        pages (default H; else H must be a multiple of it, each stored head serving H / it plan heads)."""
         if num_pages < 1 or page_size < 1 or head_dim < 1:
             raise ValueError(f"num_pages, page_size, head_dim must be >= 1; got "
                              f"{num_pages}, {page_size}, {head_dim}")
         self.num_pages, self.page_size, self.head_dim = num_pages, page_size, head_dim
         self._plans: dict[str, _Plan] = {}
-        self.num_layers, self.num_kv_heads = np.asarray(torch.as_tensor(window).cpu()).shape[:2]
+        self.num_layers, plan_heads = np.asarray(torch.as_tensor(window).cpu()).shape[:2]
+        self.num_kv_heads = stored_heads or plan_heads
         self.add_plan("default", window, sink)
         default = self._plans["default"]
         self.window, self.sink, self.is_global = default.window, default.sink, default.is_global
@@ -107,26 +114,35 @@ class PagePool:
         if window.ndim != 2 or window.shape != sink.shape:
             raise ValueError(f"window and sink must both be [L, Hkv]; got window {window.shape}, "
                              f"sink {sink.shape}")
-        if window.shape != (self.num_layers, self.num_kv_heads):
+        if window.shape[0] != self.num_layers or window.shape[1] % self.num_kv_heads:
             raise ValueError(f"plan {name!r} is {window.shape}, the pool is "
-                             f"[L={self.num_layers}, Hkv={self.num_kv_heads}]")
+                             f"[L={self.num_layers}, Hkv={self.num_kv_heads}] (or a multiple of Hkv heads)")
         if (window < 1).any():
             raise ValueError("window must be >= 1 for every head (a query always sees itself)")
         if (sink < 0).any():
             raise ValueError("sink must be >= 0 for every head")
+        heads = (window, sink)
+        if window.shape[1] != self.num_kv_heads:  # a stored head keeps what any head of its group sees
+            group = (self.num_layers, self.num_kv_heads, -1)
+            window, sink = window.reshape(group).max(-1), sink.reshape(group).max(-1)
         is_global = window >= GLOBAL_WINDOW
         trim_at = [False] * self.page_size
         for w in np.unique(window[~is_global]):
             trim_at[int(w - 1) % self.page_size] = True
-        self._plans[name] = _Plan(window, sink, _cdiv(sink, self.page_size), is_global, tuple(trim_at))
+        self._plans[name] = _Plan(window, sink, _cdiv(sink, self.page_size), is_global, tuple(trim_at), heads)
 
     @property
     def plans(self) -> tuple[str, ...]:
         return tuple(self._plans)
 
     def window_sink(self, plan: str) -> tuple[np.ndarray, np.ndarray]:
+        """The plan per stored head [L, Hkv] (what its pages are trimmed by)."""
         p = self._plans[plan]
         return p.window, p.sink
+
+    def head_window_sink(self, plan: str) -> tuple[np.ndarray, np.ndarray]:
+        """The plan as registered, per plan head [L, H] (what the attention of each head sees)."""
+        return self._plans[plan].heads
 
     def plan_of(self, seq_id: int) -> str:
         plan = self._seq(seq_id).plan

@@ -57,13 +57,13 @@ class Engine:
         self.max_model_len = min(cfg.max_model_len or config.max_position_embeddings, config.max_position_embeddings)
         self.adapter = adapter_for(model, config)
         self.adapter.prepare(device)
-        hybrid = self.adapter.state_layout().linear is not None
-        if cfg.enable_prefix_caching and not self.adapter.prefix_caching and not (hybrid and cfg.linear_state_snapshots):
+        layout = self.adapter.state_layout()  # what a prefill stores per (layer, KV head) and token
+        if cfg.enable_prefix_caching and not self.adapter.prefix_caching and not (layout.linear and cfg.linear_state_snapshots):
             log.info("prefix caching is off for %s: its linear-attention layers carry a state over the whole "
                      "prompt, which a cached prefix's pages do not hold (linear_state_snapshots=0)", config.model_type)
             self.cfg = cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
-        page_bytes = 2 * cfg.page_size * config.head_dim * self.dtype.itemsize
-        pages, profile = initial_pages(cfg, config.num_hidden_layers, config.num_key_value_heads, page_bytes,
+        page_bytes = 2 * cfg.page_size * layout.head_dim * self.dtype.itemsize
+        pages, profile = initial_pages(cfg, layout.num_layers, layout.num_kv_heads, page_bytes,
                                        self.max_model_len, device)
         self.documents = DocumentKV(self.adapter, config, fingerprint, head_config, sparse_ffn, cfg.reuse_options, device,
                                     cfg.max_num_batched_tokens)

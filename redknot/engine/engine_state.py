@@ -91,7 +91,7 @@ def resize_pool(engine, num_pages: int) -> None:
     if engine.has_unfinished():
         raise RuntimeError("resize_pool while requests are running")
     engine._ahead = None  # a finished request's unneeded next step
-    plans = {name: engine.pool.window_sink(name) for name in engine.pool.plans}
+    plans = {name: engine.pool.head_window_sink(name) for name in engine.pool.plans}
     clear_caches(engine)
     engine.pool = engine.runner = None  # the old pool's memory goes before the new one is allocated
     engine._build(num_pages, plans)

@@ -26,7 +26,8 @@ def build_pool(adapter: ModelAdapter, head_config, num_pages: int, page_size: in
     if layout.kind != "kv_pages":
         raise ValueError(f"the page pool holds K/V pages; this model stores {layout.kind!r}")
     plans = plans or adapter.visible_state(head_config)
-    pool = PagePool(num_pages, page_size, layout.head_dim, *plans["dense"], dtype=dtype, device=device)
+    pool = PagePool(num_pages, page_size, layout.head_dim, *plans["dense"], dtype=dtype, device=device,
+                    stored_heads=layout.num_kv_heads)
     for name, (window, sink) in plans.items():
         if name != "default":
             pool.add_plan(name, window, sink)
@@ -38,12 +39,13 @@ def build_pool(adapter: ModelAdapter, head_config, num_pages: int, page_size: in
 
 
 def build_runner(adapter: ModelAdapter, pool: PagePool, cfg) -> ModelRunner:
-    """The model runner with every plan of the pool as device tensors."""
+    """The model runner with every plan of the pool as device tensors (per plan head: the model's
+    attention applies each head's own window and sink)."""
     tensors = {}
     for name in pool.plans:
         if name == "default":
             continue
-        window, sink = pool.window_sink(name)
+        window, sink = pool.head_window_sink(name)
         tensors[name] = (torch.as_tensor(window, dtype=torch.int32).to(pool.device),
                          torch.as_tensor(sink, dtype=torch.int32).to(pool.device))
     return ModelRunner(adapter, pool, tensors, cfg.max_num_seqs, cfg.cuda_graphs, cfg.kernel)

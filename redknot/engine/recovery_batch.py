@@ -323,7 +323,7 @@ class RecoveryRows:
         counts = [p for r in self.requests for _, p, _ in r.layers]
         counts = torch.stack(counts).tolist() if counts else []
         c = self.cfg
-        attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        attn = c.attention_flops()[0] // 2
         # multiply-adds per row of each layer's FFN: (skipped by a sparse FFN, run on every row)
         ffn = [tuple(f // 2 for f in c.ffn_flops_per_row(l)) for l in range(c.num_hidden_layers)]
         i = 0

@@ -199,6 +199,10 @@ class HeadSelection:
     @classmethod
     def for_engine(cls, engine, options: SelectionOptions) -> "HeadSelection":
         """A selection over an engine's model, head config and plans (it keeps no reference to it)."""
+        stored, cfg = engine.adapter.state_layout().num_kv_heads, engine.config
+        if stored != cfg.num_key_value_heads:  # MLA: one latent head per layer for every query head
+            raise ValueError(f"selected sets (retrieval heads, decode KV budgets) are kept per KV head; "
+                             f"{cfg.model_type} stores {stored} per layer for its {cfg.num_key_value_heads} heads")
         sinks = [engine.adapter.layer_sink_logits(l) for l in range(engine.config.num_hidden_layers)]
         return cls(engine.config, engine.head_config, options, engine.adapter.visible_state(engine.head_config),
                    engine.device, None if sinks[0] is None else torch.stack(sinks))

@@ -264,7 +264,7 @@ def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, QPOS, total_q, num_seqs,
                   stride_knt, stride_knh, stride_vnt, stride_vnh,
                   stride_kp, stride_ks, stride_vp, stride_vs,
                   stride_bb, stride_bh, max_pages,
-                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr,
                   SEARCH_STEPS: tl.constexpr, HAS_QPOS: tl.constexpr):
     hk = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -288,8 +288,8 @@ def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, QPOS, total_q, num_seqs,
     lp = pos // PAGE
     phys = tl.load(BT + b * stride_bb + hk * stride_bh + lp,
                    mask=t_ok & (lp < max_pages) & (pos >= 0), other=-1)
-    ok = (phys >= 0)[:, None]
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)  # any head_dim: rows padded to a power of 2, masked
+    ok = (phys >= 0)[:, None] & (offs_d < HEAD_DIM)[None, :]
     t64 = t.to(tl.int64)
     k = tl.load(Kn + t64[:, None] * stride_knt + hk * stride_knh + offs_d[None, :], mask=ok)
     v = tl.load(Vn + t64[:, None] * stride_vnt + hk * stride_vnh + offs_d[None, :], mask=ok)
@@ -593,11 +593,11 @@ def _int32(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.to(device=device, dtype=torch.int32)
 
 
-def _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, head_dim):
+def _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, head_dim, any_width=False):
     if k_pages.dim() != 3 or k_pages.shape != v_pages.shape:
         raise ValueError("k_pages and v_pages must both be [num_pages, page_size, head_dim], "
                          f"got {tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
-    if head_dim < 16 or head_dim & (head_dim - 1):
+    if not any_width and (head_dim < 16 or head_dim & (head_dim - 1)):
         raise ValueError(f"head_dim must be a power of 2 >= 16 (16, 64, 128, ...), got {head_dim}")
     if k_pages.shape[2] != head_dim:
         raise ValueError(f"head_dim mismatch: tokens have {head_dim}, pages {k_pages.shape[2]}")
@@ -613,10 +613,10 @@ def _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, head_d
 
 
 def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, q_pos=None):
-    """Write new K/V ([total_q, Hkv, D]) into their pages in place; -1 pages are skipped.
+    """Write new K/V ([total_q, Hkv, D], any D) into their pages in place; -1 pages are skipped.
     q_pos int [total_q]: each row's position (default: the last q_len positions of its sequence)."""
     total_q, hkv, d = k.shape
-    _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, d)
+    _check_common(k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens, d, any_width=True)
     if v.shape != k.shape or block_tables.shape[1] != hkv:
         raise ValueError(f"k/v must be [total_q, Hkv={block_tables.shape[1]}, D], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -637,7 +637,7 @@ def segpaged_store(k, v, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
         bt.stride(0), bt.stride(1), bt.shape[2],
-        HEAD_DIM=d, PAGE=k_pages.shape[1], BLOCK_T=block_t,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), PAGE=k_pages.shape[1], BLOCK_T=block_t,
         SEARCH_STEPS=max(1, math.ceil(math.log2(max(B, 1)))) + 1, HAS_QPOS=q_pos is not None,
         num_warps=4,
     )

@@ -1,5 +1,6 @@
 """Model configuration: the subset of an HF ``config.json`` that the Llama-family forward needs
-(dense, and the mixture-of-experts families whose layers differ from it only in the FFN).
+(dense, and the mixture-of-experts families whose layers differ from it only in the FFN), and
+DeepSeek's multi-head latent attention (``MLAConfig``, ``models/deepseek.py``).
 
 Parsing is strict: an architecture or option we do not implement raises ``UnsupportedModelError``
 naming the config field, instead of silently computing something else.
@@ -8,13 +9,16 @@ naming the config field, instead of silently computing something else.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
 # linear-attention (Gated DeltaNet) layers beside gated full-attention layers, with MoE FFNs
 HYBRID_MODEL_TYPES = ("qwen3_next",)
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + HYBRID_MODEL_TYPES
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, DeepSeek's MoE
+SUPPORTED_MODEL_TYPES = (("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + MLA_MODEL_TYPES
+                         + HYBRID_MODEL_TYPES)
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -51,8 +55,16 @@ class MoEConfig:
     layers: list[bool]  # per layer: the MoE block (True) or a dense MLP of ModelConfig.intermediate_size
     norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to 1
     # "softmax_topk": softmax over all experts, then the top k (Qwen, Mixtral, OLMoE);
-    # "topk_softmax": the top k logits, then a softmax over them (gpt-oss)
+    # "topk_softmax": the top k logits, then a softmax over them (gpt-oss);
+    # "softmax_group_topk": softmax, the top k within the topk_group groups of highest best score
+    # (DeepSeek-V2's greedy / group_limited_greedy); "sigmoid_group_topk": sigmoid scores, the choice
+    # among the topk_group groups of highest top-2 sum and the top k by score + a learned correction
+    # bias, weights the scores without it (DeepSeek-V3); both times routed_scaling_factor
     routing: str = "softmax_topk"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False  # the router's e_score_correction_bias (sigmoid_group_topk)
     # "silu": silu(gate) * up; "swiglu_clamped": gpt-oss's (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
     activation: str = "silu"
     swiglu_alpha: float = 1.702
@@ -60,6 +72,8 @@ class MoEConfig:
     router_bias: bool = False
     expert_bias: bool = False
     shared_expert_intermediate_size: int = 0  # > 0: a shared expert MLP gated by sigmoid(linear(x)) (Qwen2-MoE)
+    shared_expert_gated: bool = True  # False: the shared expert's output is added as it is (DeepSeek)
+    shared_expert_name: str = "shared_expert"  # its module name in checkpoints ("shared_experts" in DeepSeek)
     router_name: str = "gate"  # the router's module name in checkpoints ("router" in gpt-oss)
     # Fused expert tensors in checkpoints: "gate_up_rows" is transformers' in-memory layout (gate_up
     # [E, 2I, H] gate rows then up rows, down [E, H, I]); "gpt_oss" is [E, H, 2I] with gate and up
@@ -100,6 +114,29 @@ class LinearAttentionConfig:
 
 
 @dataclass
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank
+    projection; keys and values of every head expanded from one normed latent of ``kv_lora_rank``
+    per token, plus one RoPE key part of ``qk_rope_head_dim`` shared by the heads."""
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the RoPE dims come as interleaved pairs (x0, x1), (x2, x3), ...
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) ** 2
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """What the cache holds per token and layer: the RoPE key part, then the latent."""
+        return self.qk_rope_head_dim + self.kv_lora_rank
+
+
+@dataclass
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -119,6 +156,7 @@ class ModelConfig:
     clip_qkv: float | None = None  # clamp q, k, v to [-clip, clip] after the norms (OLMoE)
     o_proj_bias: bool = False
     moe: MoEConfig | None = None
+    mla: MLAConfig | None = None  # DeepSeek's latent attention (head_dim: its per-head query/key width)
     rope: RopeConfig = field(default_factory=RopeConfig)
     # Per-layer native sliding window of the architecture (None = full causal).
     sliding_windows: list[int | None] = field(default_factory=list)
@@ -160,6 +198,20 @@ class ModelConfig:
     def is_hybrid(self) -> bool:
         return self.linear is not None
 
+    def attention_flops(self) -> tuple[int, int]:
+        """FLOPs of attention: (per row through the projections, per visible (query, key) pair and
+        query head). MLA as transformers computes it (and a GPU prefill does): each row's latent
+        expanded once to every head's key and value, then (dn + dr) + dv multiply-adds a pair."""
+        h, hq = self.hidden_size, self.num_attention_heads
+        if self.mla is None:
+            d = self.head_dim
+            gate = hq if self.attn_output_gate else 0  # a hybrid's full layers: q_proj also gives the gate
+            return 2 * h * d * (2 * hq + gate + 2 * self.num_key_value_heads), 4 * d
+        m = self.mla
+        q = h * hq * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank * (h + hq * m.qk_head_dim)
+        expand = hq * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
+        return 2 * (q + h * m.latent_dim + expand + hq * m.v_head_dim * h), 2 * (m.qk_head_dim + m.v_head_dim)
+
     def ffn_flops_per_row(self, layer: int) -> tuple[int, int]:
         """FLOPs of one row through layer ``layer``'s FFN: (the part a sparse FFN skips, the part every
         row runs). Dense: the MLP and 0; MoE: the router and the k routed experts, and the shared
@@ -177,7 +229,10 @@ class ModelConfig:
         """The softmax scale of every attention layer's scores. The backends and every attention-mass
         computation (recovery, selection, profiling) take it as their scale instead of q being
         pre-scaled by scale * sqrt(head_dim): in bf16 a pre-scaled q is rounded once more (Gemma 3
-        27B scales by 168**-0.5, not by its head_dim 128's), so the kernels would differ from the model."""
+        27B scales by 168**-0.5, not by its head_dim 128's), so the kernels would differ from the model.
+        MLA: its own (qk_head_dim ** -0.5 with YaRN's mscale)."""
+        if self.mla is not None:
+            return self.mla.softmax_scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def layer_rope(self, layer: int) -> RopeConfig:
@@ -230,6 +285,9 @@ class ModelConfig:
                 f"config.json: num_attention_heads={n_heads} is not a multiple of num_key_value_heads={n_kv}"
             )
         head_dim = raw.get("head_dim") or (256 if gemma else raw["hidden_size"] // n_heads)
+        mla = _parse_mla(raw, model_type, n_heads, n_kv)
+        if mla is not None:  # a query head's width; RoPE covers its last qk_rope_head_dim dims
+            head_dim = mla.qk_head_dim
         n_layers = raw["num_hidden_layers"]
         eos = raw.get("eos_token_id")
         _check_quantization(raw, model_type)
@@ -259,12 +317,13 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=bool(raw.get("mlp_bias", False)) and model_type != "deepseek_v3",
             qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "qwen3_next"),
             qk_norm_per_head=model_type != "olmoe",
             clip_qkv=float(clip) if clip is not None else None,
             moe=_parse_moe(raw, model_type, n_layers),
-            rope=_parse_rope(raw, head_dim),
+            mla=mla,
+            rope=_parse_rope(raw, head_dim if mla is None else mla.qk_rope_head_dim),
             sliding_windows=_parse_sliding_windows(raw, model_type, n_layers),
             attention_sinks=model_type == "gpt_oss",
             eos_token_ids=_as_int_list(eos) if eos is not None else [],
@@ -410,7 +469,10 @@ def _parse_moe(raw: dict, model_type: str, n_layers: int) -> MoEConfig | None:
     layer, ``num_local_experts`` of ``intermediate_size``, always renormalised) and olmoe (every
     layer, ``num_experts`` of ``intermediate_size``), gpt_oss (every layer, ``num_local_experts`` of
     ``intermediate_size`` with biases, a biased router whose top k logits are softmaxed, the clamped
-    SwiGLU of ``swiglu_limit``); qwen3_next as qwen2_moe (a shared expert)."""
+    SwiGLU of ``swiglu_limit``); DeepSeek's in ``_parse_deepseek_moe``; qwen3_next as qwen2_moe (a
+    shared expert)."""
+    if model_type in MLA_MODEL_TYPES:
+        return _parse_deepseek_moe(raw, model_type, n_layers)
     if model_type not in MOE_MODEL_TYPES + HYBRID_MODEL_TYPES:
         return None
     if model_type == "gpt_oss":
@@ -479,6 +541,110 @@ def _parse_hybrid(raw: dict, model_type: str, n_layers: int) -> dict:
     return {"layer_types": list(types), "linear": linear, "attn_output_gate": True, "norm_offset": True}
 
 
+def _parse_mla(raw: dict, model_type: str, n_heads: int, n_kv: int) -> MLAConfig | None:
+    """DeepSeek-V2/V3's latent attention, as transformers computes it: every key and value head
+    expanded from one latent (``num_key_value_heads`` is the query heads'), RoPE on the last
+    ``qk_rope_head_dim`` dims of each query and on a key part shared by the heads, interleaved
+    pairs in V2 and with ``rope_interleave`` in V3, YaRN's ``mscale_all_dim`` in the softmax scale."""
+    if model_type not in MLA_MODEL_TYPES:
+        return None
+    if n_kv != n_heads:
+        raise UnsupportedModelError(f"config.json: num_key_value_heads={n_kv} must equal num_attention_heads="
+                                    f"{n_heads} for {model_type} (every head's keys come from the one latent)")
+    q_lora = raw.get("q_lora_rank")
+    if q_lora is not None:
+        q_lora = _positive_int(raw, "q_lora_rank")
+    rank = _positive_int(raw, "kv_lora_rank")
+    nope = _positive_int(raw, "qk_nope_head_dim")
+    rope_dim = _positive_int(raw, "qk_rope_head_dim")
+    v_dim = _positive_int(raw, "v_head_dim")
+    if rope_dim % 2:
+        raise UnsupportedModelError(f"config.json: qk_rope_head_dim={rope_dim} must be even")
+    if (rank + rope_dim) % 2 or rope_dim > (rank + rope_dim) // 2:
+        # the pool keeps a token's [RoPE key | latent] row as its K and V halves, the RoPE part in K
+        raise UnsupportedModelError(f"config.json: kv_lora_rank={rank} + qk_rope_head_dim={rope_dim} must be even "
+                                    f"with qk_rope_head_dim at most half of it")
+    if raw.get("attention_dropout"):
+        raise UnsupportedModelError(f"config.json: attention_dropout={raw['attention_dropout']!r} (inference only)")
+    interleave = True if model_type == "deepseek_v2" else raw.get("rope_interleave", True)
+    if not isinstance(interleave, bool):
+        raise UnsupportedModelError(f"config.json: rope_interleave must be true or false, got {interleave!r}")
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    scale = (nope + rope_dim) ** -0.5
+    factor, all_dim = params.get("factor"), params.get("mscale_all_dim")
+    if params.get("rope_type", params.get("type", "default")) != "default" and all_dim:
+        if not isinstance(factor, (int, float)):
+            raise UnsupportedModelError(f"config.json: rope factor={factor!r} must be a number with mscale_all_dim")
+        m = 0.1 * all_dim * math.log(factor) + 1.0 if factor > 1 else 1.0
+        scale *= m * m
+    return MLAConfig(q_lora, rank, nope, rope_dim, v_dim, interleave, scale)
+
+
+def _parse_deepseek_moe(raw: dict, model_type: str, n_layers: int) -> MoEConfig | None:
+    """DeepSeek's experts: ``n_routed_experts`` of ``moe_intermediate_size`` from layer
+    ``first_k_dense_replace`` on, ``n_shared_experts`` of them fused into one ungated shared expert,
+    weights times ``routed_scaling_factor``. V2 routes by softmax (``topk_method`` greedy or
+    group_limited_greedy over ``n_group`` groups); V3 by sigmoid scores plus ``e_score_correction_bias``
+    within the ``topk_group`` best of ``n_group`` groups, renormalised with ``norm_topk_prob``."""
+    n_experts = _positive_int(raw, "n_routed_experts")
+    top_k = _positive_int(raw, "num_experts_per_tok")
+    if top_k > n_experts:
+        raise UnsupportedModelError(f"config.json: num_experts_per_tok={top_k} exceeds n_routed_experts={n_experts}")
+    first = raw.get("first_k_dense_replace", 3 if model_type == "deepseek_v3" else 0)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise UnsupportedModelError(f"config.json: first_k_dense_replace={first!r} must be an integer >= 0")
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise UnsupportedModelError(f"config.json: moe_layer_freq={raw['moe_layer_freq']!r} is not supported (only 1)")
+    layers = [i >= first for i in range(n_layers)]
+    if not any(layers):
+        return None
+    size = _positive_int(raw, "moe_intermediate_size")
+    shared = raw.get("n_shared_experts", 1 if model_type == "deepseek_v3" else 2) or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise UnsupportedModelError(f"config.json: n_shared_experts={shared!r} must be an integer >= 0")
+    scaling = raw.get("routed_scaling_factor", 2.5 if model_type == "deepseek_v3" else 1.0)
+    if not isinstance(scaling, (int, float)) or isinstance(scaling, bool) or scaling <= 0:
+        raise UnsupportedModelError(f"config.json: routed_scaling_factor={scaling!r} must be a positive number")
+    norm = raw.get("norm_topk_prob", model_type == "deepseek_v3")
+    if not isinstance(norm, bool):
+        raise UnsupportedModelError(f"config.json: norm_topk_prob must be true or false, got {norm!r}")
+    if model_type == "deepseek_v3":
+        routing, scoring, method, grouped = "sigmoid_group_topk", "sigmoid", "noaux_tc", True
+    else:
+        routing, scoring = "softmax_group_topk", "softmax"
+        method = raw.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise UnsupportedModelError(f"config.json: topk_method={method!r} is not supported for deepseek_v2 "
+                                        f"(greedy, group_limited_greedy)")
+        grouped = method == "group_limited_greedy"
+        if norm:  # transformers' DeepSeek-V2 router never renormalises: ambiguous, refused
+            raise UnsupportedModelError("config.json: norm_topk_prob=true is not supported for deepseek_v2")
+    if model_type == "deepseek_v3" and raw.get("topk_method", method) != method:
+        raise UnsupportedModelError(f"config.json: topk_method={raw['topk_method']!r} is not supported for "
+                                    f"deepseek_v3 (noaux_tc)")
+    if raw.get("scoring_func", scoring) != scoring:
+        raise UnsupportedModelError(f"config.json: scoring_func={raw['scoring_func']!r} is not supported for "
+                                    f"{model_type} ({scoring})")
+    n_group, topk_group = 1, 1
+    if grouped:
+        n_group = _positive_int(raw, "n_group")
+        topk_group = _positive_int(raw, "topk_group")
+        if n_experts % n_group or topk_group > n_group:
+            raise UnsupportedModelError(f"config.json: n_group={n_group} must divide n_routed_experts={n_experts} "
+                                        f"and topk_group={topk_group} be at most n_group")
+        if top_k > topk_group * (n_experts // n_group):
+            raise UnsupportedModelError(f"config.json: num_experts_per_tok={top_k} exceeds the experts of "
+                                        f"topk_group={topk_group} groups")
+        if routing == "sigmoid_group_topk" and n_experts // n_group < 2:
+            raise UnsupportedModelError(f"config.json: n_group={n_group} leaves fewer than 2 experts per group "
+                                        f"(a group scores by its top two)")
+    return MoEConfig(num_experts=n_experts, top_k=top_k, intermediate_size=size, layers=layers, norm_topk_prob=norm,
+                     routing=routing, n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(scaling),
+                     score_correction_bias=model_type == "deepseek_v3",
+                     shared_expert_intermediate_size=size * shared, shared_expert_gated=False,
+                     shared_expert_name="shared_experts")
+
+
 def _parse_gpt_oss_moe(raw: dict, n_layers: int) -> MoEConfig:
     n_experts = _positive_int(raw, "num_local_experts", 128)
     top_k = _positive_int(raw, "num_experts_per_tok", 4)
@@ -533,7 +699,7 @@ def _gemma3_sliding_windows(raw: dict, n_layers: int) -> list[int | None]:
 
 def _parse_sliding_windows(raw: dict, model_type: str, n_layers: int) -> list[int | None]:
     window = raw.get("sliding_window")
-    if model_type in ("llama", "olmoe") or not window:
+    if model_type in ("llama", "olmoe") + MLA_MODEL_TYPES or not window:
         return [None] * n_layers
     if model_type in ("mistral", "mixtral"):
         return [int(window)] * n_layers

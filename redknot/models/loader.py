@@ -19,6 +19,8 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # Weights of parts no forward here runs: Qwen3-Next's multi-token-prediction head (transformers
 # skips it too).
 _IGNORED_PREFIXES = ("mtp.",)
+# Layers past num_hidden_layers: DeepSeek-V3's multi-token-prediction modules (transformers skips them too).
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # One expert's projection in a checkpoint (Mixtral names them w1 = gate, w3 = up, w2 = down).
 _PER_EXPERT = re.compile(r"^((?:.+\.)?experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.(weight|bias)$")
 _MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -137,6 +139,9 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
             for key in f.keys():
                 if (key.endswith(_IGNORED_SUFFIXES) or key.startswith(_IGNORED_PREFIXES)
                         or (cfg.tie_word_embeddings and key == "lm_head.weight")):
+                    continue
+                layer = _LAYER.match(key) if cfg.model_type == "deepseek_v3" else None
+                if layer is not None and int(layer.group(1)) >= cfg.num_hidden_layers:
                     continue
                 name = key.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name of its MoE block
                 tensor = f.get_tensor(key)

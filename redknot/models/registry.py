@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .adapter import LlamaAdapter, ModelAdapter
 from .config import ModelConfig, UnsupportedModelError
+from .deepseek import DeepseekForCausalLM, MLAAdapter
 from .gemma3 import Gemma3Adapter, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
 from .qwen3_next import HybridAdapter, Qwen3NextForCausalLM
@@ -27,6 +28,9 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "gemma3_text": (Gemma3ForCausalLM, Gemma3Adapter),
     # gpt-oss: the same decoder with attention sinks, biased projections and its own MoE options
     "gpt_oss": (LlamaForCausalLM, LlamaAdapter),
+    # multi-head latent attention (one cached latent per token and layer) and DeepSeek's experts
+    "deepseek_v2": (DeepseekForCausalLM, MLAAdapter),
+    "deepseek_v3": (DeepseekForCausalLM, MLAAdapter),
 }
 
 

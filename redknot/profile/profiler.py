@@ -171,15 +171,15 @@ class _Accumulator:
 
 # ---- the forward by hand ------------------------------------------------------------------------
 def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=BLOCK_ELEMS, sink_logits=None):
-    """Causal attention of q [R, Hq, D] at positions q_start.. over k/v [N, Hkv, D] at 0..N-1,
-    in fp32, one block of query rows at a time, with the learned sink logits [Hq] (or None) in
-    the softmax. ``stats``: (_Accumulator, first position) pairs; queries at positions >= the
-    first position feed the accumulator. Returns o [R, Hq, D] in v's dtype."""
+    """Causal attention of q [R, Hq, D] at positions q_start.. over k [N, Hkv, D] and v [N, Hkv, Dv]
+    at 0..N-1, in fp32, one block of query rows at a time, with the learned sink logits [Hq] (or
+    None) in the softmax. ``stats``: (_Accumulator, first position) pairs; queries at positions >=
+    the first position feed the accumulator. Returns o [R, Hq, Dv] in v's dtype."""
     r_total, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, N, D]
-    out = torch.empty(r_total, hq, d, dtype=v.dtype, device=q.device)
+    out = torch.empty(r_total, hq, v.shape[-1], dtype=v.dtype, device=q.device)
     rows = max(1, block_elems // (hq * k.shape[0]))
     for r0 in range(0, r_total, rows):
         r1 = min(r0 + rows, r_total)
@@ -196,7 +196,7 @@ def _attend(q, q_start, k, v, scale, native_window=None, stats=(), block_elems=B
         else:
             probs = softmax_with_sinks(scores, sink_logits.float().view(hkv, g, 1, 1))
             learned = 1 - probs.sum(-1)  # [Hkv, g, rows]: the learned sink's mass
-        out[r0:r1] = torch.einsum("hgrn,hnd->rhgd", probs, vf[:, :n]).reshape(r1 - r0, hq, d).to(v.dtype)
+        out[r0:r1] = torch.einsum("hgrn,hnd->rhgd", probs, vf[:, :n]).reshape(r1 - r0, hq, -1).to(v.dtype)
         for acc, measure_from in stats:
             i0 = max(0, measure_from - (q_start + r0))  # rows are sorted by position
             if i0 < r1 - r0:
@@ -297,6 +297,9 @@ def ablation_kl(model, cfg, samples: list[Sample], *, sink: int = DEFAULT_SINK, 
     from ..reuse.policies import FixedSet
     from ..reuse.recovery import recover
 
+    if cfg.mla is not None:
+        raise ValueError(f"ablation_kl runs the Llama-family recovery forward; {cfg.model_type} (latent attention) "
+                         f"has none: profile it without ablation_weight")
     dev = next(model.parameters()).device
     n_layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
     window_all, sink_all = HeadConfig.all_global(n_layers, hkv).visibility(cfg.sliding_windows)
@@ -400,7 +403,10 @@ def profile_heads(model, cfg, tokenizer, records: list[dict], *, target_global: 
                   max_tokens: int = 4096, block_elems: int = BLOCK_ELEMS, model_name: str | None = None,
                   progress: bool = True) -> HeadConfig:
     """Profile ``model`` (a redknot LlamaForCausalLM, ``cfg`` its ModelConfig) on calibration
-    ``records`` and return the head plan; its metadata["profiling"] holds metrics and parameters."""
+    ``records`` and return the head plan; its metadata["profiling"] holds metrics and parameters.
+    MLA models (one latent for every query head, no per-head selection) get no retrieval heads."""
+    if cfg.mla is not None:
+        retrieval_threshold = None
     _check_params(cfg, target_global, coverage, page_size, dense_prefix_layers, sink, ref_window, retrieval_k,
                   sensitivity_weight, max_tokens, question_weight, ablation_weight)
     max_tokens = min(max_tokens, cfg.max_position_embeddings)

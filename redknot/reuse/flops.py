@@ -26,11 +26,9 @@ class FlopReport:
     linear_heads_recomputed: int = 0
 
     def add_layer(self, cfg: ModelConfig, n_tokens: int, pairs: int, n_ffn: int) -> None:
-        h, d = cfg.hidden_size, cfg.head_dim
-        q_out = cfg.num_attention_heads * d * (2 if cfg.attn_output_gate else 1)  # the gate shares q_proj
-        qkv_out = q_out + 2 * cfg.num_key_value_heads * d
-        self.proj.append(2 * n_tokens * h * (qkv_out + cfg.num_attention_heads * d))
-        self.attention.append(4 * d * pairs)  # q·k and p·v
+        per_row, per_pair = cfg.attention_flops()  # projections; q·k and p·v
+        self.proj.append(n_tokens * per_row)
+        self.attention.append(per_pair * pairs)
         self._add_ffn(cfg, n_tokens, n_ffn)
 
     def add_linear_layer(self, cfg: ModelConfig, n_tokens: int, n_ffn: int) -> None:

@@ -65,7 +65,26 @@ def ckpt(tiny_checkpoint):
 
 
 def _hf(path, attn="eager"):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+    return _with_configured_swiglu(model).eval()
+
+
+def _with_configured_swiglu(model):
+    """transformers' gpt-oss with the clamped SwiGLU that its config.json names.
+
+    transformers 5.17 fixes GptOssExperts' clamp at 7.0 and its sigmoid gain at 1.702
+    whatever config.json says; 5.25 reads ``swiglu_limit``/``swiglu_alpha`` from the config, as
+    openai's reference implementation (gpt_oss/torch/model.py: ``swiglu(t, limit=config.swiglu_limit)``)
+    and redknot do. The Hub's checkpoints say 7.0, where all of them agree; the tiny checkpoints say
+    1.0 (so the clamps bite on tiny activations), where 5.17 alone would compute another model. The
+    reference takes the config's values under every version."""
+    cfg = model.config
+    experts = [m for m in model.modules() if type(m).__name__ == "GptOssExperts"]
+    assert experts and all(hasattr(m, "limit") and hasattr(m, "alpha") for m in experts), \
+        "transformers' GptOssExperts no longer keeps its clamp in .limit/.alpha"
+    for m in experts:
+        m.limit, m.alpha = float(cfg.swiglu_limit), float(getattr(cfg, "swiglu_alpha", 1.702))
+    return model
 
 
 def _hf_reference(hf, tokenizer, prompt, n=20):
@@ -114,6 +133,14 @@ def test_logits_and_greedy_tokens_match_transformers(ckpt, reference, kernel):
                 layer.self_attn.sinks.copy_(s)
         assert rel_err(llm.first_token_logits(PROMPT), ref) <= 1e-4
         assert model.layers[0].self_attn.o_proj.bias is not None
+        # so does config.json's swiglu_limit (1.0 here): the Hub's 7.0 in its place computes another model
+        experts = [layer.mlp.experts for layer in model.layers]
+        assert all(e.limit == 1.0 for e in experts)
+        for e in experts:
+            e.limit = 7.0
+        assert rel_err(llm.first_token_logits(PROMPT), ref) > 1e-3
+        for e in experts:
+            e.limit = 1.0
 
 
 def _hf_with_head_mask_and_sinks(path, head_config, cfg):
