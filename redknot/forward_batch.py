@@ -33,6 +33,7 @@ class ForwardBatch:
     # last q_len positions of its sequence
     positions: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None  # device int32 [L, B, Hkv, max_pages] (paged KV)
+    state_slots: torch.Tensor | None = None  # device int64 [B]: each sequence's pool slot (its linear state)
     window: torch.Tensor | None = None  # device int32 [L, Hkv]: the batch's head plan
     sink: torch.Tensor | None = None  # device int32 [L, Hkv]
     sel_pos: torch.Tensor | None = None  # device int32 [L, B, Hkv, max_sel]: selected sets (sorted, -1 padded)

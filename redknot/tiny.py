@@ -8,7 +8,7 @@ from pathlib import Path
 from .models.tokenizer import CHAT_TEMPLATE, make_tokenizer  # noqa: F401  (the checkpoints' tokenizer)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral", "olmoe", "qwen2_moe",
-            "gpt_oss", "deepseek_v3", "deepseek_v2")
+            "gpt_oss", "deepseek_v3", "deepseek_v2", "qwen3_next")
 
 # Mixture-of-experts families: 8 experts of width 32, top-2 (the dense MLP of qwen3_moe/qwen2_moe
 # layers that mlp_only_layers or decoder_sparse_step make dense is intermediate_size wide).
@@ -24,7 +24,14 @@ MOE_OVERRIDES = {
     # transformers sets its experts' limit from the config, as test_models_gpt_oss does)
     "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32, sliding_window=8,
                     swiglu_limit=1.0),
+    # hybrid: Gated DeltaNet layers (2 key heads, 4 value heads of 16) with every 4th layer full attention
+    # (4 layers by default: 3 linear + 1 full), a quarter of each head rotated, MoE with a shared expert
+    "qwen3_next": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                       shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+                       linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
 }
+# Layers a family's checkpoint has unless the caller says (a hybrid needs a full-attention layer)
+DEFAULT_LAYERS = {"qwen3_next": 4, "gemma3_text": 6}
 
 # DeepSeek (multi-head latent attention): a 32-wide latent and a 16-dim RoPE key part per token, the
 # first layer dense, then 8 experts of width 32 (top-2, one shared); V3 routes by sigmoid scores in
@@ -62,7 +69,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
     """Write a random checkpoint (config.json, safetensors, tokenizer) and return its directory.
 
     ``num_hidden_layers`` defaults to 2 (gemma3_text: 6, so its five sliding layers to one global
-    show; DeepSeek: 3, a dense layer before two MoE ones). gemma3_text: ``rope`` is the global layers' RoPE; the sliding layers (window 8) rotate
+    show; DeepSeek: 3, a dense layer before two MoE ones; qwen3_next: 4, three linear layers and a full
+    one). gemma3_text: ``rope`` is the global layers' RoPE; the sliding layers (window 8) rotate
     with their own base, scores scale by query_pre_attn_scalar 24 (not head_dim), and every norm
     weight is random (HF initialises them to 0, i.e. a scale of 1)."""
     import torch
@@ -77,12 +85,15 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                   "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
                   "olmoe": transformers.OlmoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
                   "gemma3_text": transformers.Gemma3TextConfig, "gpt_oss": transformers.GptOssConfig,
-                  "deepseek_v3": transformers.DeepseekV3Config, "deepseek_v2": transformers.DeepseekV2Config}[family]
+                  "deepseek_v3": transformers.DeepseekV3Config, "deepseek_v2": transformers.DeepseekV2Config,
+                  "qwen3_next": transformers.Qwen3NextConfig}[family]
     if family == "gpt_oss" and rope == "default":
         rope = "gpt_oss"
     rope_params = {"rope_theta": 10000.0, **ROPE_VARIANTS[rope]}
+    if family == "qwen3_next":
+        rope_params["partial_rotary_factor"] = 0.25  # the released models' share
     if num_hidden_layers is None:
-        num_hidden_layers = 6 if family == "gemma3_text" else 3 if family in MLA_OVERRIDES else 2
+        num_hidden_layers = DEFAULT_LAYERS.get(family, 3 if family in MLA_OVERRIDES else 2)
     kwargs = dict(
         vocab_size=len(tokenizer), hidden_size=num_attention_heads * head_dim, intermediate_size=96,
         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
@@ -115,6 +126,8 @@ def make_tiny_checkpoint(path: str | Path, family: str = "llama", rope: str = "d
                 p.normal_(0, 0.5)
             elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that take a real share of the softmax
                 p.normal_(1.0, 1.5)
+            elif family == "qwen3_next" and name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)  # zero-centred norms: make (1 + w) differ from 1
             elif family == "gemma3_text" and name.endswith("norm.weight"):
                 p.normal_(0, 0.3)  # Gemma's norm weights are offsets from 1, zero at init: make them matter
         for name, b in model.named_buffers():

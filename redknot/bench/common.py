@@ -22,6 +22,18 @@ ARCHS = {
                       "max_position_embeddings": 40960, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
                       "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                       "norm_topk_prob": True},
+    # hybrid: Qwen3-Next-80B-A3B at its real widths (Gated DeltaNet layers of 16 key / 32 value heads of
+    # 128, full layers of 16 query / 2 KV heads of 256 with a quarter rotated, 512 experts of 512 with
+    # 10 per token and a shared expert) but 12 of its 48 layers (9 linear + 3 full), so the bf16
+    # weights (~40 GB) fit one 80 GB card
+    "qwen3-next-a3b-12l": {"model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+                           "intermediate_size": 5120, "num_hidden_layers": 12, "num_attention_heads": 16,
+                           "num_key_value_heads": 2, "head_dim": 256, "max_position_embeddings": 262144,
+                           "rope_theta": 1e7, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6,
+                           "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                           "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                           "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+                           "shared_expert_intermediate_size": 512, "norm_topk_prob": True},
     # gpt-oss: 32 experts of 2880 with biases, 4 per token (3.6B of 20.9B parameters active per token);
     # layers alternate a 128-token sliding window and full attention, every head has a learned sink
     "gpt-oss-20b": {"model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
@@ -54,6 +66,12 @@ ARCHS = {
                      "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 150000.0,
                      "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "truncate": False, "original_max_position_embeddings": 128}},
+    "tiny-hybrid": {"model_type": "qwen3_next", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+                    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                    "max_position_embeddings": 4096, "partial_rotary_factor": 0.25, "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+                    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 48, "norm_topk_prob": True},
     "tiny-moe": {"model_type": "qwen3_moe", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                  "max_position_embeddings": 4096, "num_experts": 8, "num_experts_per_tok": 2,
@@ -116,13 +134,15 @@ def hf_model(arch: dict, dev, dtype):
     cls = {"mistral": transformers.MistralConfig, "qwen3": transformers.Qwen3Config,
            "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
            "gpt_oss": transformers.GptOssConfig, "deepseek_v2": transformers.DeepseekV2Config,
-           "deepseek_v3": transformers.DeepseekV3Config}[arch["model_type"]]
-    kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta", "rope_scaling")}
-    if not arch["model_type"].startswith("deepseek"):
+           "deepseek_v3": transformers.DeepseekV3Config, "qwen3_next": transformers.Qwen3NextConfig}[arch["model_type"]]
+    kw = {k: v for k, v in arch.items() if k not in ("model_type", "rope_theta", "rope_scaling", "partial_rotary_factor")}
+    if not arch["model_type"].startswith("deepseek") and arch["model_type"] != "qwen3_next":
         # HF's MistralConfig defaults to a 4096-token sliding window; ours reads none from the arch: the
         # baseline must compute the same attention (full causal) as our dense
         kw.setdefault("sliding_window", None)
     rope = {"rope_type": "default", **arch.get("rope_scaling", {}), "rope_theta": arch.get("rope_theta", 1e4)}
+    if "partial_rotary_factor" in arch:
+        rope["partial_rotary_factor"] = arch["partial_rotary_factor"]
     hf_cfg = cls(**kw, rope_parameters=rope)
     attn = "sdpa"
     if arch["model_type"] == "gpt_oss":

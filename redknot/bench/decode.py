@@ -327,8 +327,8 @@ def run(args) -> dict:
         if getattr(args, "retrieval_ratio", 0.0) > 0:
             head = _with_retrieval(head, args.retrieval_ratio)
         # a pool for the largest case under the dense plan (+ a page per head and sequence); MLA stores
-        # one latent head per layer
-        heads = cfg.num_hidden_layers * (1 if cfg.mla is not None else cfg.num_key_value_heads)
+        # one latent head per layer, a hybrid's linear layers none
+        heads = len(cfg.attention_layers) * (1 if cfg.mla is not None else cfg.num_key_value_heads)
         pages = max(b * heads * (-(-(n + args.tokens + 8) // 64) + 1) for b, n in cases)
         kv_pages = getattr(args, "kv_pages", "cases")
         pages = None if kv_pages == "auto" else (pages if kv_pages == "cases" else int(kv_pages))
@@ -350,6 +350,10 @@ def run(args) -> dict:
         if cfg.moe is not None:
             result["moe"] = {"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k,
                              "bound": "weights: dense parts + each MoE layer's experts x E(1-(1-k/E)^B)/E"}
+        state_slot = llm.pool.linear_state.bytes_per_slot if llm.pool.linear_state is not None else 0
+        if state_slot:
+            result["linear_state"] = {"bytes_per_sequence": state_slot,
+                                      "bound": "each step reads and writes every sequence's linear-layer state"}
         if cfg.mla is not None:
             result["mla"] = {"kv_lora_rank": cfg.mla.kv_lora_rank, "qk_rope_head_dim": cfg.mla.qk_rope_head_dim,
                              "bound": "KV: per layer the latent rows (latent + k_rope) its widest query head sees"}
@@ -377,9 +381,11 @@ def run(args) -> dict:
                 kv = (r["kv_bytes_held_at_start"] if m in SELECTIVE
                       else _kv_read_bytes(cfg, vis[base][0].cpu(), vis[base][1].cpu(), n, b, itemsize))
                 weights = _active_weight_bytes(llm.model, cfg, b)
-                bound = b / ((weights + kv) / args.bandwidth)
+                state = 2 * state_slot * b  # a hybrid's linear state, read and written back
+                bound = b / ((weights + kv + state) / args.bandwidth)
                 rows.append({"method": m, "batch": b, "context": n, **r, "kv_read_bytes": kv,
-                             "weight_read_bytes": weights, "bound_tok_s": bound, "of_bound": r["tok_s"] / bound})
+                             "weight_read_bytes": weights, "state_read_write_bytes": state, "bound_tok_s": bound,
+                             "of_bound": r["tok_s"] / bound})
                 gpu = f", forward alone {1e3 * r['graph_s_per_step']:.2f} ms" if r["graph_s_per_step"] else ""
                 gpu += " (" + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in r["phases_s_per_step"].items()) + " ms)"
                 print(f"{m:<11} B={b:>3} ctx={n:>6}: {r['tok_s']:9.1f} tok/s  ({100 * r['tok_s'] / bound:5.1f}% "

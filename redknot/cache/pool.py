@@ -104,6 +104,8 @@ class PagePool:
         self._dirty: dict[int, list[int]] = {}  # slot -> [lo, hi) logical pages changed since sync
         self.device_sel: torch.Tensor | None = None  # int32 [L, slots, Hkv, max_sel], -1 padded
         self.device_sel_lens: torch.Tensor | None = None  # int32 [L, slots, Hkv]
+        # A hybrid model's linear-layer state, one per sequence slot (cache/linear_state.py), or None
+        self.linear_state = None
 
     def add_plan(self, name: str, window, sink) -> None:
         """Register a head plan (window and sink per (layer, KV head)) sequences can be trimmed by."""

@@ -81,5 +81,8 @@ def _match_prefix(engine, seq: Sequence) -> None:
     n, table = engine.prefix_cache.match(seq.plan, seq.token_ids, limit, seq.cache_salt) if limit > 0 else (0, None)
     if n:
         engine.pool.share(seq.seq_id, table, n)
+        resume = getattr(engine.prefix_cache, "resume", None)  # a hybrid's: the linear state there
+        if resume is not None:
+            resume(seq.plan, seq.token_ids, n, seq.cache_salt, engine.pool.slot(seq.seq_id))
         seq.num_computed = n
         seq.cached_tokens = max(seq.cached_tokens, n)

@@ -13,11 +13,14 @@ forward per head plan; a decode-only batch replays a CUDA graph) and samples.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 
 import torch
 
 from ..cache.chunk_cache import ChunkCache
+from ..cache.linear_prefix import StatePrefixCache
 from ..cache.prefix_cache import PrefixCache
 from ..models.registry import adapter_for
 from ..pd.lease import LeaseStore
@@ -41,6 +44,8 @@ from .sequence import ReuseState, Sequence
 
 __all__ = ["Engine", "EngineConfig", "RequestTooLarge", "StepOutput"]
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
     def __init__(self, model, config, tokenizer, fingerprint: str, head_config, sparse_ffn, device: torch.device,
@@ -53,6 +58,10 @@ class Engine:
         self.adapter = adapter_for(model, config)
         self.adapter.prepare(device)
         layout = self.adapter.state_layout()  # what a prefill stores per (layer, KV head) and token
+        if cfg.enable_prefix_caching and not self.adapter.prefix_caching and not (layout.linear and cfg.linear_state_snapshots):
+            log.info("prefix caching is off for %s: its linear-attention layers carry a state over the whole "
+                     "prompt, which a cached prefix's pages do not hold (linear_state_snapshots=0)", config.model_type)
+            self.cfg = cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
         page_bytes = 2 * cfg.page_size * layout.head_dim * self.dtype.itemsize
         pages, profile = initial_pages(cfg, layout.num_layers, layout.num_kv_heads, page_bytes,
                                        self.max_model_len, device)
@@ -72,6 +81,9 @@ class Engine:
         self._build(pages)
         self.async_decode = self.runner.cuda_graphs if cfg.async_decode is None else cfg.async_decode
         if cfg.selection is not None and cfg.selection.active:
+            if self.adapter.state_layout().linear is not None:
+                raise ValueError(f"retrieval heads and decode KV budgets (selection) are not supported on "
+                                 f"{config.model_type}: its linear-attention layers keep no per-token K/V")
             self.selection = HeadSelection.for_engine(self, cfg.selection)
         if profile:
             pages, memory = profile_pages(self)
@@ -82,9 +94,12 @@ class Engine:
         """The pool of ``num_pages`` pages and everything over it: runner, caches, scheduler."""
         scheduler = getattr(self, "scheduler", None)
         self.pool = build_pool(self.adapter, self.head_config, num_pages, self.cfg.page_size, self.dtype, self.device,
-                               self.cfg.max_num_seqs + CHUNK_SLOTS, self.max_model_len, plans)
+                               self.cfg.max_num_seqs + (CHUNK_SLOTS if self.adapter.document_reuse else 0),
+                               self.max_model_len, plans,
+                               self.cfg.linear_state_snapshots if self.cfg.enable_prefix_caching else 0)
         self.runner = build_runner(self.adapter, self.pool, self.cfg)
-        self.prefix_cache = (PrefixCache(self.pool, self.fingerprint, self.kv_events)
+        prefix_cache = StatePrefixCache if self.pool.linear_state is not None else PrefixCache  # hybrid: + state
+        self.prefix_cache = (prefix_cache(self.pool, self.fingerprint, self.kv_events)
                              if self.cfg.enable_prefix_caching else None)
         self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes, self.kv_tiers,
                                       self.kv_events)
@@ -111,7 +126,10 @@ class Engine:
         spec = get_method(seq.method)
         # a request that starts from another instance's prefill lives under the plan its pages came in
         seq.plan = spec.plan if seq.kv_import is None else seq.kv_import.header.plan
-        seq.reuse = ReuseState(seq.chunked_prompt) if spec.reads_chunks and seq.kv_import is None else None
+        # a model that cannot take document K/V from elsewhere (hybrid linear attention) prefills the
+        # whole prompt in the pool under the method's plan: as after a preemption, nothing to place
+        seq.reuse = (ReuseState(seq.chunked_prompt, done=not self.adapter.document_reuse)
+                     if spec.reads_chunks and seq.kv_import is None else None)
 
     def prepare(self, seq: Sequence) -> None:
         """``prepare_plan`` and check it can ever run; raises before anything is queued. Documents
@@ -124,7 +142,7 @@ class Engine:
             packed = seq.reuse.prompt.packed(self.pool.page_size) if seq.reuse is not None else None
             if packed is None or packed is seq.reuse.prompt:
                 raise
-            seq.chunked_prompt, seq.reuse = packed, ReuseState(packed)
+            seq.chunked_prompt, seq.reuse = packed, ReuseState(packed, done=seq.reuse.done)
             self.scheduler.check_fits(seq)
         seq.prepared = True
 

@@ -33,6 +33,9 @@ class EngineConfig:
     max_recovery_rows: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # Hybrid linear-attention models: snapshots of the linear layers' state at cached prefixes' ends
+    # (each a whole sequence's state); 0 turns their prefix caching off
+    linear_state_snapshots: int = 16
     cuda_graphs: bool = True
     # Launch each decode-only step's next forward, fed by its samples on the device, before the
     # host reads them: the host's bookkeeping then overlaps the GPU's next step (a token a

@@ -8,6 +8,8 @@ engine's postprocess.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from ..reuse.flops import prefill_flops
@@ -48,11 +50,18 @@ class Executor:
             # spans placed requests recompute in place (epic: each chunk's first tokens) join the
             # batch after every request's own rows: each layer stores every row before any attends
             spans = [(s, a, m) for s, _ in items if s.reuse is not None for a, m in s.reuse.spans]
-            logits = self.runner.forward(plan, [s.seq_id for s, _ in items] + [s.seq_id for s, _, _ in spans],
-                                         [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items]
-                                         + [s.token_ids[a:a + m] for s, a, m in spans],
-                                         [s.num_computed for s, _ in items] + [a for _, a, _ in spans],
-                                         record, captured)[:len(items)]
+            # a hybrid's prefix cache: the linear state at page boundaries the prompt chunks cross
+            snapshots = getattr(self.prefix_cache, "snapshot_requests", None)
+            extras, pending = snapshots(plan, items, len(spans)) if snapshots is not None else (None, [])
+            try:
+                logits = self.runner.forward(plan, [s.seq_id for s, _ in items] + [s.seq_id for s, _, _ in spans],
+                                             [s.token_ids[s.num_computed:s.num_computed + n] for s, n in items]
+                                             + [s.token_ids[a:a + m] for s, a, m in spans],
+                                             [s.num_computed for s, _ in items] + [a for _, a, _ in spans],
+                                             record, captured, extras)[:len(items)]
+            finally:
+                if pending:
+                    self.prefix_cache.commit(pending, ok=sys.exc_info()[0] is None)
             for s, _, _ in spans:
                 s.reuse.spans = []
         done = []

@@ -19,7 +19,8 @@ def profile_pages(engine) -> tuple[int, dict]:
     cfg, dev, pool = engine.cfg, engine.device, engine.pool
     tokens = max(cfg.max_num_batched_tokens, cfg.recovery_rows)
     n_max = engine.max_model_len
-    lens = [n for n in [n_max] * (tokens // n_max) + [tokens % n_max] if n][:cfg.max_num_seqs + 32]
+    slots = pool.device_tables.shape[1] - 1  # the sequences the pool can hold at once
+    lens = [n for n in [n_max] * (tokens // n_max) + [tokens % n_max] if n][:slots]
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)

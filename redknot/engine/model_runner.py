@@ -87,12 +87,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: str, seq_ids: list[int], token_ids: list[list[int]] | torch.Tensor,
                 starts: list[int], capture_rows: torch.Tensor | None = None,
-                captured: list | None = None) -> torch.Tensor:
+                captured: list | None = None, extras: dict | None = None) -> torch.Tensor:
         """Compute sequences' next tokens: ``token_ids[b]`` at positions ``starts[b]...``; their
         pages must already be ensured. ``token_ids`` may also be one token per sequence as a
         device tensor [B] (a decode step fed by the previous step's samples, not yet seen by the
         host). ``capture_rows``: packed rows whose queries each layer writes into ``captured[layer]``
-        (head selection). Returns float32 logits [B, V] of each sequence's last token."""
+        (head selection). ``extras``: model-specific batch metadata (a hybrid's state snapshots;
+        never on a decode-only step). Returns float32 logits [B, V] of each sequence's last token."""
         on_device = isinstance(token_ids, torch.Tensor)
         q_lens = [1] * len(seq_ids) if on_device else [len(t) for t in token_ids]
         seq_lens = [s + n for s, n in zip(starts, q_lens)]
@@ -121,6 +122,8 @@ class ModelRunner:
         batch = self._batch(plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages)
         if capture_rows is not None:
             batch.capture_rows, batch.captured = capture_rows, captured
+        if extras:
+            batch.extras.update(extras)
         self.attn.init_batch(batch)
         hidden = self.adapter.execute(ids, positions, batch)
         return self.adapter.logits(hidden[cu[1:].long() - 1])
@@ -158,7 +161,8 @@ class ModelRunner:
         mode = ForwardMode.EXTEND if max(q_lens) > 1 else ForwardMode.DECODE
         return ForwardBatch(mode, seq_ids=list(seq_ids), q_lens=list(q_lens), seq_lens=list(seq_lens),
                             max_q_len=max(q_lens), cu_seqlens_q=cu, seq_lens_t=seq_lens_t, positions=positions,
-                            block_tables=tables, window=window, sink=sink, sel_pos=sel_pos, sel_lens=sel_lens)
+                            block_tables=tables, window=window, sink=sink, sel_pos=sel_pos, sel_lens=sel_lens,
+                            state_slots=slots_t)
 
     # ------------------------------------------------------------------ CUDA graphs
 

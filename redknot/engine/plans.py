@@ -12,14 +12,16 @@ from __future__ import annotations
 import torch
 
 from ..cache import PagePool
+from ..cache.linear_state import LinearStatePool
 from ..models.adapter import ModelAdapter
 from .model_runner import ModelRunner
 
 
 def build_pool(adapter: ModelAdapter, head_config, num_pages: int, page_size: int, dtype, device, slots: int,
-               max_len: int, plans: dict | None = None) -> PagePool:
+               max_len: int, plans: dict | None = None, state_snapshots: int = 0) -> PagePool:
     """A pool of ``num_pages`` pages of the adapter's state layout under ``plans`` (default: the
-    base plans it sees) with device tables for ``slots`` sequences of up to ``max_len`` tokens."""
+    base plans it sees) with device tables for ``slots`` sequences of up to ``max_len`` tokens
+    (and a hybrid's linear state for each, with ``state_snapshots`` snapshot rows)."""
     layout = adapter.state_layout()
     if layout.kind != "kv_pages":
         raise ValueError(f"the page pool holds K/V pages; this model stores {layout.kind!r}")
@@ -30,6 +32,9 @@ def build_pool(adapter: ModelAdapter, head_config, num_pages: int, page_size: in
         if name != "default":
             pool.add_plan(name, window, sink)
     pool.attach_device_tables(slots, max_len)
+    if layout.linear is not None:  # a hybrid's linear layers: a state per sequence slot (slot 0: padding)
+        pool.linear_state = LinearStatePool(layout.linear_layers, layout.linear, slots + 1, dtype, device,
+                                            num_snapshots=state_snapshots)
     return pool
 
 

@@ -21,16 +21,20 @@ from dataclasses import dataclass
 import torch
 
 from ..config import HeadConfig
-from .config import ModelConfig
+from .config import LinearAttentionConfig, ModelConfig
 
 
 @dataclass(frozen=True)
 class StateLayout:
     """What a prefill stores per (layer, KV head) (BUILDSTATE)."""
     kind: str  # "kv_pages": one K and one V row of head_dim per token
-    num_layers: int
+    num_layers: int  # layers with K/V pages (a hybrid's full-attention layers only)
     num_kv_heads: int
     head_dim: int
+    # a hybrid model's linear-attention layers: a fixed-size state per sequence and layer beside the
+    # pages (``cache/linear_state.py``)
+    linear_layers: int = 0
+    linear: LinearAttentionConfig | None = None
 
 
 class ModelAdapter:
@@ -38,6 +42,11 @@ class ModelAdapter:
 
     config: ModelConfig
     model: torch.nn.Module
+    # Whether a prompt's K/V can come from elsewhere: cached document chunks placed or recovered
+    # (``document_reuse``), a cached prompt prefix (``prefix_caching``). A model whose layers also
+    # carry a recurrent state over the prompt (hybrid linear attention) says no to both.
+    document_reuse: bool = True
+    prefix_caching: bool = True
 
     # ---- PROFILE
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss")
+# linear-attention (Gated DeltaNet) layers beside gated full-attention layers, with MoE FFNs
+HYBRID_MODEL_TYPES = ("qwen3_next",)
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")  # multi-head latent attention, DeepSeek's MoE
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + MLA_MODEL_TYPES
+SUPPORTED_MODEL_TYPES = (("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + MLA_MODEL_TYPES
+                         + HYBRID_MODEL_TYPES)
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -81,6 +85,35 @@ class MoEConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers of a hybrid model (Qwen3-Next): q/k heads of ``key_head_dim``,
+    value heads of ``value_head_dim`` (a multiple of the key heads: each k head serves a group), and
+    the depthwise causal convolution of width ``conv_kernel`` over the q/k/v channels."""
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def state_elements(self) -> tuple[int, int]:
+        """(conv state, recurrent state) elements one sequence holds per linear layer."""
+        return self.conv_dim * (self.conv_kernel - 1), self.num_value_heads * self.key_head_dim * self.value_head_dim
+
+
+@dataclass
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2/V3): queries through an optional low-rank
     projection; keys and values of every head expanded from one normed latent of ``kv_lora_rank``
@@ -138,6 +171,13 @@ class ModelConfig:
     # Attention scores scale by query_pre_attn_scalar**-0.5 (None: head_dim**-0.5)
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # Hybrid models: each layer's token mixer ("linear_attention" or "full_attention"; empty: every
+    # layer full attention), the linear layers' shape, the full layers' sigmoid output gate, and
+    # norms that scale by (1 + weight) (Qwen3-Next's zero-centred RMSNorm)
+    layer_types: list[str] = field(default_factory=list)
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+    norm_offset: bool = False
 
     @property
     def num_kv_groups(self) -> int:
@@ -146,6 +186,18 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(layer)
 
+    def is_linear_layer(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers with softmax attention over K/V pages (every layer but a hybrid's linear ones)."""
+        return [i for i in range(self.num_hidden_layers) if not self.is_linear_layer(i)]
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.linear is not None
+
     def attention_flops(self) -> tuple[int, int]:
         """FLOPs of attention: (per row through the projections, per visible (query, key) pair and
         query head). MLA as transformers computes it (and a GPU prefill does): each row's latent
@@ -153,7 +205,8 @@ class ModelConfig:
         h, hq = self.hidden_size, self.num_attention_heads
         if self.mla is None:
             d = self.head_dim
-            return 2 * h * d * (2 * hq + 2 * self.num_key_value_heads), 4 * d
+            gate = hq if self.attn_output_gate else 0  # a hybrid's full layers: q_proj also gives the gate
+            return 2 * h * d * (2 * hq + gate + 2 * self.num_key_value_heads), 4 * d
         m = self.mla
         q = h * hq * m.qk_head_dim if m.q_lora_rank is None else m.q_lora_rank * (h + hq * m.qk_head_dim)
         expand = hq * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
@@ -265,7 +318,7 @@ class ModelConfig:
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=bool(raw.get("mlp_bias", False)) and model_type != "deepseek_v3",
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "olmoe", "qwen3_next"),
             qk_norm_per_head=model_type != "olmoe",
             clip_qkv=float(clip) if clip is not None else None,
             moe=_parse_moe(raw, model_type, n_layers),
@@ -276,6 +329,7 @@ class ModelConfig:
             eos_token_ids=_as_int_list(eos) if eos is not None else [],
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            **_parse_hybrid(raw, model_type, n_layers),
         )
 
 
@@ -415,16 +469,17 @@ def _parse_moe(raw: dict, model_type: str, n_layers: int) -> MoEConfig | None:
     layer, ``num_local_experts`` of ``intermediate_size``, always renormalised) and olmoe (every
     layer, ``num_experts`` of ``intermediate_size``), gpt_oss (every layer, ``num_local_experts`` of
     ``intermediate_size`` with biases, a biased router whose top k logits are softmaxed, the clamped
-    SwiGLU of ``swiglu_limit``); DeepSeek's in ``_parse_deepseek_moe``."""
+    SwiGLU of ``swiglu_limit``); DeepSeek's in ``_parse_deepseek_moe``; qwen3_next as qwen2_moe (a
+    shared expert)."""
     if model_type in MLA_MODEL_TYPES:
         return _parse_deepseek_moe(raw, model_type, n_layers)
-    if model_type not in MOE_MODEL_TYPES:
+    if model_type not in MOE_MODEL_TYPES + HYBRID_MODEL_TYPES:
         return None
     if model_type == "gpt_oss":
         return _parse_gpt_oss_moe(raw, n_layers)
     expert_key = "num_experts" if "num_experts" in raw else "num_local_experts"
     n_experts = raw.get(expert_key)
-    if model_type in ("qwen3_moe", "qwen2_moe"):
+    if model_type in ("qwen3_moe", "qwen2_moe", "qwen3_next"):
         if not isinstance(n_experts, int) or n_experts < 0:
             raise UnsupportedModelError(f"config.json: {expert_key} must be a non-negative integer, got {n_experts!r}")
         step = _positive_int(raw, "decoder_sparse_step", 1)
@@ -443,13 +498,47 @@ def _parse_moe(raw: dict, model_type: str, n_layers: int) -> MoEConfig | None:
     if top_k > n_experts:
         raise UnsupportedModelError(f"config.json: num_experts_per_tok={top_k} exceeds {expert_key}={n_experts}")
     shared = 0
-    if model_type == "qwen2_moe":
+    if model_type in ("qwen2_moe", "qwen3_next"):
         shared = _positive_int(raw, "shared_expert_intermediate_size")
     norm = True if model_type == "mixtral" else raw.get("norm_topk_prob", False)
     if not isinstance(norm, bool):
         raise UnsupportedModelError(f"config.json: norm_topk_prob must be true or false, got {norm!r}")
     return MoEConfig(num_experts=n_experts, top_k=top_k, intermediate_size=size, layers=layers,
                      norm_topk_prob=norm, shared_expert_intermediate_size=shared)
+
+
+def _parse_hybrid(raw: dict, model_type: str, n_layers: int) -> dict:
+    """Qwen3-Next's layer types (``layer_types``, else transformers' default: every
+    ``full_attention_interval``-th layer full), its Gated DeltaNet shape (``linear_*``), the output
+    gate of its full layers and its (1 + weight) norms; nothing for other families."""
+    if model_type not in HYBRID_MODEL_TYPES:
+        return {}
+    types = raw.get("layer_types")
+    if types is None:
+        interval = _positive_int(raw, "full_attention_interval", 4)
+        types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise UnsupportedModelError(f"config.json: layer_types must list {n_layers} layer types, got {types!r}")
+    bad = sorted({t for t in types if t not in (LINEAR_ATTENTION, FULL_ATTENTION)})
+    if bad:
+        raise UnsupportedModelError(f"config.json: layer_types holds {bad}; supported: {LINEAR_ATTENTION!r}, "
+                                    f"{FULL_ATTENTION!r}")
+    if FULL_ATTENTION not in types:
+        raise UnsupportedModelError("config.json: layer_types has no full_attention layer (a model of linear "
+                                    "layers only is not supported)")
+    linear = LinearAttentionConfig(
+        num_key_heads=_positive_int(raw, "linear_num_key_heads", 16),
+        num_value_heads=_positive_int(raw, "linear_num_value_heads", 32),
+        key_head_dim=_positive_int(raw, "linear_key_head_dim", 128),
+        value_head_dim=_positive_int(raw, "linear_value_head_dim", 128),
+        conv_kernel=_positive_int(raw, "linear_conv_kernel_dim", 4))
+    if linear.num_value_heads % linear.num_key_heads:
+        raise UnsupportedModelError(
+            f"config.json: linear_num_value_heads={linear.num_value_heads} is not a multiple of "
+            f"linear_num_key_heads={linear.num_key_heads}")
+    if linear.conv_kernel < 2:
+        raise UnsupportedModelError(f"config.json: linear_conv_kernel_dim={linear.conv_kernel} must be at least 2")
+    return {"layer_types": list(types), "linear": linear, "attn_output_gate": True, "norm_offset": True}
 
 
 def _parse_mla(raw: dict, model_type: str, n_heads: int, n_kv: int) -> MLAConfig | None:

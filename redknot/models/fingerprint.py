@@ -24,7 +24,9 @@ def model_fingerprint(model, cfg: ModelConfig, tokenizer=None) -> str:
         vocab = tokenizer.get_vocab()
         h.update(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode())
     weights = [model.model.embed_tokens.weight, model.lm_head.weight]
-    weights += [getattr(layer.self_attn, "k_proj", None) or layer.self_attn.kv_a_proj_with_mqa
+    # each layer's key projection (MLA: its latent projection; a hybrid's linear layers: q/k/v/z)
+    weights += [layer.linear_attn.in_proj_qkvz if hasattr(layer, "linear_attn")
+                else getattr(layer.self_attn, "k_proj", None) or layer.self_attn.kv_a_proj_with_mqa
                 for layer in model.model.layers]
     weights = [getattr(w, "weight", w) for w in weights]
     for w in weights:

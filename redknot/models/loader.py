@@ -16,6 +16,9 @@ from .rope import RotaryEmbedding
 
 # Buffers some checkpoints carry that our forward recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Weights of parts no forward here runs: Qwen3-Next's multi-token-prediction head (transformers
+# skips it too).
+_IGNORED_PREFIXES = ("mtp.",)
 # Layers past num_hidden_layers: DeepSeek-V3's multi-token-prediction modules (transformers skips them too).
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # One expert's projection in a checkpoint (Mixtral names them w1 = gate, w3 = up, w2 = down).
@@ -134,7 +137,8 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if key.endswith(_IGNORED_SUFFIXES) or (cfg.tie_word_embeddings and key == "lm_head.weight"):
+                if (key.endswith(_IGNORED_SUFFIXES) or key.startswith(_IGNORED_PREFIXES)
+                        or (cfg.tie_word_embeddings and key == "lm_head.weight")):
                     continue
                 layer = _LAYER.match(key) if cfg.model_type == "deepseek_v3" else None
                 if layer is not None and int(layer.group(1)) >= cfg.num_hidden_layers:

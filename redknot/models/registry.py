@@ -11,6 +11,7 @@ from .config import ModelConfig, UnsupportedModelError
 from .deepseek import DeepseekForCausalLM, MLAAdapter
 from .gemma3 import Gemma3Adapter, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM
+from .qwen3_next import HybridAdapter, Qwen3NextForCausalLM
 
 ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "llama": (LlamaForCausalLM, LlamaAdapter),
@@ -22,6 +23,8 @@ ARCHITECTURES: dict[str, tuple[type, type[ModelAdapter]]] = {
     "qwen2_moe": (LlamaForCausalLM, LlamaAdapter),
     "mixtral": (LlamaForCausalLM, LlamaAdapter),
     "olmoe": (LlamaForCausalLM, LlamaAdapter),
+    # hybrid: Gated DeltaNet linear-attention layers beside gated full-attention layers, MoE FFNs
+    "qwen3_next": (Qwen3NextForCausalLM, HybridAdapter),
     "gemma3_text": (Gemma3ForCausalLM, Gemma3Adapter),
     # gpt-oss: the same decoder with attention sinks, biased projections and its own MoE options
     "gpt_oss": (LlamaForCausalLM, LlamaAdapter),

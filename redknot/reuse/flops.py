@@ -21,11 +21,28 @@ class FlopReport:
     tokens: list[int] = field(default_factory=list)  # tokens through the layer's projections
     ffn_tokens: list[int] = field(default_factory=list)
     lm_head: int = 0
+    # hybrid models: the linear-attention heads (layers x value heads) that ran over every prompt row
+    # (the "all heads recompute" rule: none starts from a reused state)
+    linear_heads_recomputed: int = 0
 
     def add_layer(self, cfg: ModelConfig, n_tokens: int, pairs: int, n_ffn: int) -> None:
         per_row, per_pair = cfg.attention_flops()  # projections; q·k and p·v
         self.proj.append(n_tokens * per_row)
         self.attention.append(per_pair * pairs)
+        self._add_ffn(cfg, n_tokens, n_ffn)
+
+    def add_linear_layer(self, cfg: ModelConfig, n_tokens: int, n_ffn: int) -> None:
+        """A Gated DeltaNet layer over ``n_tokens`` rows: its projections (q/k/v/z, beta/decay, out),
+        the short convolution, and the recurrence (per value head and token: decay, read, rank-1
+        write, output, four Dk x Dv multiply-adds)."""
+        lc, h = cfg.linear, cfg.hidden_size
+        self.proj.append(2 * n_tokens * h * (2 * lc.key_dim + 3 * lc.value_dim + 2 * lc.num_value_heads))
+        recurrence = 8 * lc.num_value_heads * lc.key_head_dim * lc.value_head_dim
+        self.attention.append(n_tokens * (2 * lc.conv_dim * lc.conv_kernel + recurrence))
+        self.linear_heads_recomputed += lc.num_value_heads if n_tokens else 0
+        self._add_ffn(cfg, n_tokens, n_ffn)
+
+    def _add_ffn(self, cfg: ModelConfig, n_tokens: int, n_ffn: int) -> None:
         sparse, every = cfg.ffn_flops_per_row(len(self.ffn))  # MoE: routed experts, shared expert
         self.ffn.append(n_ffn * sparse + n_tokens * every)
         self.tokens.append(n_tokens)
@@ -38,6 +55,8 @@ class FlopReport:
         out = {"proj": sum(self.proj), "attention": sum(self.attention), "ffn": sum(self.ffn),
                "lm_head": self.lm_head}
         out["total"] = sum(out.values())
+        if self.linear_heads_recomputed:
+            out["linear_heads_recomputed"] = self.linear_heads_recomputed
         return out
 
     def merge(self, other: "FlopReport") -> "FlopReport":
@@ -54,15 +73,20 @@ class FlopReport:
 
 def prefill_flops(cfg: ModelConfig, positions, window, sink) -> dict:
     """Totals of a prefill that computed ``positions`` (every layer, every row through the FFN)
-    under a plan's ``window``/``sink`` [L, Hkv]."""
+    under a plan's ``window``/``sink`` [L, Hkv] (a hybrid's: one row per full-attention layer)."""
     import torch
 
     window, sink = torch.as_tensor(window), torch.as_tensor(sink)
     q_pos = torch.as_tensor(positions, dtype=torch.int64)
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     report = FlopReport()
+    kv_layer = 0
     for layer in range(cfg.num_hidden_layers):
-        pairs = visible_pairs(q_pos, window[layer], sink[layer], group)
+        if cfg.is_linear_layer(layer):
+            report.add_linear_layer(cfg, q_pos.numel(), q_pos.numel())
+            continue
+        pairs = visible_pairs(q_pos, window[kv_layer], sink[kv_layer], group)
         report.add_layer(cfg, q_pos.numel(), pairs, q_pos.numel())
+        kv_layer += 1
     report.add_lm_head(cfg)
     return report.totals()
