@@ -21,6 +21,7 @@ class FlopReport:
     tokens: list[int] = field(default_factory=list)  # tokens through the layer's projections
     ffn_tokens: list[int] = field(default_factory=list)
     lm_head: int = 0
+    scoring: int = 0  # attention masses a policy reads (the observed queries' q·k over every key)
 
     def add_layer(self, cfg: ModelConfig, n_tokens: int, pairs: int, n_ffn: int) -> None:
         per_row, per_pair = cfg.attention_flops()  # projections; q·k and p·v
@@ -31,12 +32,17 @@ class FlopReport:
         self.tokens.append(n_tokens)
         self.ffn_tokens.append(n_ffn)
 
+    def add_scoring(self, cfg: ModelConfig, n_queries: int, n_keys: int) -> None:
+        """A policy's ranking pass: ``n_queries`` queries' scores over ``n_keys`` keys, every query
+        head, computed again to read their softmax (the attention itself does not return it)."""
+        self.scoring += 2 * n_queries * n_keys * cfg.num_attention_heads * cfg.head_dim
+
     def add_lm_head(self, cfg: ModelConfig, rows: int = 1) -> None:
         self.lm_head += 2 * rows * cfg.hidden_size * cfg.vocab_size
 
     def totals(self) -> dict:
         out = {"proj": sum(self.proj), "attention": sum(self.attention), "ffn": sum(self.ffn),
-               "lm_head": self.lm_head}
+               "lm_head": self.lm_head, "scoring": self.scoring}
         out["total"] = sum(out.values())
         return out
 
@@ -49,7 +55,7 @@ class FlopReport:
                           [a + b for a, b in zip(self.ffn, other.ffn)],
                           [a + b for a, b in zip(self.tokens, other.tokens)],
                           [a + b for a, b in zip(self.ffn_tokens, other.ffn_tokens)],
-                          self.lm_head + other.lm_head)
+                          self.lm_head + other.lm_head, self.scoring + other.scoring)
 
 
 def prefill_flops(cfg: ModelConfig, positions, window, sink) -> dict:
