@@ -17,7 +17,7 @@ class ReuseOptions:
     # qrecompute: the share of chunk tokens recomputed through every layer, chosen by the attention the
     # question's last ``observation_tokens`` give them at ``qrecompute_layer`` (every token runs up to it)
     qrecompute_ratio: float = 0.3
-    qrecompute_layer: int = 1
+    qrecompute_layer: int = 2  # first-token KL on 4 HotpotQA records (SmolLM2): layer 2 best per FLOP
     qrecompute_start_tokens: int = 16  # each chunk's first tokens rank first among the recomputed ones
     # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
     # and KV head, measured on the recomputed tokens of that chunk (qrecompute only; off by default)
