@@ -249,6 +249,25 @@ def _aggregate(rows: list[dict]) -> dict:
     return summary
 
 
+BASELINE = "full_reuse"  # the low end of normalised recovery
+RECOVERED = ("answer_f1", "f1")  # the scores normalised recovery is reported for
+
+
+def add_recovery(methods: dict) -> dict:
+    """Normalised recovery of each method (its summary gains ``answer_f1_recovery`` and
+    ``f1_recovery``): (score(method) - score(full_reuse)) / (score(dense) - score(full_reuse)),
+    1 where a method keeps all dense keeps over plain reuse, 0 where it adds nothing; None without a
+    full_reuse row or where dense and full_reuse score alike."""
+    dense, low = methods.get(REFERENCE), methods.get(BASELINE)
+    for s in methods.values():
+        for key in RECOVERED:
+            top = None if dense is None or low is None else dense.get(key)
+            bottom = None if low is None else low.get(key)
+            gap = None if top is None or bottom is None else top - bottom
+            s[f"{key}_recovery"] = (None if not gap or s.get(key) is None else (s[key] - bottom) / gap)
+    return methods
+
+
 def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, progress: bool = True,
              on_record=None, template: str | None = None, previous: list[dict] | None = None,
              decode_kv_window: int = 128) -> dict:
@@ -290,10 +309,10 @@ def evaluate(llm, records: list[dict], methods: list[str], max_tokens: int, prog
                 raise ValueError(f"record {rec['id']!r}: {e}") from e
             per_record.append(entry)
             if on_record is not None:
-                on_record({"methods": {m: _aggregate(rows[m]) for m in methods}, "records": per_record})
+                on_record({"methods": add_recovery({m: _aggregate(rows[m]) for m in methods}), "records": per_record})
     finally:
         bar.close()
-    return {"methods": {m: _aggregate(rows[m]) for m in methods}, "records": per_record}
+    return {"methods": add_recovery({m: _aggregate(rows[m]) for m in methods}), "records": per_record}
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -370,7 +389,7 @@ def rescore(results_path: str | Path, records: list[dict]) -> dict:
         for m, row in entry["predictions"].items():
             row.update(answer_scores(row["text"], rec, ref))
             rows[m].append({**row, "type": entry["type"]})
-    result["methods"] = {m: _aggregate(rows[m]) for m in methods if rows[m]}
+    result["methods"] = add_recovery({m: _aggregate(rows[m]) for m in methods if rows[m]})
     return result
 
 
@@ -495,8 +514,9 @@ def _resumable(path: Path, args, methods: list[str]) -> list[dict]:
 
 
 def format_table(result: dict) -> str:
-    """One row per method: EM/F1 vs gold, F1 ÷ dense, answer EM/F1 vs dense, first-token top-1/top-10/
-    KL/cos, cached tokens, FLOPs share, EM per type."""
+    """One row per method: EM/F1 vs gold, F1 ÷ dense, answer EM/F1 vs dense, normalised recovery of
+    answer F1 and gold F1 (``add_recovery``), first-token top-1/top-10/KL/cos, cached tokens, FLOPs
+    share, EM per type."""
     methods = result["methods"]
     types = sorted({t for s in methods.values() for t in s["by_type"]})
     dense_f1 = (methods.get(REFERENCE) or {}).get("f1")
@@ -506,7 +526,7 @@ def format_table(result: dict) -> str:
 
     width = max([6] + [len(m) for m in methods])
     head = (f"{'method':<{width}}  {'EM':>5}  {'F1':>5}  {'F1/d':>5}  {'aEM':>5}  {'aF1':>5}  {'top1':>5}  "
-            f"{'top10':>5}  {'KL':>6}  {'cos':>7}  {'cached':>7}  {'flops':>5}"
+            f"{'aF1rc':>5}  {'F1rc':>5}  {'top10':>5}  {'KL':>6}  {'cos':>7}  {'cached':>7}  {'flops':>5}"
             + "".join(f"  {('EM:' + t)[:12]:>12}" for t in types))
     lines = [f"quality on {result.get('n_records_done', result.get('n_records', '?'))} records vs {REFERENCE} | "
              f"model {result.get('model', '?')}", head, "-" * len(head)]
@@ -514,6 +534,7 @@ def format_table(result: dict) -> str:
         ratio = s["f1"] / dense_f1 if dense_f1 else None
         lines.append(f"{m:<{width}}  {num(s['em']):>5}  {num(s['f1']):>5}  {num(ratio, '{:.2f}'):>5}  "
                      f"{num(s.get('answer_em')):>5}  {num(s.get('answer_f1')):>5}  {num(s['top1_agreement']):>5}  "
+                     f"{num(s.get('answer_f1_recovery'), '{:.2f}'):>5}  {num(s.get('f1_recovery'), '{:.2f}'):>5}  "
                      f"{num(s['top10_overlap']):>5}  {num(s.get('kl'), '{:.4f}'):>6}  "
                      f"{num(s['logit_cos'], '{:.5f}'):>7}  "
                      f"{num(s['cached_tokens'], '{:.1f}'):>7}  {num(s['flops_fraction'], '{:.2f}'):>5}" +

@@ -8,7 +8,7 @@ labels a head-plan method with its plan and the run's other settings (``redknot_
 per label, and writes:
 
 - a markdown table: EM / F1 against gold, F1 ÷ dense, answer EM / F1 against dense's answer,
-  first-token top-1 / top-10 / KL against dense, prefill FLOPs ÷ dense;
+  their normalised recovery ((method − full_reuse) ÷ (dense − full_reuse); with a full_reuse run), first-token top-1 / top-10 / KL against dense, prefill FLOPs ÷ dense;
 - a PNG (``--plot``): prefill FLOPs ÷ dense against first-token top-1 agreement and against answer F1
   vs dense, one point per method and budget (methods without a FLOPs count, headsparse, are left
   out of it).
@@ -21,7 +21,7 @@ import gzip
 import json
 from pathlib import Path
 
-from .quality import NEEDS_HEAD_CONFIG, REFERENCE, _aggregate, split_variant
+from .quality import BASELINE, NEEDS_HEAD_CONFIG, RECOVERED, REFERENCE, _aggregate, split_variant
 
 
 def _plan_name(result: dict, path: Path, labels: dict[str, str]) -> str:
@@ -71,8 +71,12 @@ def merge(paths: list[Path], labels: dict[str, str] | None = None) -> dict:
             rows.append({"label": label, "method": base, "plan": plan if base in NEEDS_HEAD_CONFIG else None,
                          "knobs": knobs, "source": str(p), **_aggregate(per)})
     dense = next(x for x in rows if x["method"] == REFERENCE)
+    low = next((x for x in rows if x["label"] == BASELINE), None)
     for x in rows:
         x["f1_ratio"] = x["f1"] / dense["f1"] if dense["f1"] else None
+        for key in RECOVERED:  # normalised recovery (quality.add_recovery), over the common records
+            gap = None if low is None else dense[key] - low[key]
+            x[f"{key}_recovery"] = (x[key] - low[key]) / gap if gap else None
     return {"n_records": len(common), "rows": rows, "sources": [str(p) for p, _ in results],
             "model": results[0][1].get("model"), "data": results[0][1].get("data")}
 
@@ -81,12 +85,13 @@ def markdown(report: dict) -> str:
     def num(x, fmt="{:.3f}"):
         return "–" if x is None else fmt.format(x)
 
-    lines = ["| method | EM | F1 | F1 ÷ dense | answer EM vs dense | answer F1 vs dense | top-1 = dense | "
-             "top-10 overlap | KL(dense‖method) | prefill FLOPs ÷ dense |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | EM | F1 | F1 ÷ dense | answer EM vs dense | answer F1 vs dense | answer F1 recovery | "
+             "F1 recovery | top-1 = dense | top-10 overlap | KL(dense‖method) | prefill FLOPs ÷ dense |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in report["rows"]:
         lines.append(f"| {x['label']} | {num(x['em'])} | {num(x['f1'])} | {num(x['f1_ratio'], '{:.2f}')} | "
-                     f"{num(x['answer_em'])} | {num(x['answer_f1'])} | {num(x['top1_agreement'])} | "
+                     f"{num(x['answer_em'])} | {num(x['answer_f1'])} | {num(x.get('answer_f1_recovery'), '{:.2f}')} | "
+                     f"{num(x.get('f1_recovery'), '{:.2f}')} | {num(x['top1_agreement'])} | "
                      f"{num(x['top10_overlap'])} | {num(x['kl'], '{:.4f}')} | {num(x['flops_fraction'], '{:.2f}')} |")
     return "\n".join(lines)
 

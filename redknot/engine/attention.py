@@ -64,7 +64,7 @@ class PagedAttention:
         the row plan observes the cached values before the store and the attention after it."""
         pool, bt = self.pool, ctx.block_tables[layer]
         q_pos = ctx.positions
-        rows.before_store(layer, v, bt, pool.v_pages)
+        rows.before_store(layer, v, bt, pool.v_pages, k=k, k_pages=pool.k_pages)
         self._store(k, v, pool.k_pages, pool.v_pages, bt, ctx.cu_seqlens_q, ctx.seq_lens_t, q_pos=q_pos)
         groups = rows.split(layer)
         if groups is None:

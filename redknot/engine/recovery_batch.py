@@ -1,6 +1,6 @@
 """The reuse recovery as a per-layer row policy inside the model's own batched forward.
 
-A recovery method (cacheblend, redknot, redknot_paper, redknot_exact) computes, at each layer, only
+A recovery method (cacheblend, qrecompute, redknot, redknot_paper, redknot_exact) computes, at each layer, only
 some positions of each prompt; the others keep the relocated chunk K/V already copied into the
 request's pages. ``RecoveryRows`` drives one packed forward over several such requests: each
 request's ``Policy`` (``redknot.reuse.methods``) decides its rows per layer exactly as in the
@@ -21,6 +21,7 @@ import torch
 
 from ..forward_batch import ForwardBatch
 from ..models.config import ModelConfig
+from ..reuse.correction import correct_layer
 from ..reuse.flops import FlopReport
 from ..reuse.policies import RedKnot
 from ..reuse.recovery import Policy, cross_chunk_mass, observation_mass, observation_mass_batched
@@ -121,11 +122,20 @@ class RecoveryRows:
 
     # ---------------------------------------------------------------- called by the attention backend
 
-    def before_store(self, layer: int, v: torch.Tensor, block_tables: torch.Tensor, v_pages: torch.Tensor) -> None:
+    def before_store(self, layer: int, v: torch.Tensor, block_tables: torch.Tensor, v_pages: torch.Tensor,
+                     k: torch.Tensor | None = None, k_pages: torch.Tensor | None = None) -> None:
         """Value deviation of each recomputed row from its cached version (CacheBlend's score),
-        for the policies that read it at this layer; the cached version is still in the pages."""
+        for the policies that read it at this layer; the cached version is still in the pages.
+        KV correction (``Policy.kv_correction``, needs ``k`` and ``k_pages``): the cached K/V of
+        the chunk tokens left out move by their chunk's offset, measured here."""
         for b, (r, o) in enumerate(zip(self.requests, self._offsets())):
             r.info = {}
+            corr = r.policy.kv_correction(layer, r.cur)
+            if corr is not None:
+                if k is None:
+                    raise ValueError("kv_correction needs the keys of the layer (not on this attention path)")
+                _correct_pages(r, corr, k[o:o + r.cur.numel()], v[o:o + r.cur.numel()], block_tables[b],
+                               k_pages, v_pages)
             if not r.policy.needs_deviation(layer):
                 continue
             old = _gather(v_pages, block_tables[b], r.cur)
@@ -179,6 +189,7 @@ class RecoveryRows:
                 if n_obs:
                     r.info["mass"] = observation_mass(qb[-n_obs:], r.cur[-n_obs:], keys, w, s, self.scale,
                                                       sink_logits)
+                    r.flops.add_scoring(self.cfg, n_obs, r.n)
             if chunk_id is not None:
                 r.info["cross"] = cross_chunk_mass(qb, r.cur, keys, window, sink, self.scale, chunk_id.to(self.device),
                                                    sink_logits)
@@ -219,6 +230,7 @@ class RecoveryRows:
                                             window, sink, self.scale, sink_logits)
             for k, i in enumerate(group):
                 self.requests[i].info["mass"] = mass[k, :self.requests[i].n]
+                self.requests[i].flops.add_scoring(self.cfg, n_obs[i], self.requests[i].n)
 
     # ---------------------------------------------------------------- called by the decoder layers
 
@@ -337,6 +349,33 @@ class RecoveryRows:
             r.layers = []
             r.flops.add_lm_head(self.cfg)
         return [r.flops for r in self.requests]
+
+
+def _correct_pages(r: _Request, corr, k, v, table, k_pages, v_pages) -> None:
+    """``reuse.correction`` on one request's pages: its recomputed rows ``k``/``v`` against the
+    cached ones still in the pages, the left-out chunk tokens' pages rewritten."""
+    chunk_id, probe, rotate = corr
+    chunk_id = chunk_id.to(r.cur.device)
+    rest = r.cached & (chunk_id >= 0)
+    rest[r.cur] = False
+    rest = rest.nonzero().flatten()
+    if rest.numel() == 0 or not bool(probe.any()):
+        return
+    old_k, old_v = _gather(k_pages, table, r.cur), _gather(v_pages, table, r.cur)
+    new_k, new_v = correct_layer(k, v, old_k, old_v, r.cur, probe.to(r.cur.device), rest, chunk_id,
+                                 lambda p: (_gather(k_pages, table, p), _gather(v_pages, table, p)), rotate)
+    _scatter(k_pages, table, rest, new_k)
+    _scatter(v_pages, table, rest, new_v)
+
+
+def _scatter(pages: torch.Tensor, table: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:
+    """Write ``x`` [len(pos), Hkv, D] into one layer's pages at positions ``pos`` (``_gather``'s
+    inverse); positions a head keeps no page for are skipped."""
+    ps = pages.shape[1]
+    phys = table[:, pos // ps].long()  # [Hkv, n]
+    slot = (pos % ps)[None, :].expand_as(phys)
+    ok = phys >= 0
+    pages[phys[ok], slot[ok]] = x.transpose(0, 1)[ok].to(pages.dtype)
 
 
 def _gather_batched(pages: torch.Tensor, tables: torch.Tensor, n: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ class FlopReport:
     # hybrid models: the linear-attention heads (layers x value heads) that ran over every prompt row
     # (the "all heads recompute" rule: none starts from a reused state)
     linear_heads_recomputed: int = 0
+    scoring: int = 0  # attention masses a policy reads (the observed queries' q·k over every key)
 
     def add_layer(self, cfg: ModelConfig, n_tokens: int, pairs: int, n_ffn: int) -> None:
         per_row, per_pair = cfg.attention_flops()  # projections; q·k and p·v
@@ -48,12 +49,17 @@ class FlopReport:
         self.tokens.append(n_tokens)
         self.ffn_tokens.append(n_ffn)
 
+    def add_scoring(self, cfg: ModelConfig, n_queries: int, n_keys: int) -> None:
+        """A policy's ranking pass: ``n_queries`` queries' scores over ``n_keys`` keys, every query
+        head, computed again to read their softmax (the attention itself does not return it)."""
+        self.scoring += 2 * n_queries * n_keys * cfg.num_attention_heads * cfg.head_dim
+
     def add_lm_head(self, cfg: ModelConfig, rows: int = 1) -> None:
         self.lm_head += 2 * rows * cfg.hidden_size * cfg.vocab_size
 
     def totals(self) -> dict:
         out = {"proj": sum(self.proj), "attention": sum(self.attention), "ffn": sum(self.ffn),
-               "lm_head": self.lm_head}
+               "lm_head": self.lm_head, "scoring": self.scoring}
         out["total"] = sum(out.values())
         if self.linear_heads_recomputed:
             out["linear_heads_recomputed"] = self.linear_heads_recomputed
@@ -68,7 +74,9 @@ class FlopReport:
                           [a + b for a, b in zip(self.ffn, other.ffn)],
                           [a + b for a, b in zip(self.tokens, other.tokens)],
                           [a + b for a, b in zip(self.ffn_tokens, other.ffn_tokens)],
-                          self.lm_head + other.lm_head)
+                          self.lm_head + other.lm_head,
+                          linear_heads_recomputed=self.linear_heads_recomputed + other.linear_heads_recomputed,
+                          scoring=self.scoring + other.scoring)
 
 
 def prefill_flops(cfg: ModelConfig, positions, window, sink) -> dict:

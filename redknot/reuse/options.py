@@ -14,10 +14,22 @@ class ReuseOptions:
     cacheblend_check_layer: int = 1
     observation_tokens: int = 16  # suffix tail whose attention mass ranks tokens for the sparse FFN
     shallow_window: int | None = None  # local-recovery window of global heads; None: widest local window
+    # qrecompute: the share of chunk tokens recomputed through every layer, chosen by the attention the
+    # question's last ``observation_tokens`` give them at ``qrecompute_layer`` (every token runs up to it)
+    qrecompute_ratio: float = 0.3
+    qrecompute_layer: int = 2  # first-token KL on 4 HotpotQA records (SmolLM2): layer 2 best per FLOP
+    qrecompute_start_tokens: int = 16  # each chunk's first tokens rank first among the recomputed ones
+    # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
+    # and KV head, measured on the recomputed tokens of that chunk (qrecompute only; off by default)
+    kv_correction: bool = False
 
     def __post_init__(self):
         if self.shallow_window is not None and self.shallow_window < 1:
             raise ValueError(f"ReuseOptions.shallow_window={self.shallow_window!r}: use a window >= 1 or None")
+        if self.qrecompute_layer < 0:
+            raise ValueError(f"ReuseOptions.qrecompute_layer={self.qrecompute_layer!r}: use a layer >= 0")
+        if not 0 <= self.qrecompute_ratio <= 1:
+            raise ValueError(f"ReuseOptions.qrecompute_ratio={self.qrecompute_ratio!r}: use a share in [0, 1]")
         if self.cacheblend_check_layer < 0:
             raise ValueError(f"ReuseOptions.cacheblend_check_layer={self.cacheblend_check_layer!r}: use a layer >= 0")
 

@@ -49,6 +49,49 @@ class CacheBlend(FixedSet):
         return torch.cat([top, rest]).sort().values
 
 
+class QueryRecompute(FixedSet):
+    """Query-guided recomputation (ProphetKV, FusionRAG's query-guided selection, A³): every row runs
+    up to ``score_layer``; there the attention the question's last ``observe`` queries give the
+    chunk tokens ranks them, and the ``ratio`` of chunk rows ranked highest (each chunk's first
+    ``start_tokens`` first of all) go on through every later layer with the question; the rest keep
+    their cached, relocated K/V from the next layer on. The rows up to ``score_layer`` are the
+    scoring pass: they are executed, so their FLOPs are in the method's count.
+
+    ``rotate`` (the model's RoPE relocation) turns on KV correction (``reuse.correction``): at every
+    later layer the cached K/V of the tokens left out move by their chunk's mean offset over its
+    recomputed tokens (those past its first ``start_tokens``, whose cache-time context differs most)."""
+
+    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, chunk_id: torch.Tensor, ratio: float,
+                 score_layer: int, observe: int, start_tokens: int, rotate=None):
+        super().__init__(positions, window, sink)
+        self.is_chunk, self.chunk_id, self.ratio = is_chunk, chunk_id, ratio
+        self.score_layer, self.n_obs, self.rotate = score_layer, observe, rotate
+        self.chunk_start = chunk_start_rows(chunk_id, start_tokens)
+
+    def observe(self, layer):
+        return self.n_obs if layer == self.score_layer else 0
+
+    def keep_rows(self, layer, cur, info):
+        if layer != self.score_layer:
+            return None
+        return query_ranked_rows(info["mass"][cur], self.is_chunk[cur], self.chunk_start[cur], self.ratio)
+
+    def kv_correction(self, layer, cur):
+        if self.rotate is None or layer <= self.score_layer:
+            return None
+        return self.chunk_id, self.is_chunk[cur] & ~self.chunk_start[cur], self.rotate
+
+
+def query_ranked_rows(score: torch.Tensor, is_chunk: torch.Tensor, first: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Rows kept (sorted indices): every row outside chunks and round(ratio × chunk rows) chunk rows,
+    those marked ``first`` before the rest, then by ``score`` (highest first; ties to the later row)."""
+    chunk_rows = is_chunk.nonzero().flatten()
+    n_keep = int(round(ratio * chunk_rows.numel()))
+    s = torch.where(first[chunk_rows], torch.full((), float("inf"), device=score.device), score[chunk_rows].float())
+    top = chunk_rows[rank_descending(s)[:n_keep]]
+    return torch.cat([top, (~is_chunk).nonzero().flatten()]).sort().values
+
+
 class RedKnot(FixedSet):
     def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
                  sparse: SparseFFNConfig, observe: int, keep_cached: bool, chunk_id: torch.Tensor | None = None):

@@ -24,6 +24,7 @@ from torch.profiler import record_function
 from ..kernels.reference import softmax_with_sinks
 from ..models.registry import adapter_for
 from ..visibility import visible
+from .correction import correct_layer
 from .flops import FlopReport, visible_pairs
 
 # Query rows per attention block: bounds the [Hq, rows, N] mask and score memory.
@@ -58,6 +59,13 @@ class Policy:
     def cross_chunks(self, layer: int, cur: torch.Tensor) -> torch.Tensor | None:
         """Chunk id of every position (-1 outside chunks) when this layer should report, per computed
         row, the attention mass its query gives keys of other chunks (``info["cross"]``); else None."""
+        return None
+
+    def kv_correction(self, layer: int, cur: torch.Tensor):
+        """(chunk id per position [N], probe rows bool [len(cur)], rotate) when this layer moves the
+        cached K/V of the chunk tokens it does not compute by their chunk's mean offset over the
+        probe rows (``reuse.correction``; ``rotate(x, delta)`` is the model's RoPE relocation);
+        None: no correction."""
         return None
 
     def ffn_rows(self, layer: int, cur: torch.Tensor, info: dict) -> torch.Tensor | None:
@@ -122,6 +130,7 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
         info = {}
         with record_function("recover.kv_write"):
             if cache_k is not None:
+                _correct(policy, l, cur, cached, k, v, keys, values)
                 was = cached[cur]  # deviation of recomputed values from their cached version (CacheBlend)
                 info["v_deviation"] = torch.where(
                     was, (v.float() - values[cur].float()).norm(dim=(-1, -2)), torch.zeros((), device=dev))
@@ -149,6 +158,8 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
                         mass = m_ if n_obs else mass
                         pairs += visible_pairs(cur[rows], w_, s_, group)
         info["mass"] = mass
+        if mass is not None:  # the scoring pass: the observed queries' q·k over every key, materialised
+            flops.add_scoring(cfg, policy.observe(l) if split is None else min(policy.observe(l), t - r), n)
         chunk_id = policy.cross_chunks(l, cur)
         if chunk_id is not None:
             with record_function("recover.cross_mass"):
@@ -181,6 +192,22 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
     flops.add_lm_head(cfg)
     # Layers after a drop hold cached K/V for dropped positions: already in `keys` via clone.
     return Recovered(logits, out_k, out_v, flops)
+
+
+def _correct(policy: Policy, layer: int, cur, cached, k, v, keys, values) -> None:
+    """KV correction (``Policy.kv_correction``): before the recomputed rows are written, the cached
+    K/V of the chunk tokens left out at this layer move by their chunk's mean offset."""
+    corr = policy.kv_correction(layer, cur)
+    if corr is None:
+        return
+    chunk_id, probe, rotate = corr
+    rest = cached & (chunk_id >= 0)
+    rest[cur] = False
+    rest = rest.nonzero().flatten()
+    if rest.numel() == 0 or not bool(probe.any()):
+        return
+    keys[rest], values[rest] = correct_layer(k, v, keys[cur], values[cur], cur, probe, rest, chunk_id,
+                                             lambda p: (keys[p], values[p]), rotate)
 
 
 def _run(pos: torch.Tensor) -> tuple[int, int] | None:

@@ -18,6 +18,10 @@ redknot        what redknot serves: one recovery over chunks + question under th
                (alias: ``redknot_kv``)
 redknot_paper  the paper's form: as redknot, but a token left out of the FFN keeps its residual and
                goes on through every later layer's projections and attention
+qrecompute     query-guided recomputation: every chunk token up to ``qrecompute_layer``, where the
+               question's attention picks the ``qrecompute_ratio`` of them that go on through every
+               layer (each chunk's first ``qrecompute_start_tokens`` first); ``kv_correction`` moves
+               the cached K/V of the rest by their chunk's mean recomputed-minus-cached offset
 redknot_exact  the redknot code path with every head global, dense FFN, every chunk recomputed:
                equals dense (the correctness gate)
 """
@@ -33,7 +37,7 @@ import torch
 from ..config import DEFAULT_SINK, HeadConfig, SparseFFNConfig
 from ..models.config import ModelConfig
 from .options import ReuseOptions
-from .policies import CacheBlend, RedKnot
+from .policies import CacheBlend, QueryRecompute, RedKnot
 from .prompt import ChunkedPrompt
 from .recovery import Policy
 
@@ -117,6 +121,33 @@ def _cacheblend(x: PolicyInputs) -> Policy:
                       min(o.cacheblend_check_layer, x.config.num_hidden_layers - 1))
 
 
+def _qrecompute(x: PolicyInputs) -> Policy:
+    p, o = x.prompt, x.options
+    # The first chunk sits where it was encoded (right after the prefix): its cache is exact, so
+    # recovery starts at the second chunk (as redknot's).
+    first = p.chunk_starts[1] if len(p.chunks) > 1 else p.suffix_start
+    body = torch.arange(first, len(p), device=x.device)
+    is_chunk, chunk_id = x.chunk_layout()
+    rotate = _rope_relocation(x) if o.kv_correction else None
+    return QueryRecompute(body, *x.global_visibility(), is_chunk, chunk_id, o.qrecompute_ratio,
+                          min(o.qrecompute_layer, x.config.num_hidden_layers - 1),
+                          max(1, min(o.observation_tokens, len(p.suffix))), o.qrecompute_start_tokens, rotate)
+
+
+# Architectures whose keys carry one plain RoPE in every layer (what KV correction un-rotates)
+_PLAIN_ROPE = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+
+
+def _rope_relocation(x: PolicyInputs):
+    from ..models.rope import RotaryEmbedding
+
+    kind = getattr(x.config, "model_type", "llama") or "llama"
+    if kind not in _PLAIN_ROPE:
+        raise ValueError(f"kv_correction: model_type {kind!r} is not supported (keys under one plain RoPE: "
+                         f"{', '.join(_PLAIN_ROPE)})")
+    return RotaryEmbedding(x.config).to(x.device).relocate
+
+
 def _redknot_exact(x: PolicyInputs) -> Policy:
     body = torch.arange(len(x.prompt.prefix), len(x.prompt), device=x.device)
     is_chunk, _ = x.chunk_layout()
@@ -163,6 +194,7 @@ _SPECS = (
     MethodSpec("cacheblend", "dense", ChunkUse.RECOVERED, _cacheblend),
     MethodSpec("redknot", "headsparse", ChunkUse.RECOVERED, _redknot(keep_cached=True)),
     MethodSpec("redknot_paper", "headsparse", ChunkUse.RECOVERED, _redknot(keep_cached=False)),
+    MethodSpec("qrecompute", "dense", ChunkUse.RECOVERED, _qrecompute),
     MethodSpec("redknot_exact", "dense", ChunkUse.RECOVERED, _redknot_exact, cached_from="prefix"),
 )
 METHODS: dict[str, MethodSpec] = {s.name: s for s in _SPECS}
@@ -193,15 +225,18 @@ def default_method(head_config) -> str:
 # Knobs a request may set after "@" in its method (``cacheblend@0.3``): method -> (field, type). The
 # first two are ReuseOptions fields, keep_fraction a SparseFFNConfig one.
 BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
-                "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float)}
-REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens")
+                "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float),
+                "qrecompute": ("qrecompute_ratio", float)}
+REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens", "kv_correction")
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
     """``"cacheblend@0.3"`` -> ``("cacheblend", {"cacheblend_ratio": 0.3})``, ``"epic@32"`` ->
     tokens recomputed per chunk, ``"redknot@0.2"`` -> the sparse FFN's keep fraction (with
     ``+sN``: each chunk's first N tokens among the kept rows; without it none); a plain name ->
-    (its registry name, {}). Raises ValueError naming what is wrong."""
+    (its registry name, {}); ``"qrecompute@0.3"`` -> the share recomputed (each chunk's first 16
+    tokens first; ``+sN``: N of them), ``+kc`` turning KV correction on. Raises ValueError naming
+    what is wrong."""
     name, at, value = spec.partition("@")
     name = canonical_name(name)
     if not at:
@@ -223,8 +258,18 @@ def parse_method(spec: str) -> tuple[str, dict]:
             if not extra.startswith("s") or not extra[1:].isdigit():
                 raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16')")
             knobs["chunk_start_tokens"] = int(extra[1:])
+    elif field_ == "qrecompute_ratio":
+        for extra in extras:
+            if extra == "kc":
+                knobs["kv_correction"] = True
+            elif extra.startswith("s") and extra[1:].isdigit():
+                knobs["qrecompute_start_tokens"] = int(extra[1:])
+            else:
+                raise ValueError(f"method {spec!r}: {extra!r} is neither a chunk-start count ('+s16') nor "
+                                 f"KV correction ('+kc')")
     elif extras:
-        raise ValueError(f"method {spec!r}: a chunk-start count ('+{extras[0]}') is for redknot and redknot_paper only")
+        raise ValueError(f"method {spec!r}: a chunk-start count ('+{extras[0]}') is for redknot, redknot_paper "
+                         f"and qrecompute only")
     return name, knobs
 
 

@@ -69,3 +69,24 @@ def test_runs_with_another_shallow_window_or_sparse_ffn_file_get_their_own_rows(
     by = {x["label"]: x for x in quality_report.merge([a, b])["rows"]}
     assert list(by) == ["dense", "redknot_kv@0.3 [all]", "redknot_kv@0.3 [all, dev_k30, shallow W 8192]"]
     assert by["redknot_kv@0.3 [all, dev_k30, shallow W 8192]"]["top1_agreement"] == 0.0
+
+
+def test_normalised_recovery_against_full_reuse_and_dense(tmp_path):
+    """(score(method) - score(full_reuse)) / (score(dense) - score(full_reuse)) for answer F1 and gold
+    F1, in the merged rows, the table and `bench quality`'s own summaries; none without full_reuse."""
+    from redknot.bench.quality import add_recovery
+
+    a = _run(tmp_path / "a.json", ["r1", "r2"],
+             {"dense": lambda i: (1.0, 100, 0.6, 1.0), "full_reuse": lambda i: (0.5, 5, 0.2, 0.4),
+              "qrecompute@0.25": lambda i: (1.0, 30, 0.5, 0.85)})
+    by = {x["label"]: x for x in quality_report.merge([a])["rows"]}
+    assert by["qrecompute@0.25"]["answer_f1_recovery"] == pytest.approx(0.75)
+    assert by["qrecompute@0.25"]["f1_recovery"] == pytest.approx(0.75)
+    assert by["dense"]["f1_recovery"] == 1.0 and by["full_reuse"]["answer_f1_recovery"] == 0.0
+    assert "| qrecompute@0.25 | 0.000 | 0.500 | 0.83 | 0.000 | 0.850 | 0.75 | 0.75 |" in quality_report.markdown(
+        {"rows": list(by.values())})
+    summaries = add_recovery({"dense": {"f1": 0.6, "answer_f1": 1.0}, "cacheblend": {"f1": 0.4, "answer_f1": 0.7}})
+    assert summaries["cacheblend"]["f1_recovery"] is None  # no full_reuse row
+    summaries = add_recovery({"dense": {"f1": 0.2, "answer_f1": 1.0}, "full_reuse": {"f1": 0.2, "answer_f1": 0.5},
+                              "m": {"f1": 0.3, "answer_f1": 0.75}})
+    assert summaries["m"]["f1_recovery"] is None and summaries["m"]["answer_f1_recovery"] == 0.5

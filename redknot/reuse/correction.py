@@ -1,0 +1,54 @@
+"""KV correction: the cached K/V of chunk tokens a recovery leaves out, moved by their chunk's mean
+offset (recomputed minus cached) over the tokens it did recompute (AgentKVShift's idea).
+
+A reused chunk's K/V lack the context before the chunk; the tokens recomputed at a layer show how
+far that context moves them. Per chunk, layer and KV head, the mean of those moves is added to the
+chunk's other tokens. Keys carry RoPE at their own positions, so their offsets are averaged with the
+rotation taken out (each move rotated back to position 0) and put back at each token's position:
+a constant shift of the unrotated keys is then corrected exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H, D], delta positions [T]) -> rotated x
+
+
+def chunk_offsets(new_k: torch.Tensor, old_k: torch.Tensor, new_v: torch.Tensor, old_v: torch.Tensor,
+                  pos: torch.Tensor, chunk: torch.Tensor, n_chunks: int, rotate: Rotate):
+    """Mean (recomputed - cached) offsets of the probe tokens at positions ``pos`` [P] of chunks
+    ``chunk`` [P]: (key offset unrotated, value offset) float32 [C, Hkv, D] and whether a chunk has
+    a probe (bool [C])."""
+    d_k = rotate(new_k.float() - old_k.float(), -pos)
+    d_v = new_v.float() - old_v.float()
+    count = torch.zeros(n_chunks, device=pos.device).index_add_(0, chunk, torch.ones_like(chunk, dtype=torch.float32))
+    zeros = torch.zeros((n_chunks,) + tuple(d_k.shape[1:]), device=pos.device)
+    scale = 1 / count.clamp_min(1)[:, None, None]
+    return (zeros.index_add(0, chunk, d_k) * scale, zeros.index_add(0, chunk, d_v) * scale, count > 0)
+
+
+def corrected(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, chunk: torch.Tensor, offsets, rotate: Rotate):
+    """Cached K/V [T, Hkv, D] of the tokens at ``pos`` [T] (chunks ``chunk`` [T]) plus their chunk's
+    offsets (``chunk_offsets``); tokens of a chunk without a probe are returned as they are."""
+    off_k, off_v, has = offsets
+    keep = has[chunk][:, None, None]
+    k_new = k.float() + rotate(off_k[chunk], pos)
+    v_new = v.float() + off_v[chunk]
+    return torch.where(keep, k_new, k.float()).to(k.dtype), torch.where(keep, v_new, v.float()).to(v.dtype)
+
+
+def correct_layer(new_k: torch.Tensor, new_v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor,
+                  cur: torch.Tensor, probe: torch.Tensor, rest: torch.Tensor, chunk_id: torch.Tensor,
+                  read: Callable, rotate: Rotate):
+    """One layer's correction: the recomputed rows ``cur`` [T] (their new and cached K/V), the probe
+    rows among them (bool [T]), the positions left out ``rest`` [R], ``chunk_id`` per position;
+    ``read(pos)`` gives the cached (K, V) at positions. Returns the corrected (K, V) of ``rest``."""
+    n_chunks = int(chunk_id.max()) + 1 if chunk_id.numel() else 0
+    p = cur[probe]
+    offsets = chunk_offsets(new_k[probe], old_k[probe], new_v[probe], old_v[probe], p, chunk_id[p], max(n_chunks, 1),
+                            rotate)
+    k_rest, v_rest = read(rest)
+    return corrected(k_rest, v_rest, rest, chunk_id[rest], offsets, rotate)

@@ -1,0 +1,192 @@
+"""Query-guided recomputation (``qrecompute``) and KV correction: exactness at a full budget, the
+engine's batched recovery against the reference forward, the ranking, FLOPs and the correction."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from redknot import LLM, HeadConfig, SamplingParams
+from redknot.models.config import ModelConfig
+from redknot.models.rope import RotaryEmbedding
+from redknot.reuse.correction import chunk_offsets, corrected
+from redknot.reuse.flops import FlopReport
+from redknot.reuse.policies import QueryRecompute, query_ranked_rows
+from redknot.reuse.prompt import build_prompt
+from redknot.reuse.registry import parse_method
+from redknot.visibility import visible_pairs
+from oracles.reuse_engine import reuse_oracle
+
+DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 2,
+        "Attention heads differ: some look far back, most look at recent tokens. " * 2,
+        "The quick brown fox jumps over the lazy dog near the old mill. " * 2]
+QUESTION = "Question: who founded the city of Varna? Answer:"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(model=tiny_checkpoint("llama", num_hidden_layers=4), device="cpu", page_size=16,
+               head_config=HeadConfig.synthetic(4, 2, 0.5, window=16, sink=4))
+
+
+def _options(llm, **kw):
+    docs = llm.engine.documents
+    saved = docs.options
+    docs.options = dataclasses.replace(saved, **kw)
+    return saved
+
+
+def _first(llm, question, docs, method):
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+    return llm.generate(question, params, documents=docs, method=method)[0]
+
+
+@pytest.mark.parametrize("spec", ["qrecompute@1.0", "qrecompute@1.0+kc"])
+def test_full_budget_equals_dense(llm, spec):
+    dense = llm.first_token_logits(QUESTION, documents=DOCS, method="dense")
+    out = llm.first_token_logits(QUESTION, documents=DOCS, method=spec)
+    torch.testing.assert_close(out, dense, rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ref = llm.generate(QUESTION, params, documents=DOCS, method="dense")[0].outputs[0].token_ids
+    assert llm.generate(QUESTION, params, documents=DOCS, method=spec)[0].outputs[0].token_ids == ref
+
+
+@pytest.mark.parametrize("correct", [False, True])
+def test_engine_batch_equals_the_reference_forward(llm, correct):
+    """Three requests in one batched recovery give the reference forward's logits and FLOPs, one at a
+    time, with and without KV correction (which moves the logits)."""
+    saved = _options(llm, qrecompute_ratio=0.3, qrecompute_start_tokens=2, kv_correction=correct)
+    try:
+        llm.engine.clear_caches()
+        orders = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0]]]
+        questions = [QUESTION, "Question: what jumps over the dog?", QUESTION]
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+        outs = llm.generate(questions, params, documents=orders, method="qrecompute")
+        for o, q, docs in zip(outs, questions, orders):
+            oracle = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, q, docs), "qrecompute").recovered
+            torch.testing.assert_close(o.first_token_logits, oracle.logits, rtol=1e-4, atol=1e-4)
+            assert o.metrics["flops"] == oracle.flops.totals()
+            assert o.metrics["flops"]["scoring"] > 0
+        assert llm.engine.request_kv_bytes() == 0
+        if correct:  # the correction is live: the same request without it answers with other logits
+            _options(llm, kv_correction=False)
+            plain = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, QUESTION, DOCS), "qrecompute").recovered
+            assert not torch.allclose(plain.logits, outs[0].first_token_logits, atol=1e-5)
+    finally:
+        llm.engine.documents.options = saved
+
+
+def test_flops_count_the_scoring_pass(llm):
+    """Every body row up to the scoring layer, the kept rows after it, plus the scoring's q·k."""
+    saved = _options(llm, qrecompute_ratio=0.25, qrecompute_layer=1, qrecompute_start_tokens=0)
+    try:
+        prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+        policy, _ = reuse_oracle(llm).policy(prompt, "qrecompute")
+        flops = reuse_oracle(llm).prefill(prompt, "qrecompute").recovered.flops
+    finally:
+        llm.engine.documents.options = saved
+    cfg = llm.config
+    body = torch.arange(prompt.chunk_starts[1], len(prompt))
+    n_chunk = sum(len(c) for c in prompt.chunks[1:])
+    n_kept = round(0.25 * n_chunk) + len(prompt.suffix)
+    assert flops.tokens == [body.numel()] * 2 + [n_kept] * 2
+    n_obs = min(llm.engine.documents.options.observation_tokens, len(prompt.suffix))
+    assert flops.scoring == 2 * n_obs * len(prompt) * cfg.num_attention_heads * cfg.head_dim
+    ref = FlopReport()
+    w = torch.full((cfg.num_key_value_heads,), len(prompt) + 1)
+    s = torch.zeros(cfg.num_key_value_heads, dtype=torch.long)
+    for _ in range(2):  # the scoring pass: every body row, every head global
+        ref.add_layer(cfg, body.numel(), visible_pairs(body, w, s, cfg.num_kv_groups), body.numel())
+    assert flops.proj[:2] == ref.proj and flops.attention[:2] == ref.attention
+    assert flops.totals()["total"] == sum(flops.proj) + sum(flops.attention) + sum(flops.ffn) + flops.lm_head + flops.scoring
+
+
+def test_query_ranked_rows():
+    score = torch.tensor([0.0, 0.9, 0.1, 0.5, 0.3, 0.2, 0.0, 0.7])
+    is_chunk = torch.tensor([True, True, True, True, True, True, False, False])
+    first = torch.tensor([True, False, False, False, False, False, False, False])
+    # 6 chunk rows at 0.5: 3 of them, the chunk start first, then 0.9 and 0.5; the 2 non-chunk rows always
+    assert query_ranked_rows(score, is_chunk, first, 0.5).tolist() == [0, 1, 3, 6, 7]
+    assert query_ranked_rows(score, is_chunk, torch.zeros(8, dtype=torch.bool), 0.5).tolist() == [1, 3, 4, 6, 7]
+    assert query_ranked_rows(score, is_chunk, first, 1.0).tolist() == list(range(8))
+    assert query_ranked_rows(score, is_chunk, first, 0.0).tolist() == [6, 7]
+    tie = torch.zeros(8)  # equal scores: the later rows (nearer the question)
+    assert query_ranked_rows(tie, is_chunk, torch.zeros(8, dtype=torch.bool), 0.34).tolist() == [4, 5, 6, 7]
+
+
+def test_policy_ranks_by_the_observed_mass_at_its_layer():
+    n = 10
+    is_chunk = torch.tensor([False] + [True] * 7 + [False] * 2)
+    chunk_id = torch.where(is_chunk, 0, -1)
+    vis = torch.full((2, 1), 64), torch.zeros(2, 1, dtype=torch.long)
+    p = QueryRecompute(torch.arange(1, n), *vis, is_chunk, chunk_id, 2 / 7, 1, 2, 1)
+    assert (p.observe(0), p.observe(1)) == (0, 2)
+    mass = torch.tensor([9.0, 0, 0.1, 0.8, 0.2, 0.9, 0.3, 0.1, 5, 5])
+    cur = torch.arange(1, n)
+    assert p.keep_rows(0, cur, {"mass": mass}) is None
+    assert cur[p.keep_rows(1, cur, {"mass": mass})].tolist() == [1, 5, 8, 9]  # chunk start, then mass 0.9
+
+
+def test_parse_method():
+    assert parse_method("qrecompute@0.3") == ("qrecompute", {"qrecompute_ratio": 0.3})
+    assert parse_method("qrecompute@0.2+s8+kc") == ("qrecompute", {"qrecompute_ratio": 0.2,
+                                                                   "qrecompute_start_tokens": 8, "kv_correction": True})
+    for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "cacheblend@0.3+kc"):
+        with pytest.raises(ValueError):
+            parse_method(bad)
+
+
+def _rope():
+    cfg = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 64,
+                                 "vocab_size": 32, "rope_theta": 10000.0})
+    return RotaryEmbedding(cfg)
+
+
+def test_correction_recovers_a_constant_unrotated_shift():
+    """Keys recomputed = cached + a per-chunk, per-head constant before RoPE (values: after): a few
+    probes give the rest of each chunk exactly their recomputed K/V."""
+    torch.manual_seed(0)
+    rope = _rope()
+    n, h, d = 12, 2, 16
+    pos = torch.arange(n) + 5
+    chunk = torch.tensor([0] * 6 + [1] * 6)
+    raw_k, v = torch.randn(n, h, d), torch.randn(n, h, d)
+    shift_k, shift_v = torch.randn(2, h, d), torch.randn(2, h, d)
+    old_k = rope.rotate(raw_k, pos)
+    new_k, new_v = rope.rotate(raw_k + shift_k[chunk], pos), v + shift_v[chunk]
+    probe = torch.tensor([0, 3, 7])
+    rest = torch.tensor([1, 2, 4, 5, 6, 8, 9, 10, 11])
+    off = chunk_offsets(new_k[probe], old_k[probe], new_v[probe], v[probe], pos[probe], chunk[probe], 2, rope.relocate)
+    k_fix, v_fix = corrected(old_k[rest], v[rest], pos[rest], chunk[rest], off, rope.relocate)
+    torch.testing.assert_close(k_fix, new_k[rest], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_fix, new_v[rest], rtol=1e-5, atol=1e-5)
+    # probes = every token: each token's own offset is its chunk's mean only when the shift is constant;
+    # a chunk without a probe is left as it is
+    off = chunk_offsets(new_k[:6], old_k[:6], new_v[:6], v[:6], pos[:6], chunk[:6], 2, rope.relocate)
+    k_fix, v_fix = corrected(old_k, v, pos, chunk, off, rope.relocate)
+    torch.testing.assert_close(k_fix[:6], new_k[:6], rtol=1e-5, atol=1e-5)
+    assert torch.equal(k_fix[6:], old_k[6:]) and torch.equal(v_fix[6:], v[6:])
+
+
+def test_correction_off_leaves_the_cache_as_placed(llm):
+    """Without KV correction the K/V of the chunk tokens left out are the relocated cache, bit for
+    bit; with it they move (and every token's KV is still finite)."""
+    prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    outs = {}
+    for correct in (False, True):
+        saved = _options(llm, qrecompute_ratio=0.3, qrecompute_start_tokens=2, kv_correction=correct)
+        try:
+            oracle = reuse_oracle(llm)
+            placed = oracle.prefill(prompt, "full_reuse").recovered  # the relocated chunk KV (layers' caches)
+            outs[correct] = (placed, oracle.prefill(prompt, "qrecompute").recovered)
+        finally:
+            llm.engine.documents.options = saved
+    placed, plain = outs[False]
+    _, fixed = outs[True]
+    rest = torch.arange(prompt.chunk_starts[1], prompt.suffix_start)
+    last = len(plain.k) - 1
+    left_out = rest[(plain.k[last][rest] == placed.k[last][rest]).all(-1).all(-1)]
+    assert left_out.numel() >= 0.5 * rest.numel()  # 70% of those chunk rows are left out after layer 1
+    assert not torch.equal(fixed.k[last][left_out], placed.k[last][left_out])
+    assert all(bool(torch.isfinite(k).all()) for k in fixed.k)
