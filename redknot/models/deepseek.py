@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..config import HeadConfig, HeadConfigError
-from .adapter import ModelAdapter, StateLayout
+from .adapter import LlamaAdapter, StateLayout
 from .config import ModelConfig
 from .latent_attention import PagedLatentAttention
 from .llama import Backbone, DecoderLayer, LlamaForCausalLM, RMSNorm, _ffn
@@ -161,30 +161,17 @@ class DeepseekForCausalLM(LlamaForCausalLM):
             layer.self_attn.backend = latent
 
 
-class MLAAdapter(ModelAdapter):
+class MLAAdapter(LlamaAdapter):
     """DeepSeek's latent attention (``DeepseekForCausalLM``): the pool holds one latent head per
-    layer; plans, the profiler and the FLOP counts speak of query heads."""
-
-    def __init__(self, model, config: ModelConfig):
-        self.model, self.config = model, config
-        self._body = model.model
+    layer; plans, the profiler and the FLOP counts speak of query heads. Embedding, the layer tail
+    and EXECUTE are Llama's."""
 
     # ---- PROFILE: every head's expanded queries, keys and values, as transformers computes them
-    def embed(self, ids):
-        return self._body.embed_tokens(ids)
-
     def layer_qkv(self, layer, hidden, positions):
         attn = self._body.layers[layer].self_attn
         q_nope, q_rope, rows = attn.project(self._body.layers[layer].input_layernorm(hidden), positions)
         k, v = attn.expanded_kv(rows)
         return torch.cat([q_nope, q_rope], dim=-1), k, v
-
-    def layer_attention(self, layer, hidden, attn_out):
-        """attn_out [T, H, v_head_dim]: every head's output (the expanded values' weighted sum)."""
-        return hidden + self._body.layers[layer].self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
-
-    def layer_ffn(self, layer, hidden, rows=None):
-        return self._body.layers[layer].add_ffn(hidden, rows)
 
     # ---- BUILDSTATE: one [k_rope | latent] row per token and layer, as the pool's K and V halves
     def state_layout(self):
@@ -210,17 +197,3 @@ class MLAAdapter(ModelAdapter):
                                       f"or local)")
             plans["headsparse"] = head_config
         return {name: plan.visibility(model_windows=c.sliding_windows) for name, plan in plans.items()}
-
-    # ---- EXECUTE
-    def prepare(self, device):
-        self.model.fuse_projections(pack=device.type == "cpu")  # CPU: prepacked GEMM weights
-
-    def set_backend(self, backend):
-        self.model.set_backend(backend)
-
-    def execute(self, ids, positions, batch, rows=None):
-        return self.model(ids, positions, batch, rows)
-
-    def logits(self, hidden):
-        return self.model.logits(hidden)
-

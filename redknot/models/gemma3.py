@@ -27,7 +27,7 @@ from torch import nn
 from . import linear as projection
 from .adapter import LlamaAdapter
 from .config import ModelConfig
-from .llama import MLP, Attention
+from .llama import MLP, Attention, LlamaForCausalLM
 from .rope import RotaryEmbedding, apply_rotation
 
 
@@ -178,36 +178,13 @@ class Gemma3Backbone(nn.Module):
         return self.norm(x)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """input_ids/positions are packed [total_tokens]; returns hidden states [total_tokens, hidden]."""
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Llama's causal LM over Gemma 3's decoder layers, with final-logit soft-capping."""
 
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.model = Gemma3Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.head_packed = None
-
-    def fuse_projections(self, pack: bool = False) -> "Gemma3ForCausalLM":
-        """Fuse QKV and gate/up into single GEMMs (as ``LlamaForCausalLM.fuse_projections``)."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse(pack)
-            layer.mlp.fuse(pack)
-        if pack:
-            self.head_packed = projection.pack(self.lm_head.weight)
-        return self
-
-    def set_backend(self, backend) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.backend = backend
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
-        return self.model(input_ids, positions, batch, rows)
+    backbone = Gemma3Backbone
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = projection.linear(hidden, self.lm_head.weight, None, self.head_packed).float()
+        logits = super().logits(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -269,12 +269,15 @@ class Backbone(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """input_ids/positions are packed [total_tokens]; returns hidden states [total_tokens, hidden]."""
+    """input_ids/positions are packed [total_tokens]; returns hidden states [total_tokens, hidden].
+    A family with other decoder layers subclasses it with its own ``backbone`` class."""
+
+    backbone = Backbone
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = self.backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
