@@ -9,11 +9,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from transformers import AttentionInterface
 
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.config import SparseFFNConfig
-from redknot.kernels.reference import visibility_mask
 from redknot.models import UnsupportedModelError
 from redknot.models import shelf
 from redknot.models.config import ModelConfig
@@ -23,6 +21,7 @@ from redknot.tiny import make_tiny_gguf, make_tokenizer
 from redknot.reuse.policies import FixedSet
 from redknot.reuse.recovery import recover
 from redknot.reuse.registry import METHODS
+from oracles.hf_head_mask import hf_with_head_mask
 
 DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")
 FAMILY = "gemma3_text"
@@ -122,29 +121,6 @@ def test_unsupported_gemma_config_names_the_field(tiny_checkpoint, edit, match):
         ModelConfig.from_dict(cfg)
 
 
-def _hf_with_head_mask(path, head_config, cfg):
-    """transformers with an attention function that applies the per-head visibility rule (the
-    model's own windows folded in, as the head plan does)."""
-    window, sink = head_config.visibility(model_windows=cfg.sliding_windows)
-
-    def head_masked(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        layer = module.layer_idx
-        g = query.shape[1] // key.shape[1]
-        tq, tk = query.shape[2], key.shape[2]
-        qpos, kpos = torch.arange(tk - tq, tk), torch.arange(tk)
-        masks = torch.stack([visibility_mask(qpos, kpos, int(window[layer, h]), int(sink[layer, h]))
-                             for h in range(key.shape[1])])  # [Hkv, Tq, Tk]
-        mask = masks.repeat_interleave(g, dim=0)[None]
-        k, v = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
-        scores = (query.float() @ k.float().transpose(-1, -2)) * scaling
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        return (probs @ v.float()).to(query.dtype).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("redknot_gemma_head_mask", head_masked)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="redknot_gemma_head_mask").eval()
-
-
 def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint):
     """A plan whose heads differ within each layer, on top of the model's own windows: a local head
     narrower than the sliding window keeps its sink there; a global head of a sliding layer is
@@ -157,7 +133,7 @@ def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint):
     sinks = [[0, 4, 0, 0], [2, 0, 1, 4], [0, 3, 0, 0], [1, 0, 0, 0], [0, 0, 2, 0], [4, 0, 1, 0]]
     hc = HeadConfig(classes, windows, sinks)
     llm = LLM(model=path, device="cpu", method="headsparse", head_config=hc, page_size=16)
-    hf = _hf_with_head_mask(path, hc, llm.config)
+    hf = hf_with_head_mask(path, hc, llm.config)
     prompt = PROMPT * 2
     ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():

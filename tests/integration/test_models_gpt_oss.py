@@ -10,17 +10,16 @@ import shutil
 import pytest
 import torch
 import transformers
-from transformers import AttentionInterface
 
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.config import SparseFFNConfig
-from redknot.kernels.reference import visibility_mask
 from redknot.models import CheckpointError, UnsupportedModelError
 from redknot.models.config import ModelConfig
 from redknot.models.mxfp4 import dequantize
 from redknot.models.rope import rope_frequencies
 from redknot.reuse.prompt import build_prompt
 from redknot.reuse.registry import METHODS
+from oracles.hf_head_mask import hf_with_head_mask
 from oracles.reuse_engine import reuse_oracle
 
 DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")
@@ -143,31 +142,6 @@ def test_logits_and_greedy_tokens_match_transformers(ckpt, reference, kernel):
             e.limit = 1.0
 
 
-def _hf_with_head_mask_and_sinks(path, head_config, cfg):
-    """transformers' gpt-oss with its eager attention (logits, the sink column, the row max
-    subtracted, softmax, the sink dropped) under the per-head visibility rule."""
-    window, sink = head_config.visibility(model_windows=cfg.sliding_windows)
-
-    def head_masked(module, query, key, value, attention_mask, scaling, dropout=0.0, s_aux=None, **kwargs):
-        layer = module.layer_idx
-        g = query.shape[1] // key.shape[1]
-        tq, tk = query.shape[2], key.shape[2]
-        qpos, kpos = torch.arange(tk - tq, tk), torch.arange(tk)
-        masks = torch.stack([visibility_mask(qpos, kpos, int(window[layer, h]), int(sink[layer, h]))
-                             for h in range(key.shape[1])])  # [Hkv, Tq, Tk]
-        mask = masks.repeat_interleave(g, dim=0)[None]
-        k, v = key.repeat_interleave(g, dim=1), value.repeat_interleave(g, dim=1)
-        scores = (query.double() @ k.double().transpose(-1, -2)) * scaling
-        scores = scores.masked_fill(~mask, float("-inf"))
-        sinks = s_aux.double().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        logits = torch.cat([scores, sinks], -1)
-        probs = torch.softmax(logits - logits.max(-1, keepdim=True).values, -1)[..., :-1]
-        return (probs @ v.double()).to(query.dtype).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("redknot_head_mask_sinks", head_masked)
-    return _hf(path, "redknot_head_mask_sinks")
-
-
 def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint):
     """An independent per-head plan over the model's own layers: the sliding layers (0, 2) stay
     local with their 8-token window (a wider plan window is capped, a narrower one kept)."""
@@ -179,7 +153,7 @@ def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint):
     llm = LLM(model=path, device="cpu", method="headsparse", head_config=hc, page_size=16)
     window, _ = hc.visibility(model_windows=llm.config.sliding_windows)
     assert window[0].max() == 8 and window[2].tolist() == [8, 7, 8, 1]
-    hf = _hf_with_head_mask_and_sinks(path, hc, llm.config)
+    hf = hf_with_head_mask(path, hc, llm.config, load=_hf)
     prompt = PROMPT + ". " + DOCS[0]
     ids, ref, gen = _hf_reference(hf, llm.tokenizer, prompt)
     ours = llm.first_token_logits(prompt)

@@ -16,7 +16,7 @@ from redknot.models import CheckpointError, UnsupportedModelError
 from redknot.reuse.prompt import build_prompt
 from redknot.reuse.registry import METHODS
 from oracles.reuse_engine import reuse_oracle
-from test_segpaged_model import _hf_with_head_mask
+from oracles.hf_head_mask import hf_with_head_mask
 
 DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")
 PROMPT = "Question: who founded the city of Varna? Answer: the merchants of the old salt road"
@@ -67,7 +67,7 @@ def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint, family):
                     [[-1, 5, 13, -1], [9, -1, 20, 3], [-1, 7, -1, 1]],
                     [[0, 4, 0, 0], [2, 0, 1, 4], [0, 3, 0, 0]])
     llm = LLM(model=path, device="cpu", method="headsparse", head_config=hc, page_size=16)
-    hf = _hf_with_head_mask(path, hc, llm.config)
+    hf = hf_with_head_mask(path, hc, llm.config)
     prompt = PROMPT + ". " + DOCS[0]
     ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():

@@ -2,11 +2,9 @@
 
 import pytest
 import torch
-import transformers
-from transformers import AttentionInterface
 
 from redknot import LLM, HeadConfig, SamplingParams
-from redknot.kernels.reference import visibility_mask
+from oracles.hf_head_mask import hf_with_head_mask
 
 PROMPT = "Attention heads differ: some look far back, most look at recent tokens and a few sinks. " * 3
 
@@ -32,29 +30,6 @@ def test_all_global_segpaged_equals_dense(tiny_checkpoint, family, kw):
     assert sp.pool.num_free_pages == sp.pool.num_pages
 
 
-def _hf_with_head_mask(path, head_config, cfg):
-    """transformers with an attention function that applies the per-head visibility rule."""
-    window, sink = head_config.visibility(model_windows=cfg.sliding_windows)
-
-    def head_masked(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        layer = module.layer_idx
-        g = query.shape[1] // key.shape[1]
-        tq, tk = query.shape[2], key.shape[2]
-        qpos, kpos = torch.arange(tk - tq, tk), torch.arange(tk)
-        masks = torch.stack([visibility_mask(qpos, kpos, int(window[layer, h]), int(sink[layer, h]))
-                             for h in range(key.shape[1])])  # [Hkv, Tq, Tk]
-        mask = masks.repeat_interleave(g, dim=0)[None]
-        k = key.repeat_interleave(g, dim=1)
-        v = value.repeat_interleave(g, dim=1)
-        scores = (query.float() @ k.float().transpose(-1, -2)) * scaling
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        return (probs @ v.float()).to(query.dtype).transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("redknot_head_mask", head_masked)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                              attn_implementation="redknot_head_mask").eval()
-
-
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint, page_size):
     path = tiny_checkpoint("llama", num_hidden_layers=3, num_key_value_heads=4, num_attention_heads=8)
@@ -63,7 +38,7 @@ def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint, page_siz
                     [[-1, 5, 23, -1], [9, -1, 40, 3], [-1, 17, -1, 1]],
                     [[0, 4, 0, 0], [2, 0, 1, 4], [0, 3, 0, 0]])
     llm = LLM(model=path, device="cpu", method="headsparse", head_config=hc, page_size=page_size)
-    hf = _hf_with_head_mask(path, hc, llm.config)
+    hf = hf_with_head_mask(path, hc, llm.config)
     ids = llm.tokenizer(PROMPT, return_tensors="pt").input_ids
     with torch.no_grad():
         ref = hf(ids).logits[0, -1]
