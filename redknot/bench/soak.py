@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default=None, help="a random-weight architecture of bench decode instead (GPU)")
     p.add_argument("--device", default=None)
     p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="the engine's token budget per step (the server's flag): a smaller one bounds how long "
+                        "a long prompt's chunk holds a step")
     p.add_argument("--normal-clients", type=int, default=4)
     p.add_argument("--long-prompt-words", type=int, default=3000, help="words of the long-prompt client's prompt")
     p.add_argument("--small-documents", type=int, default=128, help="documents per small-documents request")
@@ -175,7 +178,7 @@ def _llm(args):
     from ..engine import LLM
 
     if args.arch is None:
-        return LLM(model=args.model, device=args.device)
+        return LLM(model=args.model, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
     import torch
 
     from ..models import ModelConfig, build_model, resolve_dtype
@@ -183,7 +186,8 @@ def _llm(args):
 
     cfg = ModelConfig.from_dict(dict(ARCHS[args.arch]))
     dev = torch.device(args.device or "cuda")
-    return LLM(model=build_model(cfg, resolve_dtype(None, cfg, dev), dev), device=str(dev))
+    return LLM(model=build_model(cfg, resolve_dtype(None, cfg, dev), dev), device=str(dev),
+               max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -232,6 +236,7 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     out = {
         "date": datetime.date.today().isoformat(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "statuses": log["status"], "server_errors_5xx": fivexx,
         "health_max_s": max(log["health_s"], default=float("nan")),
         "ttft_unloaded_p50_s": _pct(unloaded, 0.5), "ttft_unloaded_p99_s": p99_idle,
