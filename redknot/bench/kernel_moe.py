@@ -177,7 +177,7 @@ def run(args) -> dict:
             except Exception as err:
                 hf_errors[name] = kb._err(err)
     import transformers
-    result = {"benchmark": "redknot.bench.kernel --moe", "argv": list(sys.argv),
+    result = {"benchmark": "redknot.bench.kernel --moe", "argv": ["redknot", *sys.argv[1:]],
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", **kb._versions(),
               "transformers": transformers.__version__, "arch": arch_name, "config": arch,
