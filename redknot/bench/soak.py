@@ -7,6 +7,12 @@ stream they stop reading), body tricklers (half a body, then silence), disconnec
 the first chunk), long prompts, and requests of many small documents; a prober hits ``/health``
 every second and a sampler records the process's resident memory and the pool every few seconds.
 
+The mix is a load the server should carry, not an overload: normal clients pause between requests
+(``--think-s``, exponential), the long-prompt and many-documents clients send one request every
+``--heavy-interval-s`` and the disconnector every ``--disconnect-interval-s``; the hostile kinds
+(slow readers, tricklers, disconnectors) keep at the server throughout. Resident memory, the pool
+and the running/waiting counts are sampled so an overloaded run shows as one (waiting > 0 throughout).
+
 What it checks (the server-hardening targets): no 5xx, ``/health`` under a second, the normal
 clients' TTFT p99 within 2x the unloaded run, every pool page back to free or cached once the
 clients stop, and resident memory flat (max/min within 10%) over the last two thirds of the run.
@@ -20,6 +26,7 @@ import datetime
 import json
 import random
 import socket
+import sys
 import threading
 import time
 
@@ -36,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the engine's token budget per step (the server's flag): a smaller one bounds how long "
                         "a long prompt's chunk holds a step")
     p.add_argument("--normal-clients", type=int, default=4)
+    p.add_argument("--think-s", type=float, default=2.0,
+                   help="normal clients' mean pause between requests (exponential; 0: back to back)")
+    p.add_argument("--heavy-interval-s", type=float, default=30.0,
+                   help="pause between the long-prompt client's requests, and between the many-documents client's")
+    p.add_argument("--disconnect-interval-s", type=float, default=5.0, help="pause between the disconnector's requests")
     p.add_argument("--long-prompt-words", type=int, default=3000, help="words of the long-prompt client's prompt")
     p.add_argument("--small-documents", type=int, default=128, help="documents per small-documents request")
     p.add_argument("--write-timeout", type=float, default=5.0, help="the server's --write-timeout")
@@ -74,9 +86,17 @@ class _Soak:
         return {"model": self.model, "messages": [{"role": "user", "content": f"Which city is named in doc {rng.randrange(9)}?"}],
                 "max_tokens": max_tokens, "temperature": 0, "stream": True, "documents": docs, **extra}
 
+    def _pause(self, rng, mean: float) -> None:
+        """Wait a client's think time (exponential around ``mean``; returns early on stop)."""
+        if mean > 0:
+            self.stop.wait(rng.expovariate(1.0 / mean))
+
     def normal(self, seed: int, record: bool = True) -> None:
         rng, c = random.Random(seed), self.client()
         while not self.stop.is_set():
+            self._pause(rng, self.args.think_s)
+            if self.stop.is_set():
+                break
             t0 = time.perf_counter()
             try:
                 with c.stream("POST", "/v1/chat/completions", json=self._chat(rng)) as r:
@@ -126,6 +146,7 @@ class _Soak:
                     next(r.iter_lines(), None)  # the first chunk, then leave
             except Exception as e:  # noqa: BLE001
                 self._count("disconnector", type(e).__name__)
+            self.stop.wait(self.args.disconnect_interval_s)
 
     def long_prompt(self, seed: int) -> None:
         rng, c = random.Random(seed), self.client()
@@ -137,9 +158,11 @@ class _Soak:
                 self._count("long_prompt", r.status_code)
             except Exception as e:  # noqa: BLE001
                 self._count("long_prompt", type(e).__name__)
+            self.stop.wait(self.args.heavy_interval_s)
 
     def small_documents(self, seed: int) -> None:
         rng, c = random.Random(seed), self.client()
+        self.stop.wait(self.args.heavy_interval_s / 2)  # between the long prompts, not with them
         while not self.stop.is_set():
             docs = [rng.choice(WORDS) for _ in range(self.args.small_documents)]
             try:
@@ -147,6 +170,7 @@ class _Soak:
                 self._count("small_documents", r.status_code)
             except Exception as e:  # noqa: BLE001
                 self._count("small_documents", type(e).__name__)
+            self.stop.wait(self.args.heavy_interval_s)
 
     def health(self, seed: int) -> None:
         c = self.client()
@@ -214,7 +238,8 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(min(5.0, max(0.5, args.minutes * 60 / 60)))
             st = engine.stats()
             samples.append({"t_s": round(time.time() - t0, 1), "rss_bytes": resident_bytes(),
-                            "pool_pages": st["pool_pages"], "running": st["running"], "waiting": st["waiting"]})
+                            "pool_pages": st["pool_pages"], "running": st["running"], "waiting": st["waiting"],
+                            "heap_trims": st["heap_trims"], "heap_trim_s": round(st["heap_trim_seconds"], 4)})
         soak.stop.set()
         for t in threads:
             t.join(timeout=args.write_timeout * 4 + 60)
@@ -228,6 +253,24 @@ def run(args: argparse.Namespace) -> dict:
     return _report(args, soak.log, unloaded, samples, pages_back)
 
 
+def _environment() -> dict:
+    import os
+    import platform
+
+    import torch
+
+    from .. import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "redknot": __version__}
+
+
 def _report(args, log, unloaded, samples, pages_back) -> dict:
     fivexx = sum(n for k, n in log["status"].items() if k.split(":")[1].isdigit() and int(k.split(":")[1]) >= 500)
     tail = samples[len(samples) // 3:] or samples
@@ -235,7 +278,8 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     rss_spread = max(rss) / min(rss) - 1 if rss and min(rss) else float("nan")
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     out = {
-        "date": datetime.date.today().isoformat(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
+        "date": datetime.date.today().isoformat(), "command": "redknot bench soak " + " ".join(sys.argv[3:]),
+        "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "statuses": log["status"], "server_errors_5xx": fivexx,
         "health_max_s": max(log["health_s"], default=float("nan")),
@@ -243,12 +287,18 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
         "ttft_loaded_p50_s": _pct(log["ttft_s"], 0.5), "ttft_loaded_p99_s": p99_loaded,
         "ttft_p99_ratio": p99_loaded / p99_idle if p99_idle else float("nan"),
         "normal_requests": len(log["ttft_s"]), "pool_pages_back": pages_back,
-        "rss_spread_last_two_thirds": rss_spread, "samples": samples,
+        "rss_spread_last_two_thirds": rss_spread,
+        "waiting_share_of_samples": sum(s["waiting"] > 0 for s in samples) / max(len(samples), 1),
+        "heap_trims": samples[-1]["heap_trims"] if samples else 0,
+        "heap_trim_mean_ms": 1000 * samples[-1]["heap_trim_s"] / max(samples[-1]["heap_trims"], 1) if samples else 0,
+        "samples": samples,
     }
     out["checks"] = {"no_5xx": fivexx == 0, "health_under_1s": out["health_max_s"] < 1.0,
                      "ttft_p99_within_2x": out["ttft_p99_ratio"] <= 2.0, "pages_back": pages_back,
                      "rss_flat_10pct": rss_spread <= 0.10}
     print(f"soak {args.minutes:g} min: {out['normal_requests']} normal requests, statuses {log['status']}")
+    print(f"requests waiting in {out['waiting_share_of_samples']:.0%} of samples; {out['heap_trims']} heap trims, "
+          f"{out['heap_trim_mean_ms']:.1f} ms each")
     print(f"{'check':<22} {'value':>14} {'ok':>4}")
     rows = [("5xx", fivexx, "no_5xx"), ("/health max s", f"{out['health_max_s']:.3f}", "health_under_1s"),
             ("TTFT p99 / unloaded", f"{out['ttft_p99_ratio']:.2f}", "ttft_p99_within_2x"),

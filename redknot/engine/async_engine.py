@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from .host_memory import release_free_heap
+from .host_memory import HeapTrimPolicy
 from .llm import LLM
 from .output import streamable_text
 from .sampling import SamplingParams
@@ -117,8 +117,9 @@ class AsyncLLMEngine:
         # (the server's Prometheus metrics); None: nothing observes
         self.observer = None
         self.started = time.time()
-        self.heap_trims = 0  # times freed host memory went back to the OS on going idle
-        self._trimmed_at = 0  # requests_finished at the last trim
+        # freed host memory back to the OS: on going idle after work, and under load by the policy
+        self.heap_trim = HeapTrimPolicy()
+        self._trimmed_at = 0  # requests_finished at the last idle trim
         self._thread = threading.Thread(target=self._loop, name="redknot-engine", daemon=True)
         self._thread.start()
 
@@ -176,7 +177,8 @@ class AsyncLLMEngine:
             return {**engine, "waiting": engine["waiting"] + len(self._inbox),
                     "generated_tokens": self.generated_tokens, "reused_tokens": self.reused_tokens,
                     "requests_finished": self.requests_finished,
-                    "abandoned_before_prefill": self.abandoned_before_prefill, "heap_trims": self.heap_trims,
+                    "abandoned_before_prefill": self.abandoned_before_prefill, "heap_trims": self.heap_trim.trims,
+                    "heap_trim_seconds": self.heap_trim.seconds,
                     "ttft_buckets": list(zip(TTFT_BUCKETS, self._ttft_counts)), "ttft_sum": self._ttft_sum,
                     "ttft_count": self._ttft_n, "uptime_s": time.time() - self.started}
 
@@ -235,10 +237,21 @@ class AsyncLLMEngine:
                     req = self._live.get(out.seq.seq_id)
                     if req is not None:
                         self._deliver(req)
-            if not engine.has_unfinished() and self.requests_finished != self._trimmed_at:
-                self._trimmed_at = self.requests_finished  # idle after work: return the heap's free pages
-                release_free_heap()
-                self.heap_trims += 1
+            self._trim_heap(engine)
+
+    @property
+    def heap_trims(self) -> int:
+        return self.heap_trim.trims
+
+    def _trim_heap(self, engine) -> None:
+        """At a step boundary: trim the heap when the engine has just gone idle after work, or when
+        the policy says memory grew under load (bounded to a share of wall time)."""
+        if not engine.has_unfinished():
+            if self.requests_finished != self._trimmed_at:
+                self._trimmed_at = self.requests_finished
+                self.heap_trim.trim(self.requests_finished)
+        elif self.heap_trim.due(self.requests_finished):
+            self.heap_trim.trim(self.requests_finished)
 
     def _deliver(self, req: _Request) -> None:
         seq = req.seq

@@ -155,6 +155,9 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
+        if self.executor.recovering(seq):  # its batch still writes its pages: they go back once it ends
+            seq.finish("abort")
+            return
         self.scheduler.abort(seq)
 
     def has_unfinished(self) -> bool:
@@ -176,22 +179,39 @@ class Engine:
             recovering = [s for s in prefill if s.recovery is not None]
             chunks = self.scheduler.prompt_chunks([s for s in prefill if s.recovery is None], budget,
                                                   self._selection_rows)
-            batch = self.scheduler.make_room([(s, 1) for s in decode] + chunks, self._preempt)
+            batch = self.scheduler.make_room([(s, 1) for s in decode] + chunks, self._preempt,
+                                             pinned=self.executor.recovering)
         self.timings["steps"] += 1
-        by_method: dict[str, list[Sequence]] = {}
-        for s in recovering:  # those make_room did not preempt
-            if s.recovery is not None:
-                by_method.setdefault(s.method, []).append(s)
+        # recoveries take the step's token budget left by decode and prompt chunks, as row-layers
+        # (a token through every layer): a long one runs some layers per step, mixed with decode
+        left = self.cfg.max_num_batched_tokens - len(decode) - sum(n for _, n in chunks)
+        self.executor.row_layers = max(left, 0) * self.config.num_hidden_layers
+        # those make_room did not preempt
+        recoveries = self.executor.recovery_batches([s for s in recovering if s.recovery is not None])
         groups: dict[str, list[tuple[Sequence, int]]] = {}
         for s, n in batch:
             groups.setdefault(s.plan, []).append((s, n))
         # a decode of every running request and nothing else: its next step can start at once
-        ahead = not by_method and not chunks and len(groups) == 1 and may_look_ahead(self, len(batch))
-        for seqs in by_method.values():
-            self._guarded(seqs, outputs, lambda: self._sample(seqs, self.executor.recover(seqs), outputs))
+        ahead = not recoveries and not chunks and len(groups) == 1 and may_look_ahead(self, len(batch))
+        for seqs in recoveries:
+            self._guarded(seqs, outputs, lambda: self._recover(seqs, outputs))
         for plan, items in groups.items():
             self._guarded([s for s, _ in items], outputs, lambda: self._forward(plan, items, outputs, ahead))
         return outputs
+
+    def _recover(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
+        """The step's piece of a recovery batch; once it ends, its requests sample their first
+        token (those aborted while it ran give their pages back instead)."""
+        done, logits = self.executor.recover(seqs)
+        if not done:
+            return
+        live = [i for i, s in enumerate(done) if not s.finished]
+        for s in done:
+            if s.finished:
+                self.scheduler.free(s)
+        if live:
+            rows = logits if len(live) == len(done) else logits[torch.tensor(live, device=logits.device)]
+            self._sample([done[i] for i in live], rows, outputs)
 
     def _guarded(self, seqs: list[Sequence], outputs: list[StepOutput], run) -> None:
         """A failing forward fails its requests, never the engine."""

@@ -23,15 +23,56 @@ class Executor:
         self.runner, self.pool, self.config, self.prefix_cache = runner, pool, config, prefix_cache
         self.timings, self.recovery_share = timings, recovery_share
         self.selection = None  # HeadSelection: records queries around a forward, selects after it
+        # recoveries split over steps: seq_id -> (its batch's requests, their RecoveryRows), while paused
+        self._jobs: dict[int, tuple[list[Sequence], RecoveryRows]] = {}
+        self.row_layers: int | None = None  # row-layers recoveries may still run this step (None: no limit)
 
-    def recover(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One batched recovery forward for requests of one method (their chunks already in their
-        pages); each request's pages are then trimmed to its plan. Returns their logits."""
-        prompts = [s.token_ids[:s.num_prompt] for s in seqs]
-        with phase(self.timings, "recover"):
+    def recovering(self, seq: Sequence) -> bool:
+        """Is the request's recovery under way (paused between layers): its pages are being written."""
+        return seq.seq_id in self._jobs
+
+    def recovery_batches(self, seqs: list[Sequence]) -> list[list[Sequence]]:
+        """The step's recovery batches: those under way first (as they started), then the new
+        requests by method (one batch each)."""
+        out, new, seen = [], {}, set()
+        for s in seqs:
+            job = self._jobs.get(s.seq_id)
+            if job is None:
+                new.setdefault(s.method, []).append(s)
+            elif s.seq_id not in seen:
+                seen.update(x.seq_id for x in job[0])
+                out.append(job[0])
+        return out + list(new.values())
+
+    def recover(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Run a recovery batch (requests of one method, their chunks already in their pages) for
+        the step: whole, or as many layers as ``row_layers`` allows (at least one), resuming where
+        it paused. Once its last layer has run, each request's pages are trimmed to its plan and
+        (the requests, their logits) come back; until then ([], None)."""
+        job = self._jobs.get(seqs[0].seq_id)
+        if job is None:
+            prompts = [s.token_ids[:s.num_prompt] for s in seqs]
             rows = RecoveryRows(self.config, [s.recovery[0] for s in seqs], [len(p) for p in prompts],
                                 [s.recovery[1] for s in seqs], self.pool.device)
-            logits = self.runner.recover([s.seq_id for s in seqs], prompts, rows)
+        else:
+            seqs, rows = job
+            prompts = [s.token_ids[:s.num_prompt] for s in seqs]
+        rows.budget, rows.spent = self.row_layers, 0
+        try:
+            with phase(self.timings, "recover"):
+                logits = self.runner.recover([s.seq_id for s in seqs], prompts, rows)
+        except BaseException:
+            for s in seqs:
+                self._jobs.pop(s.seq_id, None)
+            raise
+        if self.row_layers is not None:
+            self.row_layers = max(self.row_layers - rows.spent, 0)
+        if logits is None:  # paused between layers: the next step resumes it
+            for s in seqs:
+                self._jobs[s.seq_id] = (seqs, rows)
+            return [], None
+        for s in seqs:
+            self._jobs.pop(s.seq_id, None)
         for s, report, r in zip(seqs, rows.flops(), rows.requests):
             prev = self.recovery_share.get(s.method)
             self.recovery_share[s.method] = r.row_share if prev is None else (prev + r.row_share) / 2
@@ -39,7 +80,7 @@ class Executor:
             s.num_computed = s.num_prompt
             s.flops = report.totals()
             self.pool.trim(s.seq_id)
-        return logits
+        return seqs, logits
 
     def forward(self, plan: str, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """One forward of a plan's batch ((request, new tokens) each). Returns the requests whose

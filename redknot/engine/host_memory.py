@@ -1,4 +1,4 @@
-"""Freed host memory given back to the operating system when the server goes idle.
+"""Freed host memory given back to the operating system: when the server goes idle, and under load.
 
 Serving allocates and frees many short-lived host buffers per request (token lists, numpy
 scratch, tokenizer output, staging copies). glibc's malloc keeps the freed memory in its arenas,
@@ -13,6 +13,8 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import time
+from dataclasses import dataclass, field
 
 
 @functools.cache
@@ -42,3 +44,49 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+@dataclass
+class HeapTrimPolicy:
+    """When the serving loop trims the heap while requests keep running (it never goes idle).
+
+    ``due(finished)`` at a step boundary says whether to trim now: at least ``interval_s`` since
+    the last trim (stretched so trims take at most ``max_share`` of wall time, from the last trim's
+    measured cost), requests finished since (their buffers are what was freed), and resident
+    memory grown by ``min_growth`` of its size after the last trim. ``trim(finished)`` trims and
+    records the cost. ``clock`` and ``rss`` are injectable (tests use fakes)."""
+
+    interval_s: float = 10.0
+    max_share: float = 0.01
+    min_growth: float = 0.02
+    clock: callable = time.monotonic
+    rss: callable = resident_bytes
+    release: callable = release_free_heap
+    trims: int = 0
+    seconds: float = 0.0  # time spent trimming, in all
+    last_cost: float = 0.0
+    _at: float = field(default=None, repr=False)  # clock at the last trim
+    _rss_after: int = 0  # resident bytes right after the last trim
+    _finished: int = 0  # requests finished at the last trim
+
+    def wait_s(self) -> float:
+        """The least time between two trims under load: the interval, or longer where a trim costs
+        more than ``max_share`` of it."""
+        return max(self.interval_s, self.last_cost / self.max_share)
+
+    def due(self, finished: int) -> bool:
+        if self._at is None:  # the first call starts the clock; the baseline is the memory then
+            self._at, self._rss_after, self._finished = self.clock(), self.rss(), finished
+            return False
+        if finished == self._finished or self.clock() - self._at < self.wait_s():
+            return False
+        return self.rss() > self._rss_after * (1 + self.min_growth)
+
+    def trim(self, finished: int) -> None:
+        start = self.clock()
+        self.release()
+        end = self.clock()
+        self.last_cost = end - start
+        self.seconds += self.last_cost
+        self.trims += 1
+        self._at, self._rss_after, self._finished = end, self.rss(), finished

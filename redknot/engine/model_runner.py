@@ -133,7 +133,12 @@ class ModelRunner:
         """Prefill whole prompts under a recovery's row policy (``recovery_batch.RecoveryRows``):
         each layer computes the rows the policy picks, at their positions, and the rest of every
         prompt keeps the K/V already in its pages (relocated chunks). Every position's pages must
-        be ensured. Returns float32 logits [B, V] of each prompt's last position."""
+        be ensured. Returns float32 logits [B, V] of each prompt's last position, or None where the
+        recovery paused between layers for its step's budget (``rows.budget``): the next call with
+        the same ``rows`` resumes it."""
+        if rows.paused is not None:  # its batch and block tables were made when it started
+            hidden = self.adapter.execute(None, None, rows.batch, rows)
+            return None if hidden is None else self.adapter.logits(hidden[rows.last_rows()])
         self.pool.sync_device_tables()
         lens = [len(t) for t in token_ids]
         positions = rows.positions()
@@ -150,7 +155,7 @@ class ModelRunner:
                              window=rows.window, sink=rows.sink)
         rows.batch = batch  # rows that stop at a layer shrink the batch's packed rows
         hidden = self.adapter.execute(ids, positions, batch, rows)
-        return self.adapter.logits(hidden[rows.last_rows()])
+        return None if hidden is None else self.adapter.logits(hidden[rows.last_rows()])
 
     def _batch(self, plan, q_lens, seq_lens, seq_ids, cu, seq_lens_t, positions, slots_t, pages) -> ForwardBatch:
         """The forward's metadata; block tables are the slots' rows of the pool's device table, cut

@@ -68,6 +68,11 @@ class RecoveryRows:
         self.window = torch.stack([w for w, _ in vis]).to(device=device, dtype=torch.int32)  # [L, Hkv]
         self.sink = torch.stack([s for _, s in vis]).to(device=device, dtype=torch.int32)
         self.batch: ForwardBatch | None = None  # the forward's metadata, set by the runner
+        # a recovery split over steps (models' run_recovery_layers): the row-layers the current
+        # step allows (None: no limit), those spent, and (hidden rows, positions, next layer) when paused
+        self.budget: int | None = None
+        self.spent = 0
+        self.paused = None
         self.dropped_ok: list[torch.Tensor] = []  # per dropping layer: were the dropped rows cached (checked at the end)
         # Requests whose rows RedKnot.rows_batch decides together: each layer's selection runs on
         # padded [R, T] tensors (one nonzero and one count copy per layer, whatever R is), not
@@ -82,6 +87,10 @@ class RecoveryRows:
             self._chunk_start = pad([p.chunk_start.to(device) for p in policies], batch_first=True)
             self._cached = pad([r.cached for r in self.requests], batch_first=True)
             self._pad_rows()
+
+    def may_run(self, n: int) -> bool:
+        """May ``n`` rows go through one more layer within the step's budget of row-layers."""
+        return self.budget is None or self.spent + n <= self.budget
 
     # ---------------------------------------------------------------- the batch's rows
 

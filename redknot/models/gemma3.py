@@ -27,7 +27,7 @@ from torch import nn
 from . import linear as projection
 from .adapter import LlamaAdapter
 from .config import ModelConfig
-from .llama import MLP, Attention, LlamaForCausalLM
+from .llama import MLP, Attention, LlamaForCausalLM, run_recovery_layers
 from .rope import RotaryEmbedding, apply_rotation
 
 
@@ -168,13 +168,12 @@ class Gemma3Backbone(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
         """As ``llama.Backbone.forward``: ``rows`` is a recovery's per-layer row plan."""
-        x = self.embed_tokens(input_ids)
         if rows is not None:
-            for layer in self.layers:
-                x, positions = layer.forward_rows(x, positions, batch, rows)
-        else:
-            for layer in self.layers:
-                x = layer(x, positions, batch)
+            x = run_recovery_layers(self.layers, self.embed_tokens, input_ids, positions, batch, rows)
+            return None if x is None else self.norm(x)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, batch)
         return self.norm(x)
 
 

@@ -239,6 +239,27 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def run_recovery_layers(layers, embed, input_ids, positions, batch, rows):
+    """A recovery's decoder layers under its row plan, from where it last paused. Between layers it
+    pauses once the step's budget of row-layers is spent (``rows.may_run(n)``: may n more rows go
+    through one more layer), keeping (hidden rows, positions, next layer) on ``rows.paused``; the
+    next call resumes there (``input_ids`` unused). Every layer runs whole and in order, so a
+    recovery split over steps computes exactly what one forward does. Returns the last layer's
+    rows, or None when it paused."""
+    if rows.paused is None:
+        x, start = embed(input_ids), 0
+    else:
+        (x, positions, start), rows.paused = rows.paused, None
+    for i in range(start, len(layers)):
+        n = x.shape[0]
+        if i > start and not rows.may_run(n):  # at least one layer per call: it always advances
+            rows.paused = (x, positions, i)
+            return None
+        x, positions = layers[i].forward_rows(x, positions, batch, rows)
+        rows.spent += n
+    return x
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -250,12 +271,12 @@ class Backbone(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
         """``batch``: the forward's metadata (``redknot.forward_batch``) every attention layer reads.
         ``rows``: a recovery's per-layer row plan (see ``DecoderLayer.forward_rows``); the hidden
-        states returned are then those of the rows computed through the last layer."""
-        x = self.embed_tokens(input_ids)
+        states returned are then those of the rows computed through the last layer, or None where
+        the recovery paused at a layer boundary for its step's budget (``run_recovery_layers``)."""
         if rows is not None:
-            for layer in self.layers:
-                x, positions = layer.forward_rows(x, positions, batch, rows)
-            return self.norm(x)
+            x = run_recovery_layers(self.layers, self.embed_tokens, input_ids, positions, batch, rows)
+            return None if x is None else self.norm(x)
+        x = self.embed_tokens(input_ids)
         fused = _fused_norms() if x.is_cuda else None
         if fused is None:
             for layer in self.layers:

@@ -158,8 +158,10 @@ class _StatsCollector:
         yield counter("request_errors", "Requests that failed inside the server (5xx).", m.errors())
         yield counter("requests_abandoned_before_prefill", "Requests whose client left while they were queued.",
                       st.get("abandoned_before_prefill", 0))
-        yield counter("host_heap_trims", "Times freed host memory went back to the OS as the engine went idle.",
-                      st.get("heap_trims", 0))
+        yield counter("host_heap_trims", "Times freed host memory went back to the OS (on going idle, or "
+                      "under load when resident memory grew).", st.get("heap_trims", 0))
+        yield counter("host_heap_trim_seconds", "Time the engine loop spent trimming the heap.",
+                      st.get("heap_trim_seconds", 0.0))
         yield gauge("host_resident_bytes", "The server process's resident set size.", resident_bytes())
 
 

@@ -19,3 +19,65 @@ def test_trim_returns_fragmented_free_memory():
     after = resident_bytes()
     assert before > 0 and after < before - 100 * 2**20, (before, after)
     del keep
+
+
+class _Fake:
+    """A clock, a resident size and a trim that costs ``cost`` seconds and gives back ``gives``."""
+
+    def __init__(self, rss=1000, cost=0.005, gives=0):
+        self.t, self.size, self.cost, self.gives, self.calls = 0.0, rss, cost, gives, 0
+
+    def clock(self):
+        return self.t
+
+    def rss(self):
+        return self.size
+
+    def release(self):
+        self.calls += 1
+        self.t += self.cost
+        self.size -= self.gives
+        return True
+
+
+def _policy(f, **kw):
+    from redknot.engine.host_memory import HeapTrimPolicy
+
+    return HeapTrimPolicy(clock=f.clock, rss=f.rss, release=f.release, **kw)
+
+
+def test_trim_under_load_needs_time_finished_requests_and_growth():
+    f = _Fake(rss=1000)
+    p = _policy(f, interval_s=10, min_growth=0.02)
+    assert not p.due(0)  # the first call sets the baseline
+    f.t, f.size = 5.0, 2000
+    assert not p.due(3)  # grown, requests finished, but too soon
+    f.t = 11.0
+    assert not p.due(0)  # no request finished since the baseline: nothing was freed
+    f.size = 1015
+    assert not p.due(3)  # grew by less than 2%
+    f.size = 1030
+    assert p.due(3)
+    p.trim(3)
+    assert f.calls == 1 and p.trims == 1 and abs(p.seconds - 0.005) < 1e-9
+    f.t += 10.0
+    assert not p.due(3)  # same finished count as at the trim
+    assert not p.due(4)  # and no growth past the size measured after the trim (1030)
+    f.size = 1100
+    assert p.due(4)
+
+
+def test_an_expensive_trim_stretches_the_interval():
+    """Trims take at most max_share of wall time: a 0.5 s trim at 1% waits 50 s, not 10."""
+    f = _Fake(rss=1000, cost=0.5)
+    p = _policy(f, interval_s=10, max_share=0.01)
+    p.due(0)
+    f.t, f.size = 10.0, 2000
+    assert p.due(1)
+    p.trim(1)
+    assert p.wait_s() == 50.0
+    f.size = 4000
+    f.t += 20.0
+    assert not p.due(2)
+    f.t += 30.0
+    assert p.due(2)

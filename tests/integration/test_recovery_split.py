@@ -1,0 +1,102 @@
+"""A recovery forward split over steps under the step's token budget: the same tokens as one
+forward, and a concurrent request keeps decoding every step while a long recovery runs."""
+
+import pytest
+import torch
+
+from redknot import LLM, HeadConfig, SamplingParams
+from redknot.config import SparseFFNConfig
+
+DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 3,
+        "Attention heads differ: some look far back, most look at recent tokens. " * 3,
+        "The quick brown fox jumps over the lazy dog near the old mill. " * 3]
+QUESTION = "Question: who founded the city of Varna? Answer:"
+SPARSE = SparseFFNConfig(dense_until=1, mass_thresh=0.3, deep_layer_start=2, mass_thresh_deep=0.1, recent_n=8,
+                         min_keep=4)
+
+
+def make_llm(path, budget):
+    hc = HeadConfig.synthetic(4, 2, 0.5, window=16, sink=4)
+    return LLM(model=path, device="cpu", head_config=hc, page_size=16, sparse_ffn=SPARSE,
+               max_num_batched_tokens=budget)
+
+
+@pytest.fixture(scope="module")
+def path(tiny_checkpoint):
+    return tiny_checkpoint("llama", num_hidden_layers=4)
+
+
+def _run(llm, method):
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_first_logits=True)
+    steps = llm.engine.timings["steps"]
+    out = llm.generate(QUESTION, params, documents=DOCS, method=method)[0]
+    return out.outputs[0].token_ids, out.first_token_logits, llm.engine.timings["steps"] - steps
+
+
+@pytest.mark.parametrize("method", ["redknot", "cacheblend", "qrecompute"])
+def test_split_recovery_gives_the_unsplit_tokens(path, method):
+    """A 16-token budget runs the ~150-row recovery a layer per step; one forward (8192) all at
+    once. Every layer runs whole and in order: same logits bit for bit, same greedy tokens."""
+    whole, split = make_llm(path, 8192), make_llm(path, 16)
+    ref_tokens, ref_logits, ref_steps = _run(whole, method)
+    tokens, logits, steps = _run(split, method)
+    assert tokens == ref_tokens
+    assert torch.equal(logits, ref_logits)
+    assert steps >= ref_steps + 3  # the recovery took a step per layer (4 layers) instead of one
+
+
+def test_a_decoding_request_gets_a_token_every_step_during_a_long_recovery(path):
+    """A short dense request decodes while a long recovery starts: each step gives it a token,
+    and the recovery's row-layers per step stay within the budget (one layer at least)."""
+    budget = 32
+    llm = make_llm(path, budget)
+    engine = llm.engine
+    short = llm.make_sequence("Hello there", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                              method="dense")
+    engine.add_request(short)
+    while not short.output_token_ids:
+        engine.step()
+    long = llm.make_sequence(QUESTION, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                             documents=DOCS * 3, method="redknot")
+    engine.add_request(long)
+    spent, runner = [], engine.runner
+    recover = runner.recover
+
+    def recording(ids, prompts, rows):
+        out = recover(ids, prompts, rows)
+        spent.append((rows.spent, rows.budget))
+        return out
+    runner.recover = recording
+    try:
+        steps = 0
+        while not long.finished:
+            before = len(short.output_token_ids)
+            engine.step()
+            steps += 1
+            assert len(short.output_token_ids) == before + 1  # never held back a step
+    finally:
+        runner.recover = recover
+    assert steps >= 4 and len(spent) >= 4  # split over (at least) its 4 layers
+    n = len(long.token_ids)
+    for used, allowed in spent:
+        assert used <= max(allowed, n)  # within the step's row-layers, or one layer's rows
+    assert allowed < (budget - 1) * 4 + 1
+
+
+def test_aborting_a_recovery_under_way_frees_its_pages_when_it_ends(path):
+    llm = make_llm(path, 16)
+    engine = llm.engine
+    free = engine.pool.num_free_pages
+    seq = llm.make_sequence(QUESTION, SamplingParams(max_tokens=4, temperature=0), documents=DOCS, method="redknot")
+    engine.add_request(seq)
+    engine.step()
+    assert engine.executor.recovering(seq)
+    engine.abort(seq)
+    for _ in range(10):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished() and not engine.executor.recovering(seq)
+    assert seq.finish_reason == "abort"
+    engine.clear_caches()
+    assert engine.pool.num_free_pages == free or engine.pool.num_free_pages == engine.pool.num_pages
