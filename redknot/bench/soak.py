@@ -26,7 +26,6 @@ import datetime
 import json
 import random
 import socket
-import sys
 import threading
 import time
 
@@ -253,6 +252,18 @@ def run(args: argparse.Namespace) -> dict:
     return _report(args, soak.log, unloaded, samples, pages_back)
 
 
+def _command(args) -> str:
+    """The run as a command line, every option spelled out (what reproduces it)."""
+    own = argparse.ArgumentParser(add_help=False)
+    add_arguments(own)
+    parts = ["redknot bench soak"]
+    for action in own._actions:
+        value = getattr(args, action.dest, None)
+        if value is not None:
+            parts.append(f"{action.option_strings[0]} {value}")
+    return " ".join(parts)
+
+
 def _environment() -> dict:
     import os
     import platform
@@ -278,7 +289,7 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     rss_spread = max(rss) / min(rss) - 1 if rss and min(rss) else float("nan")
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     out = {
-        "date": datetime.date.today().isoformat(), "command": "redknot bench soak " + " ".join(sys.argv[3:]),
+        "date": datetime.date.today().isoformat(), "command": _command(args),
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "statuses": log["status"], "server_errors_5xx": fivexx,

@@ -227,6 +227,17 @@ class Engine:
         return self.selection.prompt_rows(seq.plan) if self.selection is not None else 0
 
     def _preempt(self, seq: Sequence) -> None:
+        # a recovery under way: every request of its batch goes (their pages hold some layers
+        # recomputed, the batch cannot resume without it); each re-prefills in the pool
+        for other in self.executor.drop_recovery(seq):
+            if other is not seq and other.seq_id in self.pool:
+                self._requeue(other)
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        if seq.finished:  # aborted while its recovery ran: its pages go back, nothing re-runs
+            self.scheduler.free(seq)
+            return
         self.scheduler.preempt(seq)
         if self.selection is not None:  # it re-prefills under its plan, and selects again
             seq.plan = self.selection.base_plan(seq.plan)

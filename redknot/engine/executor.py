@@ -31,6 +31,15 @@ class Executor:
         """Is the request's recovery under way (paused between layers): its pages are being written."""
         return seq.seq_id in self._jobs
 
+    def drop_recovery(self, seq: Sequence) -> list[Sequence]:
+        """Forget the recovery under way that ``seq`` is in; returns its batch's requests ([] when none)."""
+        job = self._jobs.get(seq.seq_id)
+        if job is None:
+            return []
+        for s in job[0]:
+            self._jobs.pop(s.seq_id, None)
+        return job[0]
+
     def recovery_batches(self, seqs: list[Sequence]) -> list[list[Sequence]]:
         """The step's recovery batches: those under way first (as they started), then the new
         requests by method (one batch each)."""

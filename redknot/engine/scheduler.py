@@ -264,8 +264,8 @@ class Scheduler:
 
     def make_room(self, batch: list[tuple[Sequence, int]], preempt, pinned=None) -> list[tuple[Sequence, int]]:
         """Ensure pages for every scheduled token; evict cached prefixes and chunks, then preempt the
-        newest running requests (``preempt(seq)``; never one ``pinned(seq)`` names: a recovery under
-        way), while the pool is short. Returns the part of the batch that runs."""
+        newest running requests (``preempt(seq)``; those ``pinned(seq)`` names, recoveries under way,
+        only when no other is left), while the pool is short. Returns the part of the batch that runs."""
         out = []
         for s, n in batch:
             while s.seq_id in self.pool:  # else preempted to make room for an earlier one
@@ -277,8 +277,9 @@ class Scheduler:
                     need = self.pool.pages_needed(s.num_computed + n, self.pool.length(s.seq_id), s.plan).peak
                     if self.reclaim(need):
                         continue
-                    victim = next((v for v in reversed(self.running)
-                                   if v is not s and (pinned is None or not pinned(v))), None)
+                    others = [v for v in reversed(self.running) if v is not s]
+                    victim = next((v for v in others if pinned is None or not pinned(v)), None)
+                    victim = victim if victim is not None else next(iter(others), None)
                     if victim is None:
                         if n > 1:  # a prompt chunk: try a smaller one next step
                             break

@@ -117,9 +117,20 @@ def tenant_salt(key: str) -> str:
     return "key:" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:32]
 
 
+def tenant_label(key: str | None) -> str:
+    """The non-secret name of an API key's tenant in /metrics: a short digest prefix."""
+    import hashlib
+
+    return "open" if key is None else "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:8]
+
+
+CACHE_ISOLATION = ("shared", "per-key", "per-salt")
+
+
 def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: ServerLimits | None = None,
               share_cache_across_keys: bool = False, tool_call_parser: str = "hermes",
-              chat_template: str | None = None, metrics_key: str | None = None, pd=None) -> FastAPI:
+              chat_template: str | None = None, metrics_key: str | None = None, pd=None,
+              cache_isolation: str | None = None) -> FastAPI:
     """The FastAPI app. ``api_keys``: keys accepted on every ``/v1`` route (none: open).
     ``/metrics`` takes ``metrics_key`` when given, else any of ``api_keys`` (open with neither).
     ``tool_call_parser``: how ``tool_choice: auto`` outputs become tool calls (``tools.PARSERS``).
@@ -127,13 +138,23 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
     With several keys, each key's requests get their own cache namespace unless
     ``share_cache_across_keys``; that needs an engine that namespaces its caches by
     ``Sequence.cache_salt`` (``Engine.honours_cache_salt``), so without one it is refused here.
-    ``pd``: ``serve.pd.PDOptions`` (prefill/decode disaggregation: the role, the KV transport)."""
+    ``pd``: ``serve.pd.PDOptions`` (prefill/decode disaggregation: the role, the KV transport).
+    ``cache_isolation`` (``CACHE_ISOLATION``): ``shared`` (one namespace; ``share_cache_across_keys``
+    says the same), ``per-key`` (the default: each API key its own namespace), ``per-salt`` (each key
+    its own, and every request must name a ``cache_salt``: a client shares cached content only
+    with requests naming the same salt under the same key). With several API keys and no
+    ``metrics_key``, /metrics shows each key its own tenant's series and no other's sizes."""
     llm = engine.llm
     api_keys = tuple(k for k in api_keys if k)
     limits = (limits or ServerLimits()).resolve(llm.max_model_len)
     honours_salt = bool(getattr(llm.engine, "honours_cache_salt", False))
-    per_key_cache = len(api_keys) > 1 and not share_cache_across_keys
-    if per_key_cache and not honours_salt:
+    isolation = cache_isolation or ("shared" if share_cache_across_keys else "per-key")
+    if isolation not in CACHE_ISOLATION:
+        raise ValueError(f"cache_isolation must be one of {', '.join(CACHE_ISOLATION)}, got {isolation!r}")
+    if share_cache_across_keys and isolation != "shared":
+        raise ValueError(f"share_cache_across_keys contradicts cache_isolation {isolation!r}")
+    per_key_cache = len(api_keys) > 1 and isolation != "shared"
+    if (per_key_cache or isolation == "per-salt") and not honours_salt:
         raise ValueError("this engine cannot give each API key its own cache namespace (it does not honour "
                          "cache_salt); pass share_cache_across_keys (--share-cache-across-keys) to let keys share it")
     if tool_call_parser not in tl.PARSERS:
@@ -148,6 +169,8 @@ def build_app(engine: AsyncLLMEngine, model_name: str, *, api_keys=(), limits: S
                        metrics_keys=(metrics_key,) if metrics_key else api_keys)
     _add_error_handlers(app)
     srv = _Server(engine, model_name, limits, api_keys, per_key_cache, honours_salt, pool, tool_call_parser)
+    srv.salt_required = isolation == "per-salt"
+    srv.tenant_views = len(api_keys) > 1 and not metrics_key  # each key sees its own tenant on /metrics
     if pd is not None:
         from .pd import PDService
 
@@ -260,6 +283,8 @@ class _Server:
         self.metrics = ServerMetrics(engine, model_name, lambda: self.errors)
         engine.observer = self.metrics
         self.pd = None  # serve.pd.PDService: this instance's side of prefill/decode disaggregation
+        self.salt_required = False  # cache isolation per-salt: a request without cache_salt is refused
+        self.tenant_views = False  # /metrics answers a key with its own tenant's series only
 
     async def handoff(self, req, seqs) -> None:
         """A PD router's leg: mark the prefill leg's sequence for export, or pull the decode leg's KV."""
@@ -305,7 +330,15 @@ class _Server:
             raise APIError(400, f"stop_token_ids: {len(req.stop_token_ids)} ids, this server takes at most "
                                 f"{self.limits.max_stop_strings}", param="stop_token_ids")
 
+    def tenant(self, request: Request) -> str:
+        """The /metrics tenant label of the key a request came with ("open" without keys)."""
+        index = request.scope.get("state", {}).get("api_key_index")
+        return tenant_label(self.api_keys[index] if index is not None and self.api_keys else None)
+
     def cache_salt(self, req, request: Request) -> str | None:
+        if self.salt_required and req.cache_salt is None:
+            raise APIError(400, "cache_salt: required by this server (--cache-isolation per-salt): name the cache "
+                                "namespace this request may share", param="cache_salt")
         parts = []
         if self.per_key_cache:
             parts.append(tenant_salt(self.api_keys[request.scope["state"]["api_key_index"]]))
@@ -396,7 +429,11 @@ class _Server:
         self.check_limits(req)
         salt = self.cache_salt(req, request)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.pool, self.build_sequences, req, prompts, documents, salt)
+        seqs = await loop.run_in_executor(self.pool, self.build_sequences, req, prompts, documents, salt)
+        tenant = self.tenant(request)
+        for seq in seqs:
+            self.metrics.tenant_of(seq, tenant)
+        return seqs
 
     def failed(self, e: RequestFailed) -> APIError:
         cause = e.__cause__
@@ -590,8 +627,10 @@ def _add_routes(app: FastAPI, srv: _Server) -> None:
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format 0.0.4",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}, 401: _ERRORS[401]})
-    async def metrics():
-        return PlainTextResponse(srv.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request):
+        index = request.scope.get("state", {}).get("metrics_key_index")
+        tenant = tenant_label(srv.api_keys[index]) if srv.tenant_views and index is not None else None
+        return PlainTextResponse(srv.metrics.render(tenant), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 # ---- guard, errors, schema ---------------------------------------------------------------------
@@ -682,10 +721,13 @@ class _Guard:
                     "missing or incorrect API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key"),
                     extra=[(b"www-authenticate", b"Bearer")])
             scope.setdefault("state", {})["api_key_index"] = index
-        elif self.metrics_keys and scope["path"] == "/metrics" and self._key_index(scope, self.metrics_keys) is None:
-            return await _send_json(send, 401, _err_body(
-                "missing or incorrect key for /metrics: send it as 'Authorization: Bearer <key>'",
-                code="invalid_api_key"), extra=[(b"www-authenticate", b"Bearer")])
+        elif self.metrics_keys and scope["path"] == "/metrics":
+            index = self._key_index(scope, self.metrics_keys)
+            if index is None:
+                return await _send_json(send, 401, _err_body(
+                    "missing or incorrect key for /metrics: send it as 'Authorization: Bearer <key>'",
+                    code="invalid_api_key"), extra=[(b"www-authenticate", b"Bearer")])
+            scope.setdefault("state", {})["metrics_key_index"] = index
         receive = await self._bounded_body(scope, receive, send)
         if receive is None:
             return

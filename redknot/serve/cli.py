@@ -62,8 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the key /metrics requires instead of the API keys (e.g. a scraper's own; default: "
                         "$REDKNOT_METRICS_KEY, else the API keys; open when there are none)")
     g.add_argument("--share-cache-across-keys", action="store_true",
-                   help="with several API keys, let them share cached prompt content (default: each key its own "
-                        "cache namespace, which needs an engine that honours cache_salt)")
+                   help="with several API keys, let them share cached prompt content (--cache-isolation shared)")
+    g.add_argument("--cache-isolation", default=None, choices=("shared", "per-key", "per-salt"),
+                   help="who shares cached prompt content: everyone (shared), requests of one API key (per-key, "
+                        "the default), or requests of one key naming the same cache_salt (per-salt: every request "
+                        "must carry one; 400 without)")
     g.add_argument("--max-body-bytes", type=int, default=None,
                    help="largest request body (413 past it; default: 64 bytes per context token, at least 1 MiB)")
     g.add_argument("--max-documents", type=int, default=256, help="documents per request at most")
@@ -164,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = build_app(engine, args.served_model_name or (args.model or "redknot-testbed"), api_keys=api_keys,
                         limits=limits, share_cache_across_keys=args.share_cache_across_keys,
+                        cache_isolation=args.cache_isolation,
                         tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
                         metrics_key=args.metrics_key or os.environ.get("REDKNOT_METRICS_KEY") or None,
                         pd=pd_options(args))

@@ -59,7 +59,28 @@ class ServerMetrics:
         self.success = Counter(P + "request_success", "Requests that finished, by finish reason.",
                                lab + ["finished_reason"], registry=r)
         self._last: dict[int, float] = {}  # seq_id -> time of its last delivery
+        # per tenant (an API key's label, serve.app.tenant_label): finished requests and their tokens
+        self.tenant = Counter(P + "tenant_requests", "Requests that finished, by tenant.", lab + ["tenant"], registry=r)
+        self.tenant_tokens = Counter(P + "tenant_tokens", "Tokens of finished requests, by tenant and kind "
+                                     "(prompt, generation, cached: prompt tokens served from a cache).",
+                                     lab + ["tenant", "kind"], registry=r)
+        self._tenants: dict[int, str] = {}  # seq_id -> tenant label, until it finishes
         r.register(_StatsCollector(self))
+
+    def tenant_of(self, seq, tenant: str) -> None:
+        """Count ``seq`` under ``tenant`` when it finishes (the front knows the key; the engine not)."""
+        self._tenants[seq.seq_id] = tenant
+        while len(self._tenants) > _MAX_TRACKED:  # aborted before reaching the engine: drop the oldest
+            del self._tenants[next(iter(self._tenants))]
+
+    def _tenant_finished(self, seq) -> None:
+        tenant = self._tenants.pop(seq.seq_id, None)
+        if tenant is None:
+            return
+        self.tenant.labels(self.model_name, tenant).inc()
+        for kind, n in (("prompt", seq.num_prompt), ("generation", len(seq.output_token_ids)),
+                        ("cached", seq.cached_tokens)):
+            self.tenant_tokens.labels(self.model_name, tenant, kind).inc(n)
 
     # ---- on the worker thread ------------------------------------------------------------------
     def delivered(self, seq, arrival: float, new_tokens: int, now: float) -> None:
@@ -96,9 +117,33 @@ class ServerMetrics:
             self.prompt_hist.observe(seq.num_prompt)
             self.gen_hist.observe(out)
             self.success.labels(self.model_name, seq.finish_reason).inc()
+            self._tenant_finished(seq)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenant: str | None = None) -> bytes:
+        """Every series; or, for one ``tenant``, its own series and the global gauges that say
+        nothing about sizes (what runs and waits): never another tenant's tokens, pages or timings."""
+        if tenant is None:
+            return generate_latest(self.registry)
+        return generate_latest(_TenantView(self, tenant))
+
+
+_TENANT_GLOBALS = (P + "num_requests_running", P + "num_requests_waiting")
+
+
+class _TenantView:
+    """One tenant's /metrics: its samples of the per-tenant families, and the global counts of
+    requests running and waiting."""
+
+    def __init__(self, m: ServerMetrics, tenant: str):
+        self.m, self.tenant = m, tenant
+
+    def collect(self):
+        for family in self.m.registry.collect():
+            if family.name in _TENANT_GLOBALS:
+                yield family
+            elif family.name in (P + "tenant_requests", P + "tenant_tokens"):
+                family.samples = [s for s in family.samples if s.labels.get("tenant") == self.tenant]
+                yield family
 
 
 class _StatsCollector:

@@ -77,6 +77,21 @@ def test_a_decoding_request_gets_a_token_every_step_during_a_long_recovery(path)
     finally:
         runner.recover = recover
     assert steps >= 4 and len(spent) >= 4  # split over (at least) its 4 layers
+    # a request arriving while a long recovery runs gets its first token within two steps
+    long = llm.make_sequence(QUESTION, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+                             documents=DOCS[::-1] * 3, method="redknot")
+    engine.add_request(long)
+    engine.step()
+    assert engine.executor.recovering(long)
+    late = llm.make_sequence("Hi", SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), method="dense")
+    engine.add_request(late)
+    waited = 0
+    while not late.output_token_ids:
+        engine.step()
+        waited += 1
+    assert waited <= 2 and engine.executor.recovering(long)
+    while engine.has_unfinished():
+        engine.step()
     n = len(long.token_ids)
     for used, allowed in spent:
         assert used <= max(allowed, n)  # within the step's row-layers, or one layer's rows
@@ -98,5 +113,22 @@ def test_aborting_a_recovery_under_way_frees_its_pages_when_it_ends(path):
         engine.step()
     assert not engine.has_unfinished() and not engine.executor.recovering(seq)
     assert seq.finish_reason == "abort"
-    engine.clear_caches()
-    assert engine.pool.num_free_pages == free or engine.pool.num_free_pages == engine.pool.num_pages
+    assert engine.request_kv_bytes() == 0 and engine.pool.num_free_pages >= free
+
+
+def test_preempting_a_recovery_under_way_requeues_it_and_it_finishes(path):
+    llm = make_llm(path, 16)
+    engine = llm.engine
+    seq = llm.make_sequence(QUESTION, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+                            documents=DOCS, method="redknot")
+    engine.add_request(seq)
+    engine.step()
+    assert engine.executor.recovering(seq)
+    engine._preempt(seq)  # what make_room does when the pool runs short
+    assert not engine.executor.recovering(seq) and seq in engine.scheduler.waiting
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 3 and seq.num_preemptions == 1
+    assert engine.request_kv_bytes() == 0

@@ -167,7 +167,11 @@ def test_recovery_admission_charges_the_rows_a_recovery_computes(tiny_checkpoint
                      max_recovery_rows=None if cap is None else cap * n)
     sizes = []
     recover = fresh.engine.runner.recover
-    fresh.engine.runner.recover = lambda ids, *a: (sizes.append(len(ids)), recover(ids, *a))[1]
+    def starting(ids, prompts, rows):  # a batch's first call (a recovery split over steps resumes in later ones)
+        if rows.paused is None and rows.batch is None:
+            sizes.append(len(ids))
+        return recover(ids, prompts, rows)
+    fresh.engine.runner.recover = starting
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
     ref = fresh.generate(QUESTION, params, documents=DOCS, method="cacheblend")[0].first_token_logits
     share = fresh.engine.recovery_share["cacheblend"]
