@@ -1,6 +1,9 @@
 """A recovery forward split over steps under the step's token budget: the same tokens as one
 forward, and a concurrent request keeps decoding every step while a long recovery runs."""
 
+import json
+import os
+
 import pytest
 import torch
 
@@ -10,20 +13,35 @@ from redknot.config import SparseFFNConfig
 DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120. " * 3,
         "Attention heads differ: some look far back, most look at recent tokens. " * 3,
         "The quick brown fox jumps over the lazy dog near the old mill. " * 3]
+DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")  # the same tests on a GPU
 QUESTION = "Question: who founded the city of Varna? Answer:"
 SPARSE = SparseFFNConfig(dense_until=1, mass_thresh=0.3, deep_layer_start=2, mass_thresh_deep=0.1, recent_n=8,
                          min_keep=4)
 
 
-def make_llm(path, budget):
-    hc = HeadConfig.synthetic(4, 2, 0.5, window=16, sink=4)
-    return LLM(model=path, device="cpu", head_config=hc, page_size=16, sparse_ffn=SPARSE,
+def make_llm(path, budget, layers=4):
+    with open(os.path.join(path, "config.json")) as f:
+        kv = json.load(f).get("num_key_value_heads", 2)
+    hc = HeadConfig.synthetic(layers, kv, 0.5, window=16, sink=4)
+    return LLM(model=path, device=DEVICE, head_config=hc, page_size=16, sparse_ffn=SPARSE,
                max_num_batched_tokens=budget)
 
 
 @pytest.fixture(scope="module")
 def path(tiny_checkpoint):
     return tiny_checkpoint("llama", num_hidden_layers=4)
+
+
+def _unsplit(llm):
+    """The same engine with each recovery run whole in one step (no row-layer budget)."""
+    ex = llm.engine.executor
+    recover = ex.recover
+
+    def whole(seqs):
+        ex.row_layers = None
+        return recover(seqs)
+    ex.recover = whole
+    return llm
 
 
 def _run(llm, method):
@@ -35,14 +53,25 @@ def _run(llm, method):
 
 @pytest.mark.parametrize("method", ["redknot", "cacheblend", "qrecompute"])
 def test_split_recovery_gives_the_unsplit_tokens(path, method):
-    """A 16-token budget runs the ~150-row recovery a layer per step; one forward (8192) all at
-    once. Every layer runs whole and in order: same logits bit for bit, same greedy tokens."""
-    whole, split = make_llm(path, 8192), make_llm(path, 16)
+    """A 16-token budget runs the ~150-row recovery a layer per step; the same engine without the
+    split runs it in one forward. Every layer runs whole and in order: same logits bit for bit,
+    same greedy tokens (the document chunks' own prefill is chunked alike in both)."""
+    whole, split = _unsplit(make_llm(path, 16)), make_llm(path, 16)
     ref_tokens, ref_logits, ref_steps = _run(whole, method)
     tokens, logits, steps = _run(split, method)
     assert tokens == ref_tokens
     assert torch.equal(logits, ref_logits)
     assert steps >= ref_steps + 3  # the recovery took a step per layer (4 layers) instead of one
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "deepseek_v3"])
+def test_split_recovery_is_exact_on_other_backbones(tiny_checkpoint, family):
+    """Gemma 3's backbone and the MLA one (Llama's loop over latent attention) pause and resume too."""
+    layers = 6 if family == "gemma3_text" else 3  # Gemma 3: a global layer after five sliding ones
+    path = tiny_checkpoint(family, num_hidden_layers=layers)
+    ref_tokens, ref_logits, ref_steps = _run(_unsplit(make_llm(path, 16, layers=layers)), "redknot")
+    tokens, logits, steps = _run(make_llm(path, 16, layers=layers), "redknot")
+    assert tokens == ref_tokens and torch.equal(logits, ref_logits) and steps > ref_steps
 
 
 def test_a_decoding_request_gets_a_token_every_step_during_a_long_recovery(path):
@@ -101,7 +130,6 @@ def test_a_decoding_request_gets_a_token_every_step_during_a_long_recovery(path)
 def test_aborting_a_recovery_under_way_frees_its_pages_when_it_ends(path):
     llm = make_llm(path, 16)
     engine = llm.engine
-    free = engine.pool.num_free_pages
     seq = llm.make_sequence(QUESTION, SamplingParams(max_tokens=4, temperature=0), documents=DOCS, method="redknot")
     engine.add_request(seq)
     engine.step()
@@ -113,7 +141,7 @@ def test_aborting_a_recovery_under_way_frees_its_pages_when_it_ends(path):
         engine.step()
     assert not engine.has_unfinished() and not engine.executor.recovering(seq)
     assert seq.finish_reason == "abort"
-    assert engine.request_kv_bytes() == 0 and engine.pool.num_free_pages >= free
+    assert engine.request_kv_bytes() == 0  # what is left in use is the cached documents
 
 
 def test_preempting_a_recovery_under_way_requeues_it_and_it_finishes(path):
