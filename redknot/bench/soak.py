@@ -238,7 +238,8 @@ def run(args: argparse.Namespace) -> dict:
             st = engine.stats()
             samples.append({"t_s": round(time.time() - t0, 1), "rss_bytes": resident_bytes(),
                             "pool_pages": st["pool_pages"], "running": st["running"], "waiting": st["waiting"],
-                            "heap_trims": st["heap_trims"], "heap_trim_s": round(st["heap_trim_seconds"], 4)})
+                            "heap_trims": st["heap_trims"], "heap_trim_s": round(st["heap_trim_seconds"], 4),
+                            "queue": _queue_view(llm.engine)})
         soak.stop.set()
         for t in threads:
             t.join(timeout=args.write_timeout * 4 + 60)
@@ -250,6 +251,19 @@ def run(args: argparse.Namespace) -> dict:
         soak.stop.set()
         srv.stop()
     return _report(args, soak.log, unloaded, samples, pages_back)
+
+
+def _queue_view(engine) -> dict:
+    """What runs and what heads the queue (method, prompt tokens, computed, max_tokens): read
+    from another thread without a lock, for the record only (a race reads an empty view)."""
+    def view(s):
+        return [s.method, s.num_prompt, s.num_computed, s.params.max_tokens]
+    try:
+        waiting = list(engine.scheduler.waiting)[:1]
+        return {"running": [view(s) for s in list(engine.scheduler.running)], "head": [view(s) for s in waiting],
+                "committed_pages": engine.scheduler.committed}
+    except Exception:  # noqa: BLE001  (a list changed size under us)
+        return {}
 
 
 def _command(args) -> str:

@@ -88,6 +88,13 @@ class RecoveryRows:
             self._cached = pad([r.cached for r in self.requests], batch_first=True)
             self._pad_rows()
 
+    def remaining(self) -> int:
+        """Row-layers left at most: the rows it paused with through every layer still to run."""
+        if self.paused is None:
+            return sum(r.n for r in self.requests) * self.cfg.num_hidden_layers
+        x, _, start = self.paused
+        return x.shape[0] * (self.cfg.num_hidden_layers - start)
+
     def may_run(self, n: int) -> bool:
         """May ``n`` rows go through one more layer within the step's budget of row-layers."""
         return self.budget is None or self.spent + n <= self.budget

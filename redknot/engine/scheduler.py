@@ -241,6 +241,10 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step's tokens
 
+    def short_prompt(self, seq: Sequence) -> bool:
+        """Its prompt's rest fits an eighth of the token budget (it goes first in a step)."""
+        return seq.num_pending <= max(1, self.cfg.max_num_batched_tokens // 8)
+
     def prompt_chunks(self, prefill: list[Sequence], budget: int, tail_rows) -> list[tuple[Sequence, int]]:
         """Prompt chunks of prefilling requests under the token ``budget``. ``tail_rows(seq)``: rows
         the forward completing its prompt must compute together (a selection's observation window).
@@ -248,8 +252,7 @@ class Scheduler:
         hold a short request back more than a step (head-of-line blocking); the long ones take the
         rest of the budget in arrival order."""
         chunks = []
-        short = max(1, self.cfg.max_num_batched_tokens // 8)
-        for s in sorted(prefill, key=lambda s: s.num_pending > short):  # stable: arrival order within each
+        for s in sorted(prefill, key=lambda s: not self.short_prompt(s)):  # stable: arrival order within each
             if budget <= 0:
                 break
             n = min(s.num_pending, budget)
