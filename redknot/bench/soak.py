@@ -44,10 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--normal-clients", type=int, default=4)
     p.add_argument("--think-s", type=float, default=2.0,
                    help="normal clients' mean pause between requests (exponential; 0: back to back)")
-    p.add_argument("--heavy-interval-s", type=float, default=30.0,
+    p.add_argument("--heavy-interval-s", type=float, default=60.0,
                    help="pause between the long-prompt client's requests, and between the many-documents client's")
     p.add_argument("--disconnect-interval-s", type=float, default=5.0, help="pause between the disconnector's requests")
-    p.add_argument("--long-prompt-words", type=int, default=3000, help="words of the long-prompt client's prompt")
+    p.add_argument("--method", default="auto", help="the server's default method (redknot serve's --method)")
+    p.add_argument("--long-prompt-words", type=int, default=1000, help="words of the long-prompt client's prompt")
     p.add_argument("--small-documents", type=int, default=128, help="documents per small-documents request")
     p.add_argument("--write-timeout", type=float, default=5.0, help="the server's --write-timeout")
     p.add_argument("--read-timeout", type=float, default=5.0, help="the server's --read-timeout")
@@ -217,8 +218,10 @@ def run(args: argparse.Namespace) -> dict:
     from ..engine.async_engine import AsyncLLMEngine
     from ..engine.host_memory import resident_bytes
     from ..serve.background import BackgroundServer
+    from ..serve.cli import set_default_method
 
     llm = _llm(args)
+    set_default_method(llm, args.method)  # as redknot serve does: documents are reused out of the box
     engine = AsyncLLMEngine(llm)
     srv = BackgroundServer(engine, "m", server_kw=dict(limit_concurrency=args.limit_concurrency,
                                                        read_timeout=args.read_timeout,
@@ -305,7 +308,7 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     out = {
         "date": datetime.date.today().isoformat(), "command": _command(args),
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
-        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "method": args.method,
         "statuses": log["status"], "server_errors_5xx": fivexx,
         "health_max_s": max(log["health_s"], default=float("nan")),
         "ttft_unloaded_p50_s": _pct(unloaded, 0.5), "ttft_unloaded_p99_s": p99_idle,

@@ -248,11 +248,12 @@ class Scheduler:
     def prompt_chunks(self, prefill: list[Sequence], budget: int, tail_rows) -> list[tuple[Sequence, int]]:
         """Prompt chunks of prefilling requests under the token ``budget``. ``tail_rows(seq)``: rows
         the forward completing its prompt must compute together (a selection's observation window).
-        Prompts whose rest fits an eighth of the budget go first, so a long prompt's chunks never
-        hold a short request back more than a step (head-of-line blocking); the long ones take the
-        rest of the budget in arrival order."""
+        The prompts with the least left go first (shortest remaining first; arrival order among
+        equals), so a long prompt's chunks never hold a shorter request back more than a step
+        (head-of-line blocking): it takes what the shorter ones leave. Only a sustained stream of
+        shorter prompts, more than the budget serves, keeps a long one waiting."""
         chunks = []
-        for s in sorted(prefill, key=lambda s: not self.short_prompt(s)):  # stable: arrival order within each
+        for s in sorted(prefill, key=lambda s: s.num_pending):  # stable: arrival order among equals
             if budget <= 0:
                 break
             n = min(s.num_pending, budget)
