@@ -15,7 +15,9 @@ and the running/waiting counts are sampled so an overloaded run shows as one (wa
 
 What it checks (the server-hardening targets): no 5xx, ``/health`` under a second, the normal
 clients' TTFT p99 within 2x the unloaded run, every pool page back to free or cached once the
-clients stop, and resident memory flat (max/min within 10%) over the last two thirds of the run.
+clients stop, and resident memory flat (max/min within 10%) over the last two thirds of the run:
+sampled at an instant every 5 s, and as each 5-s window's floor (a leak or creep raises the floor;
+the instant also catches a forward's live activations).
 Prints a table and writes JSON (``--out``).
 """
 
@@ -237,9 +239,16 @@ def run(args: argparse.Namespace) -> dict:
             t.start()
         samples, t0 = [], time.time()
         while time.time() - t0 < args.minutes * 60:
-            time.sleep(min(5.0, max(0.5, args.minutes * 60 / 60)))
+            # resident memory every 0.25 s: each sample keeps the window's floor and peak beside the
+            # instant (the floor is what the process holds between forwards, the peak adds a
+            # forward's live activations)
+            window, end = [], time.time() + min(5.0, max(0.5, args.minutes * 60 / 60))
+            while time.time() < end:
+                window.append(resident_bytes())
+                time.sleep(0.25)
             st = engine.stats()
-            samples.append({"t_s": round(time.time() - t0, 1), "rss_bytes": resident_bytes(),
+            samples.append({"t_s": round(time.time() - t0, 1), "rss_bytes": window[-1], "rss_floor_bytes": min(window),
+                            "rss_peak_bytes": max(window),
                             "pool_pages": st["pool_pages"], "running": st["running"], "waiting": st["waiting"],
                             "heap_trims": st["heap_trims"], "heap_trim_s": round(st["heap_trim_seconds"], 4),
                             "queue": _queue_view(llm.engine)})
@@ -304,6 +313,8 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     tail = samples[len(samples) // 3:] or samples
     rss = [s["rss_bytes"] for s in tail]
     rss_spread = max(rss) / min(rss) - 1 if rss and min(rss) else float("nan")
+    floor = [s["rss_floor_bytes"] for s in tail]
+    floor_spread = max(floor) / min(floor) - 1 if floor and min(floor) else float("nan")
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     out = {
         "date": datetime.date.today().isoformat(), "command": _command(args),
@@ -315,7 +326,9 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
         "ttft_loaded_p50_s": _pct(log["ttft_s"], 0.5), "ttft_loaded_p99_s": p99_loaded,
         "ttft_p99_ratio": p99_loaded / p99_idle if p99_idle else float("nan"),
         "normal_requests": len(log["ttft_s"]), "pool_pages_back": pages_back,
-        "rss_spread_last_two_thirds": rss_spread,
+        "rss_spread_last_two_thirds": rss_spread, "rss_floor_spread_last_two_thirds": floor_spread,
+        "rss_mib_last_two_thirds": [min(rss) >> 20, max(rss) >> 20] if rss else [],
+        "rss_floor_mib_last_two_thirds": [min(floor) >> 20, max(floor) >> 20] if floor else [],
         "waiting_share_of_samples": sum(s["waiting"] > 0 for s in samples) / max(len(samples), 1),
         "heap_trims": samples[-1]["heap_trims"] if samples else 0,
         "heap_trim_mean_ms": 1000 * samples[-1]["heap_trim_s"] / max(samples[-1]["heap_trims"], 1) if samples else 0,
@@ -323,7 +336,7 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     }
     out["checks"] = {"no_5xx": fivexx == 0, "health_under_1s": out["health_max_s"] < 1.0,
                      "ttft_p99_within_2x": out["ttft_p99_ratio"] <= 2.0, "pages_back": pages_back,
-                     "rss_flat_10pct": rss_spread <= 0.10}
+                     "rss_flat_10pct": rss_spread <= 0.10, "rss_floor_flat_10pct": floor_spread <= 0.10}
     print(f"soak {args.minutes:g} min: {out['normal_requests']} normal requests, statuses {log['status']}")
     print(f"requests waiting in {out['waiting_share_of_samples']:.0%} of samples; {out['heap_trims']} heap trims, "
           f"{out['heap_trim_mean_ms']:.1f} ms each")
@@ -331,7 +344,8 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     rows = [("5xx", fivexx, "no_5xx"), ("/health max s", f"{out['health_max_s']:.3f}", "health_under_1s"),
             ("TTFT p99 / unloaded", f"{out['ttft_p99_ratio']:.2f}", "ttft_p99_within_2x"),
             ("pool pages back", pages_back, "pages_back"),
-            ("RSS spread (last 2/3)", f"{rss_spread:.1%}", "rss_flat_10pct")]
+            ("RSS spread (last 2/3)", f"{rss_spread:.1%}", "rss_flat_10pct"),
+            ("RSS floor spread", f"{floor_spread:.1%}", "rss_floor_flat_10pct")]
     for name, value, check in rows:
         print(f"{name:<22} {str(value):>14} {'yes' if out['checks'][check] else 'NO':>4}")
     if args.out:

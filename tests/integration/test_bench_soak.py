@@ -19,4 +19,5 @@ def test_soak_smoke(tmp_path):
     assert report["samples"] and all(s["rss_bytes"] > 0 for s in report["samples"])
     assert report["command"].startswith("redknot bench soak") and "--think-s 2.0" in report["command"]
     assert report["environment"]["torch"] and report["heap_trims"] >= 0 and "waiting_share_of_samples" in report
-    assert set(report["checks"]) == {"no_5xx", "health_under_1s", "ttft_p99_within_2x", "pages_back", "rss_flat_10pct"}
+    assert set(report["checks"]) == {"no_5xx", "health_under_1s", "ttft_p99_within_2x", "pages_back", "rss_flat_10pct",
+                                     "rss_floor_flat_10pct"}
