@@ -126,9 +126,9 @@ class Engine:
         spec = get_method(seq.method)
         # a request that starts from another instance's prefill lives under the plan its pages came in
         seq.plan = spec.plan if seq.kv_import is None else seq.kv_import.header.plan
-        # a model that cannot take document K/V from elsewhere (hybrid linear attention) prefills the
-        # whole prompt in the pool under the method's plan: as after a preemption, nothing to place
-        seq.reuse = (ReuseState(seq.chunked_prompt, done=not self.adapter.document_reuse)
+        # a method whose document K/V the model cannot take from elsewhere (a hybrid's recovery methods)
+        # prefills the whole prompt in the pool under the method's plan: as after a preemption
+        seq.reuse = (ReuseState(seq.chunked_prompt, done=not self.adapter.places_documents(spec))
                      if spec.reads_chunks and seq.kv_import is None else None)
 
     def prepare(self, seq: Sequence) -> None:
