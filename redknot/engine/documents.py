@@ -27,9 +27,12 @@ from .sequence import Sequence
 
 # Pool sequences set aside for prefilling missing chunks (beside max_num_seqs requests).
 CHUNK_SLOTS = 32
+# On a hybrid model fewer: each slot also holds a linear state (74 MB on Qwen3-Next-80B).
+LINEAR_CHUNK_SLOTS = 4
 # Device bytes the linear-layer entries of cached chunks may take on a hybrid model (each is about
-# twice a sequence's recurrent state: 150 MB on Qwen3-Next-80B); least recently used go first.
-LINEAR_CHUNK_BYTES = 4 << 30
+# twice a sequence's recurrent state: 150 MB on Qwen3-Next-80B); least recently used go first. The
+# memory profile sets them aside before sizing the page pool.
+LINEAR_CHUNK_BYTES = 2 << 30
 
 
 def pages_of(entries: dict) -> np.ndarray:
@@ -48,6 +51,8 @@ class DocumentKV:
         layout = adapter.state_layout()
         self.linear_spec = layout.linear  # a hybrid's linear layers (None: no linear state)
         self.linear = LinearChunkStore(LINEAR_CHUNK_BYTES) if layout.linear is not None else None
+        # pool sequences its chunk prefills may take at once (0: the model takes no document K/V)
+        self.chunk_slots = (CHUNK_SLOTS if layout.linear is None else LINEAR_CHUNK_SLOTS) if adapter.document_reuse else 0
         self.attach(None, None, None, None, lambda pages, keep=(): 0)
 
     def attach(self, pool, runner, chunk_cache: ChunkCache | None, prefix_cache, reclaim) -> None:
@@ -129,13 +134,13 @@ class DocumentKV:
 
     def _prefill(self, missing: list, reserve: int, entries: dict, salt: str | None, pieces: dict | None) -> int:
         """Prefill chunks at their canonical positions as short-lived dense pool sequences (from
-        any cached prefix), CHUNK_SLOTS and one token budget at a time; the chunk cache keeps
+        any cached prefix), ``chunk_slots`` and one token budget at a time; the chunk cache keeps
         their pages. Adds each pinned entry to ``entries`` (on a hybrid its linear-layer entry to
         ``pieces``); returns tokens computed."""
         computed = 0
         while missing:
             group, tokens = [], 0
-            while missing and len(group) < CHUNK_SLOTS and (not group or tokens + len(missing[0][1][0])
+            while missing and len(group) < self.chunk_slots and (not group or tokens + len(missing[0][1][0])
                                                             <= self.max_batched_tokens):
                 group.append(missing.pop(0))
                 tokens += len(group[-1][1][0])

@@ -28,7 +28,7 @@ from ..reuse.registry import get_method
 from . import engine_state as state
 from .admission import admit
 from .detokenizer import IncrementalDetokenizer
-from .documents import CHUNK_SLOTS, DocumentKV
+from .documents import DocumentKV
 from .executor import Executor
 from . import handoff
 from .engine_config import EngineConfig
@@ -94,7 +94,7 @@ class Engine:
         """The pool of ``num_pages`` pages and everything over it: runner, caches, scheduler."""
         scheduler = getattr(self, "scheduler", None)
         self.pool = build_pool(self.adapter, self.head_config, num_pages, self.cfg.page_size, self.dtype, self.device,
-                               self.cfg.max_num_seqs + (CHUNK_SLOTS if self.adapter.document_reuse else 0),
+                               self.cfg.max_num_seqs + self.documents.chunk_slots,
                                self.max_model_len, plans,
                                self.cfg.linear_state_snapshots if self.cfg.enable_prefix_caching else 0)
         self.runner = build_runner(self.adapter, self.pool, self.cfg)
