@@ -4,6 +4,7 @@ or its own state where the head's decay over the chunk is at most the threshold 
 bounded by the decay); full_reuse through the engine, its FLOPs, and the prefix cache beside it."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -188,3 +189,23 @@ def test_chunk_prefills_resume_a_cached_prefix_state(hybrid):
     out = warm.generate(prompt, FIRST, method="full_reuse")[0]
     assert resumed == [48] * len(DOCS)
     assert cos(out.first_token_logits, want) >= 0.99999 and rel(out.first_token_logits, want) <= 1e-4
+
+
+@pytest.mark.skipif(os.environ.get("REDKNOT_TEST_DEVICE", "cpu") != "cuda" or not torch.cuda.is_available(),
+                    reason="needs a GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_full_reuse_on_cuda_equals_dense_after_one_document(hybrid, dtype):
+    """On a GPU (flash-linear-attention's kernels in the prefills where they import, the transitions
+    in torch): one placed document equals dense prefill, three run with fewer FLOPs, and CUDA-graph
+    decode continues from the placed state."""
+    llm = LLM(model=hybrid, device="cuda", dtype=dtype, page_size=16, kv_pages=2048,
+              reuse_options=ReuseOptions(linear_decay_threshold=0.0))
+    dense = llm.generate(PROMPT, FIRST, documents=DOCS[:1], method="dense")[0].first_token_logits
+    out = llm.generate(PROMPT, FIRST, documents=DOCS[:1], method="full_reuse")[0].first_token_logits
+    assert cos(out, dense) >= (0.9999 if dtype == "float32" else 0.999)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    many = llm.generate(PROMPT, params, documents=DOCS, method="full_reuse")[0]
+    assert len(many.outputs[0].token_ids) == 16
+    assert many.metrics["flops"]["total"] < llm.generate(PROMPT, FIRST, documents=DOCS,
+                                                         method="dense")[0].metrics["flops"]["total"]
+    assert llm.engine.request_kv_bytes() == 0 and llm.engine.idle()
