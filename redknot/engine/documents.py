@@ -240,7 +240,10 @@ class DocumentKV:
 
     def _place_linear(self, seq: Sequence, threshold: float) -> None:
         """Compose the prefix's and chunks' linear-layer entries into the request's state slot (the
-        question's prefill continues from there) and keep what it did for the FLOPs."""
+        question's prefill continues from there) and keep what it did for the FLOPs. Nothing to
+        place: the question starts at position 0, from a zero state."""
+        if not self.specs(seq):
+            return
         placed = self.compose_linear(seq, threshold)
         self.pool.linear_state.put(self.pool.slot(seq.seq_id), placed.conv, placed.recurrent)
         seq.reuse.linear = LinearReuse(placed.composed, placed.dropped, placed.exact)
