@@ -60,19 +60,38 @@ def _align_kernel(ids_ptr, slot_pair_ptr, block_expert_ptr, n_pairs, n_slots, n_
 
 
 @triton.jit
+def _block_rows(slot_pair_ptr, block_expert_ptr, n_pairs, BLOCK_M: tl.constexpr):
+    """The grouped kernels' routing prologue: this program's block of slots (axis 0) -> (its expert,
+    -1 past the last run; its slots; the pair in each slot; which slots hold a pair, not padding)."""
+    pid_m = tl.program_id(0)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(slot_pair_ptr + rows)
+    return e, rows, pair, pair < n_pairs
+
+
+@triton.jit
+def _activate(gate, up, alpha, limit, ACT: tl.constexpr):
+    """``moe_reference.gated_activation`` on float32 tiles."""
+    if ACT == "silu":
+        h = gate * tl.sigmoid(gate) * up
+    else:  # swiglu_clamped (gpt-oss)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = (up + 1) * (gate * tl.sigmoid(gate * alpha))
+    return h
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, n_pairs, H, I,
                     stride_xm, stride_we, stride_wn, stride_be, stride_om, alpha, limit,
                     TOP_K: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    e, rows, pair, valid = _block_rows(slot_pair_ptr, block_expert_ptr, n_pairs, BLOCK_M)
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(slot_pair_ptr + rows)
-    valid = pair < n_pairs
     tok = (pair // TOP_K).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok_n = cols < I
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xm + ks[None, :]
@@ -93,12 +112,7 @@ def _gate_up_kernel(x_ptr, w_ptr, b_ptr, out_ptr, slot_pair_ptr, block_expert_pt
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * stride_be + cols, mask=ok_n, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + e * stride_be + I + cols, mask=ok_n, other=0.0).to(tl.float32)[None, :]
-    if ACT == "silu":
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-    else:  # swiglu_clamped (gpt-oss)
-        gate = tl.minimum(acc_g, limit)
-        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = (up + 1) * (gate * tl.sigmoid(gate * alpha))
+    h = _activate(acc_g, acc_u, alpha, limit, ACT)
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out_ptrs, h.to(out_ptr.dtype.element_ty), mask=valid[:, None] & ok_n[None, :])
 
@@ -108,14 +122,10 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, out_ptr, slot_pair_ptr, block_expert_ptr, 
                  stride_am, stride_we, stride_wn, stride_be, stride_om,
                  HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    e, rows, pair, valid = _block_rows(slot_pair_ptr, block_expert_ptr, n_pairs, BLOCK_M)
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(slot_pair_ptr + rows)
-    valid = pair < n_pairs
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok_n = cols < H
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :]
