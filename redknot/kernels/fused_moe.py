@@ -298,7 +298,9 @@ def _precision(x: torch.Tensor) -> str:
 def gemv_config(n_pairs: int, hidden: int, inter: int, programs: int = 512) -> dict:
     """Tiles of the few-token path: (BLOCK_N, BLOCK_K, num_warps) of gate_up and (BLOCK_N, BLOCK_K,
     num_warps, splits of I) of down, the widest N tiles (then splits of down's K) that still give
-    about ``programs`` programs, so a decode step's few pairs stream their experts from every SM."""
+    about ``programs`` programs, so a decode step's few pairs stream their experts from every SM.
+    gate_up's K is never split: its activation needs the whole sum, so narrow N tiles (down to 8
+    rows of gate and 8 of up) give it its programs instead."""
     def tiles(n):
         return next((bn for bn in (32, 16) if n_pairs * triton.cdiv(n, bn) >= programs), 8)
 
