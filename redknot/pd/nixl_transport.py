@@ -73,7 +73,11 @@ class NixlPath:
         h.extra = {"agent": self.agent_name, "metadata": metadata, "addr": payload.data_ptr(),
                    "len": payload.numel(), "device": max(payload.get_device(), 0),
                    "mem": "VRAM" if payload.is_cuda else "DRAM"}
-        server.send(ident, b"H", h.encode())
+        try:
+            server.send(ident, b"H", h.encode())
+        except BaseException:  # the receiver never hears of the buffer: nothing will release it but this
+            self.release(h.lease)
+            raise
         server.count(class_bytes(lease.head_class, np.concatenate([lease.page_head] * 2), h.page_bytes))
         return False  # the receiver READs after this: the staging buffer lives until its "done"
 
