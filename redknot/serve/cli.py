@@ -97,9 +97,9 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill: keep prefilled requests' pages (per head, what the plan sees) for a decode "
                         "instance to pull; decode: pull them and decode; both (default): either leg, and plain "
                         "requests as always")
-    g.add_argument("--pd-transport", choices=("tcp", "cuda_ipc", "nccl"), default="tcp",
+    g.add_argument("--pd-transport", choices=("tcp", "cuda_ipc", "nccl", "nixl"), default="tcp",
                    help="how page bytes travel: tcp (ZeroMQ), cuda_ipc (two processes on one GPU), nccl "
-                        "(torch.distributed point-to-point; gloo on CPUs)")
+                        "(torch.distributed point-to-point; gloo on CPUs), nixl (NIXL READs; needs redknot[nixl])")
     g.add_argument("--pd-host", default=None,
                    help="address the KV server binds and names in kv_transfer_params (default: --host)")
     g.add_argument("--pd-port", type=int, default=0, help="KV server port (default 0: any free one)")
