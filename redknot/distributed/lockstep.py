@@ -43,6 +43,7 @@ class CheckedExecutor(Executor):
         super().__init__(inner.runner, inner.pool, inner.config, inner.prefix_cache, inner.timings,
                          inner.recovery_share)
         self.engine = engine
+        self.tp = engine.group  # recovery scores sum over every rank's heads
 
     def _check(self, kind: str, plan: str, rows) -> None:
         if not self.engine.group.agree(batch_digest(kind, plan, rows)):
