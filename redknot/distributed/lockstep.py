@@ -16,7 +16,7 @@ import hashlib
 
 import torch
 
-from ..engine import engine_state as state
+from ..engine.engine_state import clear_caches
 from ..engine.engine import Engine
 from ..engine.executor import Executor
 from ..engine.sequence import Sequence
@@ -100,7 +100,7 @@ class LockstepEngine(Engine):
             self.pending.append(("abort", seq.seq_id))
 
     def clear_caches(self) -> None:
-        state.clear_caches(self)
+        clear_caches(self)
         if self.group.is_driver:
             self.pending.append(("clear",))
 
@@ -162,6 +162,6 @@ class LockstepEngine(Engine):
             if seq is not None:
                 Engine.abort(self, seq)
         elif call[0] == "clear":
-            state.clear_caches(self)
+            clear_caches(self)
         for i in [i for i, s in self.replayed.items() if s.finished]:
             del self.replayed[i]

@@ -103,26 +103,27 @@ class LLM:
         tokenizer = self._load(model, dtype, tokenizer)
         self.tokenizer = tokenizer or _load_tokenizer(model)
         self.fingerprint = model_fingerprint(self.model, self.config, self.tokenizer)
-        engine_cls, extra = (Engine, {}) if self.tp is None else (LockstepEngine, dict(
-            group=self.tp.group, watch=self.tp.watch, grammars=lambda: self.grammars))
-        self.engine = engine_cls(self.model, self.config if self.tp is None else self.tp.local_config,
-                                 self.tokenizer, self.fingerprint,
-                                 head_config if self.tp is None else self.tp.shard.head_config(head_config),
-                                 self.sparse_ffn, self.device, EngineConfig(
-                                 page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens,
-                                 max_recovery_rows=max_recovery_rows, max_model_len=max_model_len,
-                                 enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
-                                 async_decode=async_decode,
-                                 chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                                 reserve_full_length=reserve_full_length, kernel=kernel,
-                                 reuse_options=reuse_options, selection=selection, kv_offload=kv_offload,
-                                 kv_events=kv_events), **extra)
-        if self.tp is not None:
-            self.tp.engine = self.engine
+        self.engine = self._make_engine(head_config, EngineConfig(
+            page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_recovery_rows=max_recovery_rows,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+            async_decode=async_decode, chunk_cache_bytes=chunk_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, reserve_full_length=reserve_full_length, kernel=kernel,
+            reuse_options=reuse_options, selection=selection, kv_offload=kv_offload, kv_events=kv_events))
         self.max_model_len = self.engine.max_model_len
         self.method = self.check_method(method)
         self._grammars = None
+
+    def _make_engine(self, head_config, cfg: EngineConfig) -> Engine:
+        """The engine; under tensor parallelism this rank's lockstep engine over its share of the
+        heads (local config, the head plan's slice)."""
+        if self.tp is None:
+            return Engine(self.model, self.config, self.tokenizer, self.fingerprint, head_config, self.sparse_ffn,
+                          self.device, cfg)
+        self.tp.engine = LockstepEngine(self.model, self.tp.local_config, self.tokenizer, self.fingerprint,
+                                        self.tp.shard.head_config(head_config), self.sparse_ffn, self.device, cfg,
+                                        group=self.tp.group, watch=self.tp.watch, grammars=lambda: self.grammars)
+        return self.tp.engine
 
     def _load(self, model, dtype, tokenizer):
         """Load (or build, for a ModelConfig) the model, this rank's shard of it under tensor
