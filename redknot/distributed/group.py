@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ class TPGroup:
     device: torch.device
     device_group: object = None  # torch.distributed ProcessGroup for tensors
     cpu_group: object = None  # gloo ProcessGroup for pickled commands
+    comm_s: float = 0.0  # host seconds in the model's collectives (CPU: their whole time, waits included)
 
     @property
     def is_driver(self) -> bool:
@@ -35,13 +37,17 @@ class TPGroup:
     # ---- tensor collectives (the model's) -------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of ``x`` over the ranks, in place (returned for chaining)."""
+        t0 = time.perf_counter()
         dist.all_reduce(x, group=self.device_group)
+        self.comm_s += time.perf_counter() - t0
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's ``x`` concatenated along the last dimension, in rank order."""
+        t0 = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        self.comm_s += time.perf_counter() - t0
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
