@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled model)")
     p.add_argument("--arch", default=None, choices=sorted(ARCHS), help="random weights of this shape instead")
     p.add_argument("--tensor-parallel-size", type=int, default=2)
+    p.add_argument("--no-baseline", action="store_true", help="skip the one-process run (a model that does not fit one GPU)")
     p.add_argument("--cases", default="1x256,8x256", help="comma list of BATCHxCONTEXT")
     p.add_argument("--tokens", type=int, default=32, help="tokens decoded per sequence")
     p.add_argument("--head-config", default=None, help="gPERCENT-wWINDOW (e.g. g15-w1024): also run headsparse")
@@ -79,10 +80,12 @@ def run(args) -> dict:
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     methods = ["dense"] + (["headsparse"] if args.head_config else [])
     rows = []
-    for tp in sorted({1, args.tensor_parallel_size}):
+    sizes = [args.tensor_parallel_size] if args.no_baseline else sorted({1, args.tensor_parallel_size})
+    imb = None
+    for tp in sizes:
         llm = _llm(args, tp)
         try:
-            imb = llm.tp.imbalance if llm.tp is not None else None
+            imb = llm.tp.imbalance if llm.tp is not None else imb
             for method in methods:
                 for b, c in cases:
                     row = {"tensor_parallel_size": tp, **_case(llm, method, b, c, args.tokens)}
