@@ -133,7 +133,10 @@ class LlamaAdapter(ModelAdapter):
         return getattr(self._body.layers[layer].self_attn, "sinks", None)
 
     def layer_attention(self, layer, hidden, attn_out):
-        return hidden + self._body.layers[layer].self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        attn = self._body.layers[layer].self_attn
+        out = attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        reduce = getattr(attn, "reduce", None)  # tensor parallel: each rank's heads give a partial sum
+        return hidden + (out if reduce is None else reduce(out))
 
     def layer_ffn(self, layer, hidden, rows=None):
         return self._body.layers[layer].add_ffn(hidden, rows)
