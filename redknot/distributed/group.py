@@ -70,6 +70,13 @@ class TPGroup:
         return int(x[0]) == -int(x[1]) == d
 
 
+    def agree_min(self, n: int) -> int:
+        """The smallest of every rank's ``n`` (the ranks size shared structures alike)."""
+        x = torch.tensor([int(n)], dtype=torch.int64)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(x[0])
+
+
 _current: TPGroup | None = None
 
 

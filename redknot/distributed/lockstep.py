@@ -86,6 +86,11 @@ class LockstepEngine(Engine):
         self.executor = CheckedExecutor(self.executor, self)
         self.selection = self._selection  # attached to the checked executor
 
+    def resize_pool(self, num_pages: int) -> None:
+        """Every rank's pool gets the smallest size any rank profiled: equal pools admit and evict
+        alike, which keeps the engines in lockstep (each rank's free memory may differ)."""
+        super().resize_pool(self.group.agree_min(num_pages))
+
     # ---- rank 0: the calls the fronts make, recorded for the workers
     def add_request(self, seq: Sequence) -> None:
         if seq.kv_import is not None or seq.kv_export is not None:

@@ -100,3 +100,28 @@ def test_what_cannot_be_split_is_a_clear_error(full):
         check_tensor_parallel(cfg, 3)
     with pytest.raises(ValueError, match="positive integer"):
         check_tensor_parallel(cfg, -1)
+
+
+def _agree_min_rank(rank: int, address: str, out) -> None:
+    from redknot.distributed.group import close_group, init_group
+    group = init_group(rank, 2, address, torch.device("cpu"), timeout_s=30)
+    try:
+        out.put((rank, group.agree_min(100 + 7 * rank)))
+    finally:
+        close_group()
+
+
+def test_ranks_agree_on_the_smallest_pool():
+    """Pools are sized alike on every rank (the smallest profiled size), or they would admit differently."""
+    import torch.multiprocessing as mp
+
+    from redknot.distributed.group import free_address
+    ctx = mp.get_context("spawn")
+    out, address = ctx.Queue(), free_address()
+    procs = [ctx.Process(target=_agree_min_rank, args=(r, address, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    assert got == {0: 100, 1: 100}
