@@ -23,6 +23,7 @@ class Executor:
         self.runner, self.pool, self.config, self.prefix_cache = runner, pool, config, prefix_cache
         self.timings, self.recovery_share = timings, recovery_share
         self.selection = None  # HeadSelection: records queries around a forward, selects after it
+        self.tp = None  # tensor parallel: the group whose ranks hold the other KV heads
         # recoveries split over steps: seq_id -> (its batch's requests, their RecoveryRows), while paused
         self._jobs: dict[int, tuple[list[Sequence], RecoveryRows]] = {}
         self.row_layers: int | None = None  # row-layers recoveries may still run this step (None: no limit)
@@ -68,7 +69,7 @@ class Executor:
         if job is None:
             prompts = [s.token_ids[:s.num_prompt] for s in seqs]
             rows = RecoveryRows(self.config, [s.recovery[0] for s in seqs], [len(p) for p in prompts],
-                                [s.recovery[1] for s in seqs], self.pool.device)
+                                [s.recovery[1] for s in seqs], self.pool.device, self.tp)
         else:
             seqs, rows = job
             prompts = [s.token_ids[:s.num_prompt] for s in seqs]
@@ -132,7 +133,8 @@ class Executor:
                 if s.flops is None and s.prefill_start is not None:
                     recomputed = s.reuse.recomputed if s.reuse is not None else []
                     s.flops = prefill_flops(self.config, recomputed + list(range(s.prefill_start, s.num_prompt)),
-                                            *self.pool.head_window_sink(s.plan))
+                                            *self.pool.head_window_sink(s.plan),
+                                            linear=s.reuse.linear if s.reuse is not None else None)
         if self.selection is not None:
             with phase(self.timings, "select"):
                 self.selection.end(captured)

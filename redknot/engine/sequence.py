@@ -29,6 +29,8 @@ class ReuseState:
     spans: list[tuple[int, int]] = field(default_factory=list)  # (start, tokens) its first prefill forward recomputes
     specs: list | None = None  # (key, canonical tokens, start) of its prefix and chunks, hashed once
     recovery: tuple | None = None  # recovery methods before their recovery forward: (Policy, cached bool [N])
+    linear: object | None = None  # a hybrid's placed linear state: reuse.flops.LinearReuse (its FLOPs)
+    linear_pieces: dict | None = None  # a hybrid's chunk key -> cache.linear_chunks.LinearChunk, until placed
 
 
 @dataclass(eq=False)
