@@ -160,3 +160,21 @@ def test_preempting_a_recovery_under_way_requeues_it_and_it_finishes(path):
         engine.step()
     assert seq.finish_reason == "length" and len(seq.output_token_ids) == 3 and seq.num_preemptions == 1
     assert engine.request_kv_bytes() == 0
+
+
+def test_split_recovery_under_tensor_parallelism_equals_one_process(tiny_checkpoint):
+    """Two ranks split a recovery at the same layers (their rows agree, the budget is the same
+    schedule's) and give one process's tokens."""
+    from redknot.config import SparseFFNConfig
+
+    path = tiny_checkpoint("llama", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    kw = dict(model=path, dtype=torch.float32, device="cpu", kv_pages=2048, page_size=8, cuda_graphs=False,
+              head_config=HeadConfig.synthetic(3, 4, 0.5, window=16, sink=4), max_num_batched_tokens=16,
+              sparse_ffn=SparseFFNConfig(dense_until=1, keep_fraction=0.4, importance="cross", recent_n=8,
+                                         min_keep=4))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    one = LLM(**kw).generate(QUESTION, params, documents=DOCS, method="redknot")[0].outputs[0].token_ids
+    with LLM(**kw, tensor_parallel_size=2) as two:
+        steps = two.engine.timings["steps"]
+        assert two.generate(QUESTION, params, documents=DOCS, method="redknot")[0].outputs[0].token_ids == one
+        assert two.engine.timings["steps"] - steps > 4  # the recovery took several steps
