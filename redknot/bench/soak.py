@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
                 time.sleep(0.25)
             st = engine.stats()
             samples.append({"t_s": round(time.time() - t0, 1), "rss_bytes": window[-1], "rss_floor_bytes": min(window),
-                            "rss_peak_bytes": max(window),
+                            "rss_peak_bytes": max(window), "loadavg_1m": _loadavg(),
                             "pool_pages": st["pool_pages"], "running": st["running"], "waiting": st["waiting"],
                             "heap_trims": st["heap_trims"], "heap_trim_s": round(st["heap_trim_seconds"], 4),
                             "queue": _queue_view(llm.engine)})
@@ -276,6 +276,16 @@ def _queue_view(engine) -> dict:
                 "committed_pages": engine.scheduler.committed}
     except Exception:  # noqa: BLE001  (a list changed size under us)
         return {}
+
+
+def _loadavg() -> float:
+    """The machine's 1-minute load average (other processes' work shows in it), or -1."""
+    import os
+
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return -1.0
 
 
 def _command(args) -> str:
@@ -330,6 +340,8 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
         "rss_mib_last_two_thirds": [min(rss) >> 20, max(rss) >> 20] if rss else [],
         "rss_floor_mib_last_two_thirds": [min(floor) >> 20, max(floor) >> 20] if floor else [],
         "waiting_share_of_samples": sum(s["waiting"] > 0 for s in samples) / max(len(samples), 1),
+        "loadavg_1m_mean_max": [round(sum(s["loadavg_1m"] for s in samples) / max(len(samples), 1), 2),
+                                max((s["loadavg_1m"] for s in samples), default=-1.0)],
         "heap_trims": samples[-1]["heap_trims"] if samples else 0,
         "heap_trim_mean_ms": 1000 * samples[-1]["heap_trim_s"] / max(samples[-1]["heap_trims"], 1) if samples else 0,
         "samples": samples,
