@@ -14,6 +14,7 @@ import ctypes.util
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -59,13 +60,13 @@ class HeapTrimPolicy:
     interval_s: float = 10.0
     max_share: float = 0.01
     min_growth: float = 0.02
-    clock: callable = time.monotonic
-    rss: callable = resident_bytes
-    release: callable = release_free_heap
+    clock: Callable[[], float] = time.monotonic
+    rss: Callable[[], int] = resident_bytes
+    release: Callable[[], bool] = release_free_heap
     trims: int = 0
     seconds: float = 0.0  # time spent trimming, in all
     last_cost: float = 0.0
-    _at: float = field(default=None, repr=False)  # clock at the last trim
+    _at: float | None = field(default=None, repr=False)  # clock at the last trim
     _rss_after: int = 0  # resident bytes right after the last trim
     _finished: int = 0  # requests finished at the last trim
 
