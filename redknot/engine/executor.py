@@ -48,8 +48,9 @@ class Executor:
         return job[0]
 
     def recovery_batches(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """The step's recovery batches: those under way first (as they started), then the new
-        requests by method (one batch each)."""
+        """The step's recovery batches (those under way, and the new requests by method, one batch
+        each), the least work left first: the step's budget goes to a short recovery before a long
+        one (a new batch's work: its rows through every layer)."""
         out, new, seen = [], {}, set()
         for s in seqs:
             job = self._jobs.get(s.seq_id)
@@ -57,8 +58,10 @@ class Executor:
                 new.setdefault(s.method, []).append(s)
             elif s.seq_id not in seen:
                 seen.update(x.seq_id for x in job[0])
-                out.append(job[0])
-        return out + list(new.values())
+                out.append((job[1].remaining(), job[0]))
+        layers = self.config.num_hidden_layers
+        out += [(sum(s.num_prompt for s in batch) * layers, batch) for batch in new.values()]
+        return [batch for _, batch in sorted(out, key=lambda x: x[0])]
 
     def recover(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Run a recovery batch (requests of one method, their chunks already in their pages) for

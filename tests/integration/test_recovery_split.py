@@ -178,3 +178,21 @@ def test_split_recovery_under_tensor_parallelism_equals_one_process(tiny_checkpo
         steps = two.engine.timings["steps"]
         assert two.generate(QUESTION, params, documents=DOCS, method="redknot")[0].outputs[0].token_ids == one
         assert two.engine.timings["steps"] - steps > 4  # the recovery took several steps
+
+
+def test_the_recovery_with_the_least_work_left_runs_first(path):
+    """A short recovery admitted while a long one is under way takes the step's budget first."""
+    llm = make_llm(path, 16)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    long = llm.make_sequence(QUESTION, params, documents=DOCS * 3, method="redknot")
+    engine.add_request(long)
+    engine.step()
+    assert engine.executor.recovering(long)
+    short = llm.make_sequence(QUESTION, params, documents=DOCS[:1], method="redknot")
+    engine.add_request(short)
+    while not short.output_token_ids:
+        engine.step()
+    assert not long.output_token_ids  # the long one was still under way
+    while engine.has_unfinished():
+        engine.step()
