@@ -75,7 +75,8 @@ class _Soak:
         self.docs = [f"Document {i}. " + " ".join(rng.choice(WORDS) for _ in range(120)) for i in range(16)]
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.log = {"status": {}, "ttft_s": [], "health_s": [], "errors": []}
+        self.log = {"status": {}, "ttft_s": [], "ttft_at": [], "heavy": [], "health_s": [], "errors": []}
+        self.t0 = time.time()  # the loaded run's start (ttft_at: each request's start after it)
         self.client = lambda: httpx.Client(base_url=base, timeout=120, trust_env=False)
         self.host, self.port = base.split("//")[1].split(":")
 
@@ -83,6 +84,11 @@ class _Soak:
         with self.lock:
             key = f"{kind}:{status}"
             self.log["status"][key] = self.log["status"].get(key, 0) + 1
+
+    def _heavy(self, kind: str, start: float) -> None:
+        """When a heavy request ran (s into the loaded run), to set beside the slowest first tokens."""
+        with self.lock:
+            self.log["heavy"].append([kind, round(start - self.t0, 2), round(time.time() - start, 2)])
 
     def _chat(self, rng, max_tokens=8, documents=None, **extra) -> dict:
         docs = documents if documents is not None else rng.sample(self.docs, 2)
@@ -111,6 +117,7 @@ class _Soak:
                 if record and first is not None and r.status_code == 200:
                     with self.lock:
                         self.log["ttft_s"].append(first)
+                        self.log["ttft_at"].append(round(time.time() - first - self.t0, 2))
             except Exception as e:  # noqa: BLE001  (a client-side failure is a finding, not a crash)
                 self._count("normal", type(e).__name__)
 
@@ -156,9 +163,11 @@ class _Soak:
         while not self.stop.is_set():
             prompt = " ".join(rng.choice(WORDS) for _ in range(self.args.long_prompt_words))
             try:
+                t0 = time.time()
                 r = c.post("/v1/completions", json={"model": self.model, "prompt": prompt, "max_tokens": 4,
                                                     "method": "dense"})
                 self._count("long_prompt", r.status_code)
+                self._heavy("long_prompt", t0)
             except Exception as e:  # noqa: BLE001
                 self._count("long_prompt", type(e).__name__)
             self.stop.wait(self.args.heavy_interval_s)
@@ -169,8 +178,10 @@ class _Soak:
         while not self.stop.is_set():
             docs = [rng.choice(WORDS) for _ in range(self.args.small_documents)]
             try:
+                t0 = time.time()
                 r = c.post("/v1/chat/completions", json={**self._chat(rng, documents=docs), "stream": False})
                 self._count("small_documents", r.status_code)
+                self._heavy("small_documents", t0)
             except Exception as e:  # noqa: BLE001
                 self._count("small_documents", type(e).__name__)
             self.stop.wait(self.args.heavy_interval_s)
@@ -208,6 +219,7 @@ def _unloaded_ttft(soak: _Soak, seconds: float) -> list[float]:
     t.join()
     ttft = list(soak.log["ttft_s"])
     soak.log["ttft_s"].clear()
+    soak.log["ttft_at"].clear()
     soak.log["status"].clear()
     return ttft
 
@@ -244,6 +256,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         unloaded = _unloaded_ttft(soak, max(10.0, args.minutes * 60 * 0.05))
         soak.stop.clear()
+        soak.t0 = time.time()
         roles = ([soak.normal] * args.normal_clients + [soak.slow_reader, soak.trickler, soak.trickler,
                  soak.disconnector, soak.long_prompt, soak.small_documents, soak.health])
         threads = [threading.Thread(target=f, args=(i,), daemon=True) for i, f in enumerate(roles)]
@@ -345,7 +358,11 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
         "statuses": log["status"], "server_errors_5xx": fivexx,
         "health_max_s": max(log["health_s"], default=float("nan")),
         "ttft_unloaded_p50_s": _pct(unloaded, 0.5), "ttft_unloaded_p99_s": p99_idle,
-        "ttft_loaded_p50_s": _pct(log["ttft_s"], 0.5), "ttft_loaded_p99_s": p99_loaded,
+        "ttft_loaded_p50_s": _pct(log["ttft_s"], 0.5), "ttft_loaded_p90_s": _pct(log["ttft_s"], 0.9),
+        "ttft_loaded_p99_s": p99_loaded, "ttft_unloaded_n": len(unloaded),
+        # the slowest first tokens and when (s into the loaded run) their requests started
+        "ttft_slowest": sorted(zip(log["ttft_s"], log["ttft_at"]), reverse=True)[:20],
+        "heavy_requests": log["heavy"],  # [kind, start s, seconds]
         "ttft_p99_ratio": p99_loaded / p99_idle if p99_idle else float("nan"),
         "normal_requests": len(log["ttft_s"]), "pool_pages_back": pages_back,
         "rss_spread_last_two_thirds": rss_spread, "rss_floor_spread_last_two_thirds": floor_spread,
