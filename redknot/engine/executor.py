@@ -32,11 +32,13 @@ class Executor:
         """Is the request's recovery under way (paused between layers): its pages are being written."""
         return seq.seq_id in self._jobs
 
-    def reserved_tokens(self) -> int:
-        """Tokens of the step's budget the recoveries under way may still need (rows times layers
-        left, over the layer count: an upper bound, as rows only shrink)."""
+    def reserved_tokens(self, recovering: list[Sequence] = ()) -> int:
+        """Tokens of the step's budget the recoveries may still need: those under way (rows times
+        layers left, over the layer count: an upper bound, as rows only shrink) and the requests of
+        ``recovering`` not yet started (their prompts)."""
         total = sum(rows.remaining() for _, rows in {id(j[1]): j for j in self._jobs.values()}.values())
-        return -(-total // self.config.num_hidden_layers)
+        fresh = sum(s.num_prompt for s in recovering if s.seq_id not in self._jobs)
+        return -(-total // self.config.num_hidden_layers) + fresh
 
     def drop_recovery(self, seq: Sequence) -> list[Sequence]:
         """Forget the recovery under way that ``seq`` is in; returns its batch's requests ([] when none)."""

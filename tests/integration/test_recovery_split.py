@@ -196,3 +196,30 @@ def test_the_recovery_with_the_least_work_left_runs_first(path):
     assert not long.output_token_ids  # the long one was still under way
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_long_dense_prompt_waits_while_a_recovery_runs(path):
+    """A recovery starting while a long dense prompt prefills takes the steps it takes alone, and
+    the long prompt's chunks wait for it (the budget is kept for the recovery's rows first: its
+    steps are not lengthened by the long prompt's chunk)."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+
+    def run(with_long: bool) -> int:
+        llm = make_llm(path, 256)
+        engine = llm.engine
+        llm.generate(QUESTION, params, documents=DOCS, method="redknot")  # documents cached
+        long = None
+        if with_long:
+            long = llm.make_sequence([5 + i % 300 for i in range(900)], params, method="dense")
+            engine.add_request(long)
+            engine.step()
+        seq = llm.make_sequence(QUESTION, params, documents=DOCS, method="redknot")
+        engine.add_request(seq)
+        before, steps = long.num_computed if long else 0, 0
+        while not seq.output_token_ids:
+            engine.step()
+            steps += 1
+        if long is not None:
+            assert long.num_computed == before and not long.output_token_ids
+        return steps
+    assert run(True) == run(False)
