@@ -82,6 +82,8 @@ class ChunkCache:
         self._pin = pool.device.type == "cuda"
         self.tier_hits: dict[str, int] = {}  # lookups the pool missed and a tier served, by tier
         self.tier_misses = self.tier_no_room = self.written_down = self.write_errors = self.fetch_errors = 0
+        self.load_on_miss = True  # off while a TierLoader loads misses asynchronously
+        self.loader_stats = None  # that loader's counters (``stats``), when there is one
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -104,6 +106,7 @@ class ChunkCache:
             out["tiers"] = {"hits": dict(self.tier_hits), "misses": self.tier_misses, "no_room": self.tier_no_room,
                             "written_down": self.written_down, "write_errors": self.write_errors,
                             "fetch_errors": self.fetch_errors,
+                            **({"loader": self.loader_stats.as_dict()} if self.loader_stats is not None else {}),
                             "write_policy": self.write_policy, **self.tiers.info()}
         return out
 
@@ -143,6 +146,11 @@ class ChunkCache:
         self.pool.retain(pages)
         self._add(key, entry)
         return True
+
+    def adopt(self, key: str, entry: ChunkPages, tier: str = "loader") -> None:
+        """Keep an entry whose pages a tier load filled (the cache takes their one reference)."""
+        self._add(key, entry)
+        self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
 
     def _add(self, key: str, entry: ChunkPages) -> None:
         self._entries[key] = entry
@@ -247,7 +255,7 @@ class ChunkCache:
     def _load(self, key: str) -> ChunkPages | None:
         """The entry from the tiers, loaded into fresh pool pages and cached; None on a miss, a
         rejected entry (the tier dropped it), or too few free pages."""
-        if self.tiers is None:
+        if self.tiers is None or not self.load_on_miss:
             return None
         try:
             got = self.tiers.fetch(tier_key(key, self.layout), self.layout)

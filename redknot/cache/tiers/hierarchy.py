@@ -48,6 +48,11 @@ class KVOffloadConfig:
     verify_cpu: bool = True
     disk_fsync: bool = False
     write_behind: bool = True  # disk and Redis writes on a background thread
+    # a request whose documents are below the pool waits while they load on a background thread
+    # (others keep running); off: loaded synchronously in its admission
+    async_loads: bool = True
+    per_head_fetch: bool = True  # an asynchronous load reads only the heads the request's plan can see
+    load_timeout_s: float = 10.0  # a load taking longer is given up: the documents are computed
 
     def __post_init__(self):
         for name in ("cpu_bytes", "disk_bytes"):
@@ -61,6 +66,8 @@ class KVOffloadConfig:
             raise ValueError(f"kv_offload.redis_ttl_s must be > 0 or None, got {self.redis_ttl_s}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"kv_offload.write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.load_timeout_s <= 0:
+            raise ValueError(f"kv_offload.load_timeout_s must be > 0, got {self.load_timeout_s}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"kv_offload.redis_timeout_s must be > 0, got {self.redis_timeout_s}")
 
