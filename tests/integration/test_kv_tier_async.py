@@ -121,3 +121,23 @@ def test_per_head_fetch_reads_only_visible_heads_and_answers_the_same(tiny_check
     assert whole["bytes_fetched"] == whole["bytes_whole"] and whole["partial"] == 0
     assert part["partial"] > 0 and part["bytes_fetched"] < 0.75 * part["bytes_whole"]
     assert part["bytes_whole"] == whole["bytes_whole"]
+
+
+def test_metrics_report_bytes_fetched_against_whole_entries(request_docs):
+    from redknot.serve.metrics import ServerMetrics
+
+    from test_kv_tiers_engine import MODEL_NAME, _Front
+
+    question, docs = request_docs
+    llm = LLM(kv_offload={"cpu_bytes": 256 << 20})
+    llm.generate(question, GREEDY, documents=docs, method="full_reuse")
+    llm.chunk_cache.evict(llm.pool.num_pages)
+    llm.generate(question, GREEDY, documents=docs, method="full_reuse")
+    text = ServerMetrics(_Front(llm), MODEL_NAME).render().decode()
+    loader = llm.chunk_cache.stats()["tiers"]["loader"]
+    assert loader["bytes_whole"] > 0
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("redknot:kv_tier_") and "{" in line}
+    assert values["redknot:kv_tier_load_bytes_fetched_total"] == loader["bytes_fetched"]
+    assert values["redknot:kv_tier_load_bytes_whole_total"] == loader["bytes_whole"]
+    assert values["redknot:kv_tier_downs_dropped_total"] == 0
