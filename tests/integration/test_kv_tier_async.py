@@ -3,6 +3,7 @@ while they load on the loader's thread, and the running requests keep decoding; 
 answers what a cold run does. Per-head fetches read only the heads the request's plan can see and
 answer what an all-heads fetch does. A failing or slow tier costs a recompute, never a request."""
 
+import os
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from redknot import LLM, SamplingParams
 from redknot.engine.sequence import SequenceStatus
 from redknot.testbed.records import generate_records
 
+DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")  # on a GPU: pinned buffers, side streams, events
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 
 
@@ -40,8 +42,8 @@ def _slow(tier, seconds: float):
 
 def test_a_running_request_decodes_while_documents_load(request_docs):
     question, docs = request_docs
-    cold = LLM().generate(question, GREEDY, documents=docs, method="full_reuse")[0].outputs[0].token_ids
-    llm = LLM(kv_offload={"cpu_bytes": 256 << 20})
+    cold = LLM(device=DEVICE).generate(question, GREEDY, documents=docs, method="full_reuse")[0].outputs[0].token_ids
+    llm = LLM(device=DEVICE, kv_offload={"cpu_bytes": 256 << 20})
     engine = llm.engine
     _run(engine, llm.make_sequence(question, GREEDY, docs, "full_reuse"))
     engine.chunk_cache.evict(llm.pool.num_pages)  # every document now only in the CPU tier
@@ -72,7 +74,7 @@ def test_a_running_request_decodes_while_documents_load(request_docs):
 
 def test_an_aborted_load_gives_its_pages_back_and_a_failed_one_computes(request_docs):
     question, docs = request_docs
-    llm = LLM(kv_offload={"cpu_bytes": 256 << 20, "load_timeout_s": 0.2})
+    llm = LLM(device=DEVICE, kv_offload={"cpu_bytes": 256 << 20, "load_timeout_s": 0.2})
     engine = llm.engine
     first = _run(engine, llm.make_sequence(question, GREEDY, docs, "full_reuse"))
     engine.chunk_cache.evict(llm.pool.num_pages)
@@ -104,7 +106,7 @@ def test_per_head_fetch_reads_only_visible_heads_and_answers_the_same(tiny_check
     path = tiny_checkpoint("gemma3_text")
     out = {}
     for per_head in (False, True):
-        llm = LLM(model=path, page_size=16, kv_offload={"cpu_bytes": 256 << 20, "per_head_fetch": per_head})
+        llm = LLM(model=path, device=DEVICE, page_size=16, kv_offload={"cpu_bytes": 256 << 20, "per_head_fetch": per_head})
         cold = llm.generate(question, GREEDY, documents=docs, method="full_reuse")[0]
         llm.chunk_cache.evict(llm.pool.num_pages)
         again = llm.generate(question, GREEDY, documents=docs, method="full_reuse")[0]
@@ -129,7 +131,7 @@ def test_metrics_report_bytes_fetched_against_whole_entries(request_docs):
     from test_kv_tiers_engine import MODEL_NAME, _Front
 
     question, docs = request_docs
-    llm = LLM(kv_offload={"cpu_bytes": 256 << 20})
+    llm = LLM(device=DEVICE, kv_offload={"cpu_bytes": 256 << 20})
     llm.generate(question, GREEDY, documents=docs, method="full_reuse")
     llm.chunk_cache.evict(llm.pool.num_pages)
     llm.generate(question, GREEDY, documents=docs, method="full_reuse")
