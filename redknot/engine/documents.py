@@ -72,6 +72,8 @@ class DocumentKV:
             if key in seen:
                 continue
             seen.add(key)
+            if seq.reuse is not None and key in seq.reuse.loaded:
+                continue  # loaded for it alone: its pages are held already
             entry = self.chunk_cache.peek(key)
             if entry is None:
                 missing += self.heads * -(-len(tokens) // self.pool.page_size)

@@ -6,7 +6,9 @@ prefixes and chunks are evicted for it; a request whose documents are cached kee
 admitted request is committed the pages it holds at its full length under its head plan
 (``reserve_full_length``), so running requests do not outgrow the pool; when they still do (shared
 pages, optimistic admission), the newest running request is preempted (recompute: its pages go back
-and it re-queues first).
+and it re-queues first). A request whose documents load from the tiers below the pool is parked
+(``park``: WAITING_FOR_KV, out of the queue, so the requests behind it may start) until the
+loader beside the engine is done with it (``unpark``: back to the head of the queue).
 
 Every number a front needs about what fits (``check_fits``, ``context_limits``, ``max_new_tokens``)
 comes from the same functions admission uses.

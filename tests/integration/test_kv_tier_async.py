@@ -42,13 +42,12 @@ def _slow(tier, seconds: float):
 
 def test_a_running_request_decodes_while_documents_load(request_docs):
     question, docs = request_docs
-    cold = LLM(device=DEVICE).generate(question, GREEDY, documents=docs, method="full_reuse")[0].outputs[0].token_ids
     llm = LLM(device=DEVICE, kv_offload={"cpu_bytes": 256 << 20})
     engine = llm.engine
-    _run(engine, llm.make_sequence(question, GREEDY, docs, "full_reuse"))
+    cold = _run(engine, llm.make_sequence(question, GREEDY, docs, "full_reuse"))  # computes every document
     engine.chunk_cache.evict(llm.pool.num_pages)  # every document now only in the CPU tier
     assert len(engine.chunk_cache) == 0
-    _slow(engine.kv_tiers.cpu, 0.4)
+    _slow(engine.kv_tiers.cpu, 0.25)
     runner = llm.make_sequence("a long answer", SamplingParams(max_tokens=400, ignore_eos=True), method="dense")
     engine.add_request(runner)
     engine.step()
