@@ -76,7 +76,8 @@ class Executor:
                 if s.flops is None and s.prefill_start is not None:
                     recomputed = s.reuse.recomputed if s.reuse is not None else []
                     s.flops = prefill_flops(self.config, recomputed + list(range(s.prefill_start, s.num_prompt)),
-                                            *self.pool.head_window_sink(s.plan))
+                                            *self.pool.head_window_sink(s.plan),
+                                            linear=s.reuse.linear if s.reuse is not None else None)
         if self.selection is not None:
             with phase(self.timings, "select"):
                 self.selection.end(captured)

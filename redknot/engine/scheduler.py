@@ -310,7 +310,7 @@ class Scheduler:
         self.free(seq)
         seq.num_computed = 0
         if seq.reuse is not None:
-            seq.reuse.recovery, seq.reuse.spans = None, []
+            seq.reuse.recovery, seq.reuse.spans, seq.reuse.linear = None, [], None
             seq.reuse.done = True  # its re-prefill runs in the pool: exact KV under its plan
         seq.exact_kv = True
         seq.num_preemptions += 1

@@ -32,6 +32,8 @@ class ReuseState:
     recovery: tuple | None = None  # recovery methods before their recovery forward: (Policy, cached bool [N])
     tiers_tried: bool = False  # its missing documents were looked for below the pool (asynchronously)
     loaded: dict = field(default_factory=dict)  # key -> ChunkPages loaded for it alone (some heads; it holds them)
+    linear: object | None = None  # a hybrid's placed linear state: reuse.flops.LinearReuse (its FLOPs)
+    linear_pieces: dict | None = None  # a hybrid's chunk key -> cache.linear_chunks.LinearChunk, until placed
 
 
 @dataclass(eq=False)

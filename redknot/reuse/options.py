@@ -22,6 +22,11 @@ class ReuseOptions:
     # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
     # and KV head, measured on the recomputed tokens of that chunk (qrecompute only; off by default)
     kv_correction: bool = False
+    # hybrid models: a linear-attention head whose decay over a placed chunk, exp(sum of its log
+    # decays), is at most this starts from the chunk's own state (the incoming state, then at most
+    # this share of its norm, dropped: no work); the others apply the chunk's transition (exact).
+    # 0: every head exact; 1: every head drops. 1e-6 is below float32's rounding of the state.
+    linear_decay_threshold: float = 1e-6
 
     def __post_init__(self):
         if self.shallow_window is not None and self.shallow_window < 1:
@@ -30,6 +35,9 @@ class ReuseOptions:
             raise ValueError(f"ReuseOptions.qrecompute_layer={self.qrecompute_layer!r}: use a layer >= 0")
         if not 0 <= self.qrecompute_ratio <= 1:
             raise ValueError(f"ReuseOptions.qrecompute_ratio={self.qrecompute_ratio!r}: use a share in [0, 1]")
+        if not 0 <= self.linear_decay_threshold <= 1:
+            raise ValueError(f"ReuseOptions.linear_decay_threshold={self.linear_decay_threshold!r}: use a decay "
+                             f"in [0, 1]")
         if self.cacheblend_check_layer < 0:
             raise ValueError(f"ReuseOptions.cacheblend_check_layer={self.cacheblend_check_layer!r}: use a layer >= 0")
 
