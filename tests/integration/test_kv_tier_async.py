@@ -82,6 +82,8 @@ def test_an_aborted_load_gives_its_pages_back_and_a_failed_one_computes(request_
     assert _run(engine, seq) == first  # given up: computed, the same tokens
     assert engine.chunk_cache.stats()["tiers"]["loader"]["timed_out"] == 1 and seq.cached_tokens == 0
     engine.chunk_cache.evict(llm.pool.num_pages)
+    # the given-up reads still hold the loader's thread: let them end, or the next job times out behind them
+    time.sleep(0.5 * (len(docs) + 1))
     engine.kv_tiers.cpu.get = lambda *a, **kw: 1 / 0  # a tier bug
     assert _run(engine, llm.make_sequence(question, GREEDY, docs, "full_reuse")) == first
     assert engine.chunk_cache.stats()["tiers"]["loader"]["failed"] > 0
