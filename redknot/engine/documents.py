@@ -88,6 +88,8 @@ class DocumentKV:
             if key in seen:
                 continue
             seen.add(key)
+            if seq.reuse is not None and key in seq.reuse.loaded:
+                continue  # loaded for it alone: its pages are held already
             entry = self._cached(key, self.chunk_cache.peek)
             if entry is None:
                 missing += self.heads * -(-len(tokens) // self.pool.page_size)
@@ -96,6 +98,30 @@ class DocumentKV:
                 hit_pages += entry.pages.size
         return DocumentNeeds(frozenset(hits), hit_pages, missing)
 
+    def tier_wants(self, seq: Sequence, partial: bool) -> list[tuple[str, np.ndarray | None]]:
+        """(key, heads) of the request's chunks missing from the pool, for a tier load. ``heads``:
+        with ``partial``, the flat (layer, KV head) indices its plan lets see any of the chunk
+        where the request places it (None: every head), else None."""
+        if self.linear is not None:  # a hybrid's chunk needs its linear-layer state too: computed, not loaded
+            return []
+        spec, cp = get_method(seq.method), seq.chunked_prompt
+        partial = partial and not spec.recovers and not spec.recompute_chunk_heads  # those read every chunk row
+        window, sink = self.pool.window_sink(seq.plan)
+        positions = [0] * bool(cp.prefix) + list(cp.chunk_starts)
+        wants, seen = [], set()
+        for (key, tokens, start), pos in zip(self.specs(seq), positions):
+            if key in seen or key in self.chunk_cache:
+                continue
+            seen.add(key)
+            heads = None
+            if partial:
+                # a key at j is seen by some query at p >= the question's start q0 iff j < sink or q0 - j < window
+                last = pos + len(tokens) - start - 1
+                need = np.flatnonzero(((pos < sink) | (last > cp.suffix_start - window)).ravel())
+                heads = None if need.size == window.size else need if need.size else np.zeros(1, np.int64)
+            wants.append((key, heads))
+        return wants
+
     # ------------------------------------------------------------------ compute
 
     def ensure(self, seq: Sequence, reserve: int) -> tuple[dict, int]:
@@ -103,16 +129,18 @@ class DocumentKV:
         batches; the entries' pages are pinned (one reference each) until ``release``. ``reserve``
         pages must stay free for the request itself. Returns (key -> entry, tokens computed).
         Raises PoolExhausted, keeping what it cached, when pages run short."""
-        entries, missing = {}, {}
+        entries, missing, loaded = {}, {}, seq.reuse.loaded
         for key, tokens, start in self.specs(seq):
             if key in entries or key in missing:
                 continue
-            entry = self._cached(key, self.chunk_cache.lookup)
+            entry = loaded.get(key) or self._cached(key, self.chunk_cache.lookup)
             if entry is None:
                 missing[key] = (tokens, start)
             else:
                 entries[key] = entry
         self.pool.retain(pages_of(entries))
+        self.pool.release(pages_of(loaded))  # loaded for it alone: now held by ``entries`` only
+        seq.reuse.loaded = {}
         if self.linear is not None:  # held by the request until placed, whatever the store drops meanwhile
             seq.reuse.linear_pieces = {key: self.linear.get(key) for key in entries}
         try:
@@ -131,6 +159,12 @@ class DocumentKV:
 
     def release(self, entries: dict) -> None:
         self.pool.release(pages_of(entries))
+
+    def drop_loaded(self, seq: Sequence) -> None:
+        """Give back what a tier load left for a request that will not place it (aborted)."""
+        if seq.reuse is not None and seq.reuse.loaded:
+            self.pool.release(pages_of(seq.reuse.loaded))
+            seq.reuse.loaded = {}
 
     def _prefill(self, missing: list, reserve: int, entries: dict, salt: str | None, pieces: dict | None) -> int:
         """Prefill chunks at their canonical positions as short-lived dense pool sequences (from

@@ -30,7 +30,8 @@ from .admission import admit
 from .detokenizer import IncrementalDetokenizer
 from .documents import DocumentKV
 from .executor import Executor
-from . import handoff
+from .kv_loading import build_loader
+from . import handoff, kv_loading
 from .engine_config import EngineConfig
 from .lookahead import Ahead, TokensToHost, finish_ahead, launch_ahead, may_look_ahead
 from .memory import initial_pages, profile_pages
@@ -104,6 +105,7 @@ class Engine:
         self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes, self.kv_tiers,
                                       self.kv_events)
         self.scheduler = Scheduler(self.pool, self.cfg, self.max_model_len, (self.prefix_cache, self.chunk_cache))
+        self.kv_loader = build_loader(self.chunk_cache, self.cfg.kv_offload, getattr(self, "kv_loader", None))
         if scheduler is not None:
             self.scheduler.max_num_seqs, self.scheduler.num_preemptions = scheduler.max_num_seqs, scheduler.num_preemptions
         self.documents.attach(self.pool, self.runner, self.chunk_cache, self.prefix_cache, self.scheduler.reclaim)
@@ -159,6 +161,7 @@ class Engine:
             seq.finish("abort")
             return
         self.scheduler.abort(seq)
+        kv_loading.abort(self, seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
