@@ -305,6 +305,9 @@ class LlamaForCausalLM(nn.Module):
     A family with other decoder layers subclasses it with its own ``backbone`` class."""
 
     backbone = Backbone
+    # tensor parallel: each rank's vocabulary slice gathered (redknot/distributed); a class default
+    # so families that build their own parts (DeepSeek) have it too
+    gather_logits = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -314,7 +317,6 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head_packed = None
-        self.gather_logits = None  # tensor parallel: each rank's vocabulary slice gathered (redknot/distributed)
 
     def fuse_projections(self, pack: bool = False) -> "LlamaForCausalLM":
         """Fuse QKV and gate/up into single GEMMs (inference; call after loading and casting).
