@@ -151,7 +151,6 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.head_packed = None
-        self.gather_logits = None  # as LlamaForCausalLM's (tensor parallelism sets it)
 
     def set_backend(self, backend) -> None:
         """``backend``: the runner's paged attention (its pool and kernel choice); each layer attends
