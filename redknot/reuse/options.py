@@ -22,6 +22,10 @@ class ReuseOptions:
     # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
     # and KV head, measured on the recomputed tokens of that chunk (qrecompute only; off by default)
     kv_correction: bool = False
+    # Each chunk cached behind this many shared dummy tokens (the model's BOS) after the prefix, their
+    # K/V dropped at reuse (EPIC's LegoLink-0): the chunk's own first tokens are not its attention
+    # sinks. 0: cached right after the prefix (the first chunk's cache is then exact).
+    dummy_prefix_tokens: int = 0
 
     def __post_init__(self):
         if self.shallow_window is not None and self.shallow_window < 1:
@@ -30,6 +34,8 @@ class ReuseOptions:
             raise ValueError(f"ReuseOptions.qrecompute_layer={self.qrecompute_layer!r}: use a layer >= 0")
         if not 0 <= self.qrecompute_ratio <= 1:
             raise ValueError(f"ReuseOptions.qrecompute_ratio={self.qrecompute_ratio!r}: use a share in [0, 1]")
+        if self.dummy_prefix_tokens < 0:
+            raise ValueError(f"ReuseOptions.dummy_prefix_tokens={self.dummy_prefix_tokens!r}: use a count >= 0")
         if self.cacheblend_check_layer < 0:
             raise ValueError(f"ReuseOptions.cacheblend_check_layer={self.cacheblend_check_layer!r}: use a layer >= 0")
 
