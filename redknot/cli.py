@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     make.set_defaults(func=_config_make)
 
     from .bench import (capacity as bench_capacity, decode as bench_decode, kernel_cli as kernel,
-                        offline as bench_offline, pd as bench_pd, profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, soak as bench_soak, tier_ttft as bench_tier_ttft, tiers as bench_tiers, ttft)
+                        offline as bench_offline, pd as bench_pd, profile_time, quality, quality_report, replicas as bench_replicas, serve as bench_serve, soak as bench_soak, tier_ttft as bench_tier_ttft, tiers as bench_tiers, tp as bench_tp, ttft)
     from .profile import cli as profile_cli
     from .serve import cli as serve_cli
     from .testbed import cli as testbed_cli
@@ -217,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
          bench_replicas),
         (bsub, "pd", "prefill/decode disaggregation: KV bytes the transfer sends per head plan, and TTFT / decode "
                      "inter-token latency against a colocated server (--load)", bench_pd),
+        (bsub, "tp", "decode tok/s of the tensor-parallel engine against one process, and its collectives' share",
+         bench_tp),
         (sub, "serve", "OpenAI-compatible server with continuous batching", serve_cli),
         (sub, "profile", "classify every (layer, KV head) of a model and write a head config", profile_cli),
         (sub, "testbed", "synthetic multi-document QA corpus and the testbed model", testbed_cli),

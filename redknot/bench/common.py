@@ -94,6 +94,10 @@ ARCHS = {
                     "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                     "query_pre_attn_scalar": 24, "sliding_window": 32, "sliding_window_pattern": 6,
                     "rope_theta": 1e6, "rope_local_base_freq": 1e4, "max_position_embeddings": 4096},
+    # tensor-parallel runs (bench tp / decode / capacity at --tensor-parallel-size 4 or 8)
+    "llama-3-70b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 8192, "intermediate_size": 28672,
+                    "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+                    "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5},
     "tiny": {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
              "max_position_embeddings": 4096},

@@ -2,8 +2,13 @@
 a real architecture's shape, bf16, for T tokens.
 
 Methods (same weights, same input; each failure recorded in the JSON, never fatal):
-  fused        redknot's block on the Triton grouped GEMM (``kernels/fused_moe.py``): device-side
-               alignment, gate_up with the activation fused, down with the routing weight
+  fused        redknot's block as served (``kernels/fused_moe.fused_experts``, path ``auto``): the
+               few-token GEMV path at T*k <= SMALL_PAIRS, the grouped GEMM above
+  grouped      the Triton grouped GEMM at every T: device-side alignment, gate_up with the
+               activation fused, down with the routing weight
+  gemv         the few-token path at every T*k <= GEMV_MAX_PAIRS (the crossover with grouped): a
+               matrix-vector program per (token-expert pair, N tile), activation and routing weight
+               fused, down's K split when the pairs are too few to fill the card
   loop         the same routing, then the torch reference: pairs sorted by expert, one GEMM
                pair per expert that has tokens (``kernels/moe_reference.py``)
   hf_grouped   transformers' own MoE block, its default experts implementation (grouped_mm)
@@ -14,7 +19,7 @@ Times are medians of CUDA events with L2 flushed before each call; a method that
 Correctness: each method's output against the float32 torch reference of the same routing (cos).
 Also reported: the experts the T tokens touch and the fused kernel's weight bandwidth.
 
-Run:  redknot bench kernel --moe [--moe-arch qwen3-30b-a3b] [--moe-tokens 1,32,64,512,8192]
+Run:  redknot bench kernel --moe [--moe-arch qwen3-30b-a3b] [--moe-tokens 1,2,4,8,16,32,64,512,8192]
       redknot bench kernel --moe --quick --device cpu     (CPU smoke: a tiny block)
 """
 
@@ -41,9 +46,10 @@ ARCHS = {
                                               router_name="router")),
     "tiny": dict(hidden=64, moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True)),
 }
-TOKENS = (1, 32, 64, 512, 8192)
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 512, 8192)
 QUICK_TOKENS = (1, 9)
-METHODS = ("fused", "loop", "hf_grouped", "hf_eager")
+METHODS = ("fused", "grouped", "gemv", "loop", "hf_grouped", "hf_eager")
+GEMV_MAX_PAIRS = 512  # the GEMV path re-reads an expert per pair: past this it only loses
 
 
 def make_block(arch: dict, device, dtype) -> SparseMoeBlock:
@@ -118,15 +124,17 @@ def run_tokens(block: SparseMoeBlock, hf: dict, arch: dict, t: int, env, seed: i
     args = (ex.gate_up_proj, ex.down_proj)
     extra = (ex.activation, ex.gate_up_proj_bias, ex.down_proj_bias, ex.alpha, ex.limit)
 
-    def fused():
+    def fused(path="auto"):
         w, i = router(x)
-        return fused_moe.fused_experts(x, *args, w, i, *extra)
+        return fused_moe.fused_experts(x, *args, w, i, *extra, path=path)
 
     def loop():
         w, i = router(x)
         return experts_reference(x, *args, w, i, *extra)
 
-    fns = {"fused": fused, "loop": loop}
+    fns = {"fused": fused, "grouped": lambda: fused("grouped"), "loop": loop}
+    if t * arch["moe"]["top_k"] <= GEMV_MAX_PAIRS:
+        fns["gemv"] = lambda: fused("gemv")
     for name, module in hf.items():
         fns[name] = lambda module=module: module(x[None])
     entry = {"tokens": t, "pairs": t * arch["moe"]["top_k"], "experts_touched": touched,
@@ -134,7 +142,9 @@ def run_tokens(block: SparseMoeBlock, hf: dict, arch: dict, t: int, env, seed: i
              "weight_bytes_touched": touched * expert_bytes, "methods": {}}
     for m in METHODS:
         if m not in env.methods or m not in fns:
-            entry["methods"][m] = {"skipped": "not selected" if m not in env.methods else "not built"}
+            reason = "not selected" if m not in env.methods else (
+                f"T*k > {GEMV_MAX_PAIRS}" if m == "gemv" else "not built")
+            entry["methods"][m] = {"skipped": reason}
             continue
         print(f"[kernel-bench] moe T={t}: {m} ...", flush=True)
         try:

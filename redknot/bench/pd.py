@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("load (two server processes on the device, then one colocated)")
     g.add_argument("--load", action="store_true", help="also run the load comparison")
     g.add_argument("--load-plan", default=None, help="the head config of the load run (default: the first)")
-    g.add_argument("--transport", default="tcp", choices=("tcp", "cuda_ipc"), help="PD data path of the load run")
+    g.add_argument("--transport", default="tcp", choices=("tcp", "cuda_ipc", "nixl"), help="PD data path of the load run")
     g.add_argument("--streams", type=int, default=8, help="clients streaming short requests")
     g.add_argument("--stream-prompt", type=int, default=512)
     g.add_argument("--stream-tokens", type=int, default=256)

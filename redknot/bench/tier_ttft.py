@@ -3,8 +3,9 @@ comes from: computed (cold), GPU-resident, each tier below the GPU, and a dense 
 
 Per variant (``cpu``, ``disk``, ``redis``: the only tier configured, so the one the documents load
 from once the GPU chunk cache is emptied before each tier run), the median of ``--repeats`` runs
-of ``full_reuse`` over the same documents (other questions), plus bytes loaded and the effective
-load bandwidth, bytes / (TTFT_tier - TTFT_gpu). The dense row prefills the same tokens as one
+of ``--method`` (``full_reuse``) over the same documents (other questions), plus bytes loaded, the
+share of the entries' bytes that is (the loader fetches only the heads the request's plan can see;
+``--all-heads``: every head) and the effective load bandwidth, bytes / (TTFT_tier - TTFT_gpu). The dense row prefills the same tokens as one
 prompt, caches emptied first.
 """
 
@@ -39,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=None)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loads", choices=("async", "sync"), default="async",
+                   help="async: the request waits while a loader thread reads its documents (the default); "
+                        "sync: loaded in its admission")
+    p.add_argument("--all-heads", action="store_true",
+                   help="fetch every head of an entry (default: only those the request's plan can see)")
+    p.add_argument("--method", default="full_reuse", help="the reuse method of the timed requests")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="results JSON (default: $OUT/tier_ttft.json or ./tier_ttft.json)")
 
@@ -48,6 +55,12 @@ def _ttft(llm, question, docs, method: str) -> float:
 
     out = llm.generate(question, SamplingParams(max_tokens=1, temperature=0), documents=docs, method=method)[0]
     return out.metrics["time_to_first_token"]
+
+
+def _whole_bytes(llm) -> int:
+    """Payload bytes of every entry the asynchronous loader has loaded so far, all heads counted."""
+    loader = llm.chunk_cache.stats().get("tiers", {}).get("loader") or {}
+    return loader.get("bytes_whole", 0)
 
 
 def run(args) -> dict:
@@ -71,7 +84,7 @@ def run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     with tempfile.TemporaryDirectory(prefix="redknot-tier-ttft-") as tmp:
         for variant in variants:
-            kv = {"write_behind": False}
+            kv = {"write_behind": False, "async_loads": args.loads == "async", "per_head_fetch": not args.all_heads}
             if variant == "cpu":
                 kv["cpu_bytes"] = 1 << 40  # bounded by what the request holds
             elif variant == "disk":
@@ -89,23 +102,28 @@ def run(args) -> dict:
                 return rng.integers(100, vocab - 100, args.question_tokens).tolist()
 
             for _ in range(2):  # warm-up: kernels, allocator, graphs, on documents of their own
-                _ttft(llm, question(), [rng.integers(100, vocab - 100, args.doc_tokens).tolist()], "full_reuse")
+                _ttft(llm, question(), [rng.integers(100, vocab - 100, args.doc_tokens).tolist()], args.method)
             llm.engine.clear_caches()
-            cold = _ttft(llm, question(), docs, "full_reuse")  # computes every document (and writes them down)
-            gpu, tier, dense, loaded = [], [], [], []
+            cold = _ttft(llm, question(), docs, args.method)  # computes every document (and writes them down)
+            gpu, tier, dense, loaded, whole = [], [], [], [], []
             tiers = llm.chunk_cache.tiers
             for _ in range(args.repeats):
-                gpu.append(_ttft(llm, question(), docs, "full_reuse"))
+                gpu.append(_ttft(llm, question(), docs, args.method))
                 llm.chunk_cache.evict(llm.pool.num_pages)
-                read = tiers.info()[variant]["bytes_read"]
-                tier.append(_ttft(llm, question(), docs, "full_reuse"))
+                read, entries = tiers.info()[variant]["bytes_read"], _whole_bytes(llm)
+                tier.append(_ttft(llm, question(), docs, args.method))
                 loaded.append(tiers.info()[variant]["bytes_read"] - read)
+                whole.append(_whole_bytes(llm) - entries)
             for _ in range(args.repeats):
                 llm.engine.clear_caches()
                 dense.append(_ttft(llm, question() + [t for d in docs for t in d], None, "dense"))
             row = {"variant": variant, "ttft_cold_s": cold, "ttft_gpu_s": float(np.median(gpu)),
                    "ttft_tier_s": float(np.median(tier)), "ttft_dense_s": float(np.median(dense)),
-                   "bytes_loaded": int(np.median(loaded)), "tier_hits": dict(llm.chunk_cache.tier_hits)}
+                   "bytes_loaded": int(np.median(loaded)), "tier_hits": dict(llm.chunk_cache.tier_hits),
+                   "loads": args.loads, "per_head_fetch": not args.all_heads}
+            # what the same entries hold for every head (async loads count it; sync ones load every head)
+            row["bytes_whole"] = int(np.median(whole)) if args.loads == "async" else row["bytes_loaded"]
+            row["fetched_over_whole"] = row["bytes_loaded"] / row["bytes_whole"] if row["bytes_whole"] else None
             row["served_from_tier"] = bool(row["bytes_loaded"]) and variant in row["tier_hits"]
             if not row["served_from_tier"]:  # e.g. a dead Redis: the tier row is a recompute
                 print(f"warning: the {variant} tier served nothing (see its counters: "
@@ -126,11 +144,13 @@ def run(args) -> dict:
     print(f"\none request of {args.docs} x {args.doc_tokens}-token documents on {result['device']} (median of "
           f"{args.repeats}): TTFT in ms")
     print(f"{'from':<7} {'cold':>8} {'GPU':>8} {'tier':>8} {'dense':>8} {'tier/GPU':>8} {'dense/tier':>10} "
-          f"{'MB loaded':>9} {'GB/s':>6}")  # GB/s: bytes loaded / (tier - GPU TTFT)
+          f"{'MB loaded':>9} {'of whole':>8} {'GB/s':>6}")  # GB/s: bytes loaded / (tier - GPU TTFT)
     for r in result["rows"]:
         print(f"{r['variant']:<7} {1000 * r['ttft_cold_s']:>8.1f} {1000 * r['ttft_gpu_s']:>8.1f} "
               f"{1000 * r['ttft_tier_s']:>8.1f} {1000 * r['ttft_dense_s']:>8.1f} {r['tier_over_gpu']:>8.2f} "
-              f"{r['dense_over_tier']:>10.2f} {r['bytes_loaded'] / 1e6:>9.1f} {r['load_gb_s']:>6.1f}"
+              f"{r['dense_over_tier']:>10.2f} {r['bytes_loaded'] / 1e6:>9.1f} "
+              f"{r['fetched_over_whole'] if r['fetched_over_whole'] is not None else float('nan'):>8.2f} "
+              f"{r['load_gb_s']:>6.1f}"
               + ("" if r["served_from_tier"] else "  (not served from the tier)"))
     return result
 

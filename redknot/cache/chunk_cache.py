@@ -23,6 +23,7 @@ the next insert, which evicts back under it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from .events import block_hash, block_removed, block_stored
 from .pool import PagePool, PoolExhausted
 from .recency import tick
 from .tiers import KVEntry, Layout, TierStack, plan_digest, tier_key
-from .tiers.entry import dtype_name
+from .tiers.entry import dtype_name, stack_kv
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,11 @@ class ChunkCache:
             fingerprint, plan_digest(*pool.window_sink("default")), dtype_name(pool.dtype), pool.page_size,
             pool.head_dim, pool.num_layers, pool.num_kv_heads)
         self._pin = pool.device.type == "cuda"
+        self._d2h = None  # the side stream of write-downs' device-to-host copies (CUDA)
         self.tier_hits: dict[str, int] = {}  # lookups the pool missed and a tier served, by tier
         self.tier_misses = self.tier_no_room = self.written_down = self.write_errors = self.fetch_errors = 0
+        self.load_on_miss = True  # off while a TierLoader loads misses asynchronously
+        self.loader_stats = None  # that loader's counters (``stats``), when there is one
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -102,8 +106,11 @@ class ChunkCache:
                "hits": self.hits, "misses": self.misses, "evictions": self.evictions}
         if self.tiers is not None:
             out["tiers"] = {"hits": dict(self.tier_hits), "misses": self.tier_misses, "no_room": self.tier_no_room,
-                            "written_down": self.written_down, "write_errors": self.write_errors,
+                            "written_down": self.written_down,
+                            "write_errors": self.write_errors + self.tiers.down_errors,
+                            "write_dropped": self.tiers.downs_dropped,
                             "fetch_errors": self.fetch_errors,
+                            **({"loader": self.loader_stats.as_dict()} if self.loader_stats is not None else {}),
                             "write_policy": self.write_policy, **self.tiers.info()}
         return out
 
@@ -143,6 +150,11 @@ class ChunkCache:
         self.pool.retain(pages)
         self._add(key, entry)
         return True
+
+    def adopt(self, key: str, entry: ChunkPages, tier: str = "loader") -> None:
+        """Keep an entry whose pages a tier load filled (the cache takes their one reference)."""
+        self._add(key, entry)
+        self.tier_hits[tier] = self.tier_hits.get(tier, 0) + 1
 
     def _add(self, key: str, entry: ChunkPages) -> None:
         self._entries[key] = entry
@@ -227,27 +239,47 @@ class ChunkCache:
     # ------------------------------------------------------------------ tiers
 
     def _write_down(self, key: str, entry: ChunkPages, through: bool = False) -> None:
-        """Keep an entry's KV in the tiers (one device-to-host copy, unless the CPU tier has it);
-        ``through``: a new entry, written to every tier. Never raises: a failure is counted and
-        the entry is only missing from the tiers."""
+        """Keep an entry's KV in the tiers (unless the CPU tier has it): its pages are gathered on
+        the device, copied to a pinned host buffer on a side stream (CUDA; on the CPU a plain
+        copy) and handed to the tiers' down thread, which checksums and stores them; the step loop
+        never waits for the copy. ``through``: a new entry, written to every tier. Never raises:
+        a failure or a full queue is counted and the entry is only missing from the tiers."""
         if self.tiers is None:
             return
         tkey = tier_key(key, self.layout)
         try:
             if self.tiers.has(tkey):
                 return
-            k, v = self.gather(entry)
-            self.tiers.store(KVEntry.build(tkey, key, self.layout, entry.token_ids, entry.start, k, v, self._pin),
-                             through)
-            self.written_down += 1
+            payload, event = self._to_host(entry)
+            build = functools.partial(KVEntry.from_payload, tkey, key, self.layout, entry.token_ids, entry.start,
+                                      payload)
+            if self.tiers.store_later(tkey, build, event, through):
+                self.written_down += 1
         except Exception as e:  # e.g. no host memory left: the pool still evicts
             self.write_errors += 1
             log.warning("chunk cache: could not write %s down to the tiers: %s", key, e)
 
+    def _to_host(self, entry: ChunkPages) -> tuple[torch.Tensor, object]:
+        """The entry's payload bytes on the host (uint8) and the event its copy ends with (None:
+        already there). The device gather is a new tensor, so the pages may be reused at once."""
+        kv = stack_kv(*self.gather(entry), self.layout)
+        if not kv.is_cuda:
+            return kv.reshape(-1).view(torch.uint8), None
+        if self._d2h is None:
+            self._d2h = torch.cuda.Stream(kv.device)
+        host = torch.empty(kv.numel() * kv.element_size(), dtype=torch.uint8, pin_memory=True)
+        self._d2h.wait_stream(torch.cuda.current_stream(kv.device))
+        with torch.cuda.stream(self._d2h):
+            host.view(kv.dtype).view(kv.shape).copy_(kv, non_blocking=True)
+        kv.record_stream(self._d2h)  # its memory is not reused before the copy has read it
+        event = torch.cuda.Event()
+        event.record(self._d2h)
+        return host, event
+
     def _load(self, key: str) -> ChunkPages | None:
         """The entry from the tiers, loaded into fresh pool pages and cached; None on a miss, a
         rejected entry (the tier dropped it), or too few free pages."""
-        if self.tiers is None:
+        if self.tiers is None or not self.load_on_miss:
             return None
         try:
             got = self.tiers.fetch(tier_key(key, self.layout), self.layout)

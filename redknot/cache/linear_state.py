@@ -66,3 +66,8 @@ class LinearStatePool:
     def write(self, layer: int, slots: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.conv[layer].index_copy_(0, slots, conv.to(self.conv.dtype))
         self.recurrent[layer].index_copy_(0, slots, recurrent.to(self.recurrent.dtype))
+
+    def put(self, slot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Every layer's state of one row: conv [layers, C, W-1], recurrent [layers, HV, Dk, Dv]."""
+        self.conv[:, slot].copy_(conv)
+        self.recurrent[:, slot].copy_(recurrent)

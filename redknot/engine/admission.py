@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from ..cache import PoolExhausted
-from . import handoff
+from . import handoff, kv_loading
 from .output import StepOutput
 from .scheduler import RequestTooLarge
 from .sequence import Sequence
@@ -19,10 +19,18 @@ from .sequence import Sequence
 def admit(engine, budget: int, prefill: list[Sequence], outputs: list) -> int:
     """Start waiting requests while the scheduler admits them; returns the token budget left."""
     recovery_rows = 0  # rows the step's recovery forwards start with
-    while (adm := engine.scheduler.next_admission(budget, recovery_rows, engine.documents.needs)) is not None:
+    kv_loading.poll(engine)
+    while True:
+        if kv_loading.park_head(engine):  # its documents load from a tier: the next one may start
+            continue
+        adm = engine.scheduler.next_admission(budget, recovery_rows, engine.documents.needs)
+        if adm is None:
+            _fail_if_stuck(engine, outputs)
+            break
         seq = adm.seq
         if seq.abandoned:  # its client has gone: nothing it would compute is read
             engine.scheduler.drop_head()
+            kv_loading.abort(engine, seq)
             seq.finish(seq.finish_reason or "abort")
             outputs.append(StepOutput(seq))
             continue
@@ -61,8 +69,6 @@ def admit(engine, budget: int, prefill: list[Sequence], outputs: list) -> int:
         if seq.prefill_start is None:
             seq.prefill_start = seq.num_computed
         prefill.append(seq)
-    else:
-        _fail_if_stuck(engine, outputs)
     return budget
 
 

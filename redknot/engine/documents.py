@@ -5,6 +5,9 @@ computed once at its canonical position (right after the prefix, under the all-g
 kept in the chunk cache; a request copies every chunk it names into its own pages with keys rotated
 to where the chunk sits. What the method then does with them (prefill the question, recompute each
 chunk's first tokens, or recover) is the method's spec (``reuse.registry``).
+
+On a hybrid model the chunk prefill also keeps each chunk's effect on the linear layers' state
+(``cache/linear_chunks.py``), and placing composes those into the request's state slot.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 from ..cache import PoolExhausted
 from ..cache.chunk_cache import ChunkCache, ChunkPages
 from ..cache.chunk_kv import chunk_key
+from ..cache.linear_chunks import ChunkCapture, LinearChunkStore, compose
+from ..reuse.flops import LinearReuse
 from ..reuse.options import ReuseOptions
 from ..reuse.registry import PolicyInputs, get_method, with_budget
 from .scheduler import DocumentNeeds
@@ -22,6 +27,12 @@ from .sequence import Sequence
 
 # Pool sequences set aside for prefilling missing chunks (beside max_num_seqs requests).
 CHUNK_SLOTS = 32
+# On a hybrid model fewer: each slot also holds a linear state (74 MB on Qwen3-Next-80B).
+LINEAR_CHUNK_SLOTS = 4
+# Device bytes the linear-layer entries of cached chunks may take on a hybrid model (each is about
+# twice a sequence's recurrent state: 150 MB on Qwen3-Next-80B); least recently used go first. The
+# memory profile sets them aside before sizing the page pool.
+LINEAR_CHUNK_BYTES = 2 << 30
 
 
 def dummy_token(config) -> int:
@@ -43,6 +54,11 @@ class DocumentKV:
         self.options = options or ReuseOptions()
         self.max_batched_tokens = max_batched_tokens
         self._chunk_seq_ids = iter(range(-1, -(1 << 62), -1))  # pool ids of chunk prefills
+        layout = adapter.state_layout()
+        self.linear_spec = layout.linear  # a hybrid's linear layers (None: no linear state)
+        self.linear = LinearChunkStore(LINEAR_CHUNK_BYTES) if layout.linear is not None else None
+        # pool sequences its chunk prefills may take at once (0: the model takes no document K/V)
+        self.chunk_slots = (CHUNK_SLOTS if layout.linear is None else LINEAR_CHUNK_SLOTS) if adapter.document_reuse else 0
         self.attach(None, None, None, None, lambda pages, keep=(): 0)
 
     def attach(self, pool, runner, chunk_cache: ChunkCache | None, prefix_cache, reclaim) -> None:
@@ -82,13 +98,39 @@ class DocumentKV:
             if key in seen:
                 continue
             seen.add(key)
-            entry = self.chunk_cache.peek(key)
+            if seq.reuse is not None and key in seq.reuse.loaded:
+                continue  # loaded for it alone: its pages are held already
+            entry = self._cached(key, self.chunk_cache.peek)
             if entry is None:
                 missing += self.heads * -(-len(tokens) // self.pool.page_size)
             else:
                 hits.add(key)
                 hit_pages += entry.pages.size
         return DocumentNeeds(frozenset(hits), hit_pages, missing)
+
+    def tier_wants(self, seq: Sequence, partial: bool) -> list[tuple[str, np.ndarray | None]]:
+        """(key, heads) of the request's chunks missing from the pool, for a tier load. ``heads``:
+        with ``partial``, the flat (layer, KV head) indices its plan lets see any of the chunk
+        where the request places it (None: every head), else None."""
+        if self.linear is not None:  # a hybrid's chunk needs its linear-layer state too: computed, not loaded
+            return []
+        spec, cp = get_method(seq.method), seq.chunked_prompt
+        partial = partial and not spec.recovers and not spec.recompute_chunk_heads  # those read every chunk row
+        window, sink = self.pool.window_sink(seq.plan)
+        positions = [0] * bool(cp.prefix) + list(cp.chunk_starts)
+        wants, seen = [], set()
+        for (key, tokens, start), pos in zip(self.specs(seq), positions):
+            if key in seen or key in self.chunk_cache:
+                continue
+            seen.add(key)
+            heads = None
+            if partial:
+                # a key at j is seen by some query at p >= the question's start q0 iff j < sink or q0 - j < window
+                last = pos + len(tokens) - start - 1
+                need = np.flatnonzero(((pos < sink) | (last > cp.suffix_start - window)).ravel())
+                heads = None if need.size == window.size else need if need.size else np.zeros(1, np.int64)
+            wants.append((key, heads))
+        return wants
 
     # ------------------------------------------------------------------ compute
 
@@ -97,61 +139,99 @@ class DocumentKV:
         batches; the entries' pages are pinned (one reference each) until ``release``. ``reserve``
         pages must stay free for the request itself. Returns (key -> entry, tokens computed).
         Raises PoolExhausted, keeping what it cached, when pages run short."""
-        entries, missing = {}, {}
+        entries, missing, loaded = {}, {}, seq.reuse.loaded
         for key, tokens, start in self.specs(seq):
             if key in entries or key in missing:
                 continue
-            entry = self.chunk_cache.lookup(key)
+            entry = loaded.get(key) or self._cached(key, self.chunk_cache.lookup)
             if entry is None:
                 missing[key] = (tokens, start)
             else:
                 entries[key] = entry
         self.pool.retain(pages_of(entries))
+        self.pool.release(pages_of(loaded))  # loaded for it alone: now held by ``entries`` only
+        seq.reuse.loaded = {}
+        if self.linear is not None:  # held by the request until placed, whatever the store drops meanwhile
+            seq.reuse.linear_pieces = {key: self.linear.get(key) for key in entries}
         try:
-            computed = self._prefill(list(missing.items()), reserve, entries, seq.cache_salt)
+            computed = self._prefill(list(missing.items()), reserve, entries, seq.cache_salt, seq.reuse.linear_pieces)
         except BaseException:
             self.pool.release(pages_of(entries))
             raise
         seq.reuse.fresh_chunk_tokens = sum(len(t) - s for t, s in missing.values())
         return entries, computed
 
+    def _cached(self, key: str, find):
+        """The chunk's cached entry, or None where it is missing (on a hybrid, also where its
+        linear-layer entry is: the chunk is prefilled again)."""
+        entry = find(key)
+        return None if entry is None or (self.linear is not None and key not in self.linear) else entry
+
     def release(self, entries: dict) -> None:
         self.pool.release(pages_of(entries))
 
-    def _prefill(self, missing: list, reserve: int, entries: dict, salt: str | None) -> int:
+    def drop_loaded(self, seq: Sequence) -> None:
+        """Give back what a tier load left for a request that will not place it (aborted)."""
+        if seq.reuse is not None and seq.reuse.loaded:
+            self.pool.release(pages_of(seq.reuse.loaded))
+            seq.reuse.loaded = {}
+
+    def _prefill(self, missing: list, reserve: int, entries: dict, salt: str | None, pieces: dict | None) -> int:
         """Prefill chunks at their canonical positions as short-lived dense pool sequences (from
-        any cached prefix), CHUNK_SLOTS and one token budget at a time; the chunk cache keeps
-        their pages. Adds each pinned entry to ``entries``; returns tokens computed."""
+        any cached prefix), ``chunk_slots`` and one token budget at a time; the chunk cache keeps
+        their pages. Adds each pinned entry to ``entries`` (on a hybrid its linear-layer entry to
+        ``pieces``); returns tokens computed."""
         computed = 0
         while missing:
             group, tokens = [], 0
-            while missing and len(group) < CHUNK_SLOTS and (not group or tokens + len(missing[0][1][0])
+            while missing and len(group) < self.chunk_slots and (not group or tokens + len(missing[0][1][0])
                                                             <= self.max_batched_tokens):
                 group.append(missing.pop(0))
                 tokens += len(group[-1][1][0])
             ids = []
             try:
-                cached = [self._start_chunk(toks, reserve, entries, salt, ids) for _, (toks, _) in group]
-                self.runner.forward("dense", ids, [g[1][0][m:] for g, m in zip(group, cached)], cached)
+                cached = [self._start_chunk(toks, start, reserve, entries, salt, ids) for _, (toks, start) in group]
+                capture = self._capture(group, cached)
+                self.runner.forward("dense", ids, [g[1][0][m:] for g, m in zip(group, cached)], cached,
+                                    extras=None if capture is None else {"linear_capture": capture})
                 computed += sum(len(g[1][0]) - m for g, m in zip(group, cached))
                 for sid, (key, (toks, start)) in zip(ids, group):
                     self._keep_chunk(sid, key, toks, start, entries, salt)
+                if capture is not None:
+                    for (key, _), chunk in zip(group, capture.chunks()):
+                        self.linear.put(key, chunk)
+                        pieces[key] = chunk
             finally:
                 for sid in ids:
                     self.pool.free_sequence(sid)
         return computed
 
-    def _start_chunk(self, toks, reserve: int, entries: dict, salt, ids: list) -> int:
+    def _capture(self, group: list, cached: list[int]) -> ChunkCapture | None:
+        """A hybrid's linear-layer capture over the chunks' own rows of a chunk-prefill forward."""
+        if self.linear is None:
+            return None
+        spans, row = [], 0
+        for (_, (toks, start)), m in zip(group, cached):
+            spans.append((row + start - m, len(toks) - start))
+            row += len(toks) - m
+        return ChunkCapture(spans, self.adapter.state_layout().linear_layers, self.linear_spec.conv_kernel)
+
+    def _start_chunk(self, toks, start: int, reserve: int, entries: dict, salt, ids: list) -> int:
         """A pool sequence for one chunk prefill, from any cached prefix of it; returns the tokens
-        that prefix covers."""
+        that prefix covers (on a hybrid at most the chunk's start: its own rows are computed, and
+        the cached prefix's linear state is resumed)."""
         sid = self.next_pool_id()
         self.pool.add_sequence(sid, "dense")
         ids.append(sid)
         m = 0
-        if self.prefix_cache is not None:
-            m, table = self.prefix_cache.match("dense", toks, len(toks) - 1, salt)
+        limit = len(toks) - 1 if self.linear is None else start
+        if self.prefix_cache is not None and limit > 0:
+            m, table = self.prefix_cache.match("dense", toks, limit, salt)
             if m:
                 self.pool.share(sid, table, m)
+                resume = getattr(self.prefix_cache, "resume", None)  # a hybrid's: the linear state there
+                if resume is not None:
+                    resume("dense", toks, m, salt, self.pool.slot(sid))
         need = self.pool.pages_needed(len(toks), m).peak + reserve
         if need > self.pool.num_free_pages:
             self.reclaim(need - self.pool.num_free_pages, entries)
@@ -194,18 +274,38 @@ class DocumentKV:
             seq.cached_tokens = max(0, cached - r.fresh_chunk_tokens)
             return
         r.recomputed, r.spans = [], []
+        if self.linear is not None:
+            self._place_linear(seq, options.linear_decay_threshold)
         if spec.recompute_chunk_heads:  # computed by the request's first prefill forward, beside its question
             r.spans = [(s, min(options.epic_tokens, len(c))) for c, s in zip(cp.chunks, cp.chunk_starts)]
             r.recomputed = [p for s, n in r.spans for p in range(s, s + n)]
         seq.num_computed = end
         seq.cached_tokens = end - r.fresh_chunk_tokens
 
+    def _place_linear(self, seq: Sequence, threshold: float) -> None:
+        """Compose the prefix's and chunks' linear-layer entries into the request's state slot (the
+        question's prefill continues from there) and keep what it did for the FLOPs. Nothing to
+        place: the question starts at position 0, from a zero state."""
+        if not self.specs(seq):
+            return
+        placed = self.compose_linear(seq, threshold)
+        self.pool.linear_state.put(self.pool.slot(seq.seq_id), placed.conv, placed.recurrent)
+        seq.reuse.linear = LinearReuse(placed.composed, placed.dropped, placed.exact)
+        seq.reuse.linear_pieces = None
+
+    def compose_linear(self, seq: Sequence, threshold: float):
+        """The linear layers' state after the request's prefix and chunks, placed in prompt order
+        (``cache/linear_chunks.compose``), from the entries ``ensure`` gave the request."""
+        pieces = [seq.reuse.linear_pieces[key] for key, _, _ in self.specs(seq)]
+        with torch.inference_mode():
+            return compose(pieces, threshold, self.linear_spec.conv_kernel)
+
     def _copy_in(self, seq: Sequence, entries: dict) -> None:
         cp = seq.chunked_prompt
         self.pool.sync_device_tables()
         slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
         tables = self.pool.device_tables.index_select(1, slot)[:, 0]
-        L = self.config.num_hidden_layers
+        L = self.pool.num_layers  # layers with K/V pages (a hybrid's full-attention layers)
         positions = [0] * bool(cp.prefix) + list(cp.chunk_starts)
         with torch.inference_mode():
             for (key, _, start), pos in zip(self.specs(seq), positions):

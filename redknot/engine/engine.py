@@ -28,9 +28,10 @@ from ..reuse.registry import get_method
 from . import engine_state as state
 from .admission import admit
 from .detokenizer import IncrementalDetokenizer
-from .documents import CHUNK_SLOTS, DocumentKV
+from .documents import DocumentKV
 from .executor import Executor
-from . import handoff
+from .kv_loading import build_loader
+from . import handoff, kv_loading
 from .engine_config import EngineConfig
 from .lookahead import Ahead, TokensToHost, finish_ahead, launch_ahead, may_look_ahead
 from .memory import initial_pages, profile_pages
@@ -94,7 +95,7 @@ class Engine:
         """The pool of ``num_pages`` pages and everything over it: runner, caches, scheduler."""
         scheduler = getattr(self, "scheduler", None)
         self.pool = build_pool(self.adapter, self.head_config, num_pages, self.cfg.page_size, self.dtype, self.device,
-                               self.cfg.max_num_seqs + (CHUNK_SLOTS if self.adapter.document_reuse else 0),
+                               self.cfg.max_num_seqs + self.documents.chunk_slots,
                                self.max_model_len, plans,
                                self.cfg.linear_state_snapshots if self.cfg.enable_prefix_caching else 0)
         self.runner = build_runner(self.adapter, self.pool, self.cfg)
@@ -104,6 +105,7 @@ class Engine:
         self.chunk_cache = ChunkCache(self.pool, self.fingerprint, self.cfg.chunk_cache_bytes, self.kv_tiers,
                                       self.kv_events)
         self.scheduler = Scheduler(self.pool, self.cfg, self.max_model_len, (self.prefix_cache, self.chunk_cache))
+        self.kv_loader = build_loader(self.chunk_cache, self.cfg.kv_offload, getattr(self, "kv_loader", None))
         if scheduler is not None:
             self.scheduler.max_num_seqs, self.scheduler.num_preemptions = scheduler.max_num_seqs, scheduler.num_preemptions
         self.documents.attach(self.pool, self.runner, self.chunk_cache, self.prefix_cache, self.scheduler.reclaim)
@@ -126,9 +128,9 @@ class Engine:
         spec = get_method(seq.method)
         # a request that starts from another instance's prefill lives under the plan its pages came in
         seq.plan = spec.plan if seq.kv_import is None else seq.kv_import.header.plan
-        # a model that cannot take document K/V from elsewhere (hybrid linear attention) prefills the
-        # whole prompt in the pool under the method's plan: as after a preemption, nothing to place
-        seq.reuse = (ReuseState(seq.chunked_prompt, done=not self.adapter.document_reuse)
+        # a method whose document K/V the model cannot take from elsewhere (a hybrid's recovery methods)
+        # prefills the whole prompt in the pool under the method's plan: as after a preemption
+        seq.reuse = (ReuseState(seq.chunked_prompt, done=not self.adapter.places_documents(spec))
                      if spec.reads_chunks and seq.kv_import is None else None)
 
     def prepare(self, seq: Sequence) -> None:
@@ -156,6 +158,7 @@ class Engine:
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
+        kv_loading.abort(self, seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

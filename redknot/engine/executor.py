@@ -23,6 +23,7 @@ class Executor:
         self.runner, self.pool, self.config, self.prefix_cache = runner, pool, config, prefix_cache
         self.timings, self.recovery_share = timings, recovery_share
         self.selection = None  # HeadSelection: records queries around a forward, selects after it
+        self.tp = None  # tensor parallel: the group whose ranks hold the other KV heads
 
     def recover(self, seqs: list[Sequence]) -> torch.Tensor:
         """One batched recovery forward for requests of one method (their chunks already in their
@@ -30,7 +31,7 @@ class Executor:
         prompts = [s.token_ids[:s.num_prompt] for s in seqs]
         with phase(self.timings, "recover"):
             rows = RecoveryRows(self.config, [s.recovery[0] for s in seqs], [len(p) for p in prompts],
-                                [s.recovery[1] for s in seqs], self.pool.device)
+                                [s.recovery[1] for s in seqs], self.pool.device, self.tp)
             logits = self.runner.recover([s.seq_id for s in seqs], prompts, rows)
         for s, report, r in zip(seqs, rows.flops(), rows.requests):
             prev = self.recovery_share.get(s.method)
@@ -76,7 +77,8 @@ class Executor:
                 if s.flops is None and s.prefill_start is not None:
                     recomputed = s.reuse.recomputed if s.reuse is not None else []
                     s.flops = prefill_flops(self.config, recomputed + list(range(s.prefill_start, s.num_prompt)),
-                                            *self.pool.head_window_sink(s.plan))
+                                            *self.pool.head_window_sink(s.plan),
+                                            linear=s.reuse.linear if s.reuse is not None else None)
         if self.selection is not None:
             with phase(self.timings, "select"):
                 self.selection.end(captured)

@@ -10,6 +10,9 @@ import torch
 
 from ..cache.events import KVEventsConfig
 from ..cache.tiers import KVOffloadConfig
+from ..distributed.lockstep import LockstepEngine
+from ..distributed.setup import TensorParallel
+from ..distributed.shard import check_tensor_parallel
 from ..config import HeadConfig, SparseFFNConfig
 from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolve_model
 from ..models.resolve import bundled_model_path
@@ -62,7 +65,8 @@ class LLM:
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  cuda_graphs: bool = True, async_decode: bool | None = None, gpu_memory_utilization: float = 0.9,
                  reserve_full_length: bool = True, retrieval_heads: bool = False, decode_kv_budget=None, selection=None, kernel: str = "auto",
-                 kv_offload: KVOffloadConfig | dict | None = None, kv_events: KVEventsConfig | dict | None = None):
+                 kv_offload: KVOffloadConfig | dict | None = None, kv_events: KVEventsConfig | dict | None = None,
+                 tensor_parallel_size: int = 1, balance_kv_heads: bool = True, _tp_rank=None):
         """``model``: an HF checkpoint directory, a GGUF file (or a directory holding one), a
         fetched shelf name (``redknot models get NAME``), or a ModelConfig for random weights of
         that architecture (benchmarks; the tokenizer then defaults to a small built-in BPE).
@@ -79,40 +83,74 @@ class LLM:
         (``{"cpu_bytes": 4 << 30, "disk_dir": "/var/cache/kv", "disk_bytes": 100 << 30,
         "redis_url": "redis://host:6379"}``). ``kv_events``: publish vLLM-format KV events over
         ZeroMQ for KV-aware routers, a ``KVEventsConfig`` or a dict of its fields
-        (``{"endpoint": "tcp://*:5557", "documents": True}``)."""
+        (``{"endpoint": "tcp://*:5557", "documents": True}``). ``tensor_parallel_size``: split the
+        model over that many processes (one per GPU; gloo on CPU), its KV heads and their pages
+        with it (docs/tp.md); ``balance_kv_heads`` permutes each layer's KV heads so the head
+        plan's global heads spread over the ranks."""
+        spec = {k: v for k, v in locals().items() if k not in ("self", "_tp_rank")}  # what the workers build
         if isinstance(kv_events, dict):
             kv_events = KVEventsConfig(**kv_events)
         kv_offload = KVOffloadConfig.of(kv_offload)  # bad options fail before the model loads
         model, head_config, sparse_ffn = _resolve(model, head_config, sparse_ffn)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model_dir = None if isinstance(model, ModelConfig) else Path(model)
-        if isinstance(model, ModelConfig):
-            self.config = model
-            self.model = build_model(model, resolve_dtype(dtype, model, self.device), self.device)
-            if tokenizer is None:
-                tokenizer = make_tokenizer()
-        else:
-            self.model, self.config = load_model(model, dtype=dtype, device=self.device)
-        self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = tokenizer or _load_tokenizer(model)
+        self.config = model if isinstance(model, ModelConfig) else ModelConfig.from_dir(model)
         self.head_config, self.sparse_ffn = head_config, sparse_ffn = _load_plans(head_config, sparse_ffn, self.config)
-        self.fingerprint = model_fingerprint(self.model, self.config, self.tokenizer)
         if selection is None and (retrieval_heads or decode_kv_budget is not None):
             selection = SelectionOptions(retrieval_heads=retrieval_heads, decode_kv_budget=decode_kv_budget)
-        self.engine = Engine(self.model, self.config, self.tokenizer, self.fingerprint, head_config, self.sparse_ffn,
-                             self.device, EngineConfig(
-                                 page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens,
-                                 max_recovery_rows=max_recovery_rows, max_model_len=max_model_len,
-                                 enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
-                                 async_decode=async_decode,
-                                 chunk_cache_bytes=chunk_cache_bytes, gpu_memory_utilization=gpu_memory_utilization,
-                                 reserve_full_length=reserve_full_length, kernel=kernel,
-                                 reuse_options=reuse_options, selection=selection, kv_offload=kv_offload,
-                                 kv_events=kv_events))
+        self.tp = _tensor_parallel(spec, tensor_parallel_size, _tp_rank, self.config, head_config, self.device,
+                                   balance_kv_heads, kv_offload, selection)
+        tokenizer = self._load(model, dtype, tokenizer)
+        self.tokenizer = tokenizer or _load_tokenizer(model)
+        self.fingerprint = model_fingerprint(self.model, self.config, self.tokenizer)
+        self.engine = self._make_engine(head_config, EngineConfig(
+            page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_recovery_rows=max_recovery_rows,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+            async_decode=async_decode, chunk_cache_bytes=chunk_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, reserve_full_length=reserve_full_length, kernel=kernel,
+            reuse_options=reuse_options, selection=selection, kv_offload=kv_offload, kv_events=kv_events))
         self.max_model_len = self.engine.max_model_len
         self.method = self.check_method(method)
         self._grammars = None
+
+    def _make_engine(self, head_config, cfg: EngineConfig) -> Engine:
+        """The engine; under tensor parallelism this rank's lockstep engine over its share of the
+        heads (local config, the head plan's slice)."""
+        if self.tp is None:
+            return Engine(self.model, self.config, self.tokenizer, self.fingerprint, head_config, self.sparse_ffn,
+                          self.device, cfg)
+        self.tp.engine = LockstepEngine(self.model, self.tp.local_config, self.tokenizer, self.fingerprint,
+                                        self.tp.shard.head_config(head_config), self.sparse_ffn, self.device, cfg,
+                                        group=self.tp.group, watch=self.tp.watch, grammars=lambda: self.grammars)
+        return self.tp.engine
+
+    def _load(self, model, dtype, tokenizer):
+        """Load (or build, for a ModelConfig) the model, this rank's shard of it under tensor
+        parallelism; returns the tokenizer (a built-in one for random weights)."""
+        shard = None if self.tp is None else self.tp.shard
+        if self.tp is not None:
+            self.device = self.tp.device
+        if isinstance(model, ModelConfig):
+            self.model = build_model(model, resolve_dtype(dtype, model, self.device), self.device, shard=shard)
+            tokenizer = tokenizer or make_tokenizer()
+        else:
+            self.model, self.config = load_model(model, dtype=dtype, device=self.device, shard=shard)
+        if shard is not None:
+            shard.connect(self.model, self.tp.group)
+        self.dtype = next(self.model.parameters()).dtype
+        return tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a one-device LLM has nothing to stop)."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     @property
     def pool(self):
@@ -294,6 +332,19 @@ def _load_plans(head_config, sparse_ffn, config) -> tuple[HeadConfig | None, Spa
     if isinstance(sparse_ffn, (str, Path)):
         sparse_ffn = SparseFFNConfig.from_json(sparse_ffn)
     return head_config, sparse_ffn or SparseFFNConfig()
+
+
+def _tensor_parallel(spec, world, tp_rank, config, head_config, device, balance, kv_offload, selection):
+    """This rank's ``TensorParallel`` (rank 0 starts the workers), or None on one device."""
+    if world == 1 and tp_rank is None:
+        return None
+    check_tensor_parallel(config, world)
+    if kv_offload is not None:
+        raise ValueError("kv_offload (the KV tiers) is not supported with tensor_parallel_size > 1 yet")
+    if selection is not None and selection.active:
+        raise ValueError("retrieval-head selection and decode KV budgets are not supported with "
+                         "tensor_parallel_size > 1 yet")
+    return TensorParallel(LLM, spec, world, tp_rank, config, head_config, device, balance)
 
 
 def _load_tokenizer(path):

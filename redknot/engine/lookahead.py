@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kv_loading
 from .sampling import needs_each_sample
 from .sequence import Sequence
 
@@ -83,6 +84,7 @@ def finish_ahead(engine) -> list | None:
         engine.pool.trim(s.seq_id)
     engine.timings["steps"] += 1
     outputs: list = []
+    kv_loading.poll(engine)  # a request whose documents have loaded waits: the next step admits it
     if may_look_ahead(engine, len(seqs)):
         engine._ahead = launch_ahead(engine, ahead.plan, seqs, tokens)
     ids = ahead.tokens.tolist()

@@ -46,7 +46,9 @@ def profile_pages(engine) -> tuple[int, dict]:
     cached_free = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
     others = total - free - cached_free - pool_bytes  # weights, buffers, context, other processes
     graphs = GRAPH_RESERVE_BYTES if engine.runner.cuda_graphs else 0
-    budget = total * cfg.gpu_memory_utilization - others - activations - graphs
+    linear = engine.documents.linear  # a hybrid's cached chunks' linear-layer entries, at most this many bytes
+    linear_chunks = linear.max_bytes if linear is not None else 0
+    budget = total * cfg.gpu_memory_utilization - others - activations - graphs - linear_chunks
     num_pages = int(budget // pool.bytes_per_page)
     if num_pages < pool.num_pages:
         raise RuntimeError(
@@ -57,7 +59,7 @@ def profile_pages(engine) -> tuple[int, dict]:
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     return num_pages, {"gpu_memory_utilization": cfg.gpu_memory_utilization, "total_bytes": total,
                        "weights_bytes": weights, "other_bytes": others - weights, "activation_bytes": activations,
-                       "graph_reserve_bytes": graphs, "kv_pages": num_pages,
+                       "graph_reserve_bytes": graphs, "linear_chunk_bytes": linear_chunks, "kv_pages": num_pages,
                        "kv_bytes": num_pages * pool.bytes_per_page}
 
 

@@ -99,7 +99,7 @@ class ModelRunner:
         seq_lens = [s + n for s, n in zip(starts, q_lens)]
         slots = [self.pool.slot(i) for i in seq_ids]
         self.pool.sync_device_tables()
-        if (self.cuda_graphs and max(q_lens) == 1 and len(seq_ids) <= self.graph_sizes[-1]
+        if (self.cuda_graphs and max(q_lens) == 1 and len(seq_ids) <= self.graph_sizes[-1] and not extras
                 and (capture_rows is None or plan in self.recording_plans)):  # other graphs do not record queries
             logits = self._replay(plan, token_ids if on_device else [t[0] for t in token_ids], starts, seq_lens, slots)
             if capture_rows is not None:

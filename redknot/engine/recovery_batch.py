@@ -46,8 +46,9 @@ class RecoveryRows:
     visibility for all of them)."""
 
     def __init__(self, cfg: ModelConfig, policies: list[Policy], lengths: list[int], cached: list[torch.Tensor],
-                 device: torch.device):
+                 device: torch.device, tp=None):
         self.cfg, self.device = cfg, device
+        self.tp = tp  # the tensor-parallel group whose ranks hold the other heads (scores sum over them), or None
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.scale = cfg.attention_scale
         self.requests = []
@@ -141,7 +142,7 @@ class RecoveryRows:
             old = _gather(v_pages, block_tables[b], r.cur)
             rows = v[o:o + r.cur.numel()]
             was = r.cached[r.cur]
-            r.info["v_deviation"] = torch.where(was, (rows.float() - old.float()).norm(dim=(-1, -2)),
+            r.info["v_deviation"] = torch.where(was, _head_norm(self.tp, rows.float() - old.float()),
                                                 torch.zeros((), device=self.device))
 
     def split(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
@@ -187,12 +188,12 @@ class RecoveryRows:
                 w, s = (window, sink) if split is None else (split[1].to(self.device), split[2].to(self.device))
                 n_obs = n_obs if split is None else min(n_obs, t - r.split_at)
                 if n_obs:
-                    r.info["mass"] = observation_mass(qb[-n_obs:], r.cur[-n_obs:], keys, w, s, self.scale,
-                                                      sink_logits)
+                    r.info["mass"] = _head_sum(self.tp, observation_mass(qb[-n_obs:], r.cur[-n_obs:], keys, w, s,
+                                                                self.scale, sink_logits))
                     r.flops.add_scoring(self.cfg, n_obs, r.n)
             if chunk_id is not None:
-                r.info["cross"] = cross_chunk_mass(qb, r.cur, keys, window, sink, self.scale, chunk_id.to(self.device),
-                                                   sink_logits)
+                r.info["cross"] = _cross_mass(self.tp, qb, r.cur, keys, window, sink, self.scale, chunk_id.to(self.device),
+                                              sink_logits)
 
     def _observe_batched(self, layer: int, q: torch.Tensor, block_tables: torch.Tensor, k_pages: torch.Tensor,
                          sink_logits: torch.Tensor | None) -> None:
@@ -226,8 +227,8 @@ class RecoveryRows:
             rows_t, weight_t = dev[:m * o].view(m, o), dev[m * o:2 * m * o].view(m, o)
             n_t, group_t = dev[2 * m * o:2 * m * o + m], dev[2 * m * o + m:]
             keys = _gather_batched(k_pages, block_tables.index_select(0, group_t), int(n_keys.max()))
-            mass = observation_mass_batched(q[rows_t], self.batch.positions[rows_t], keys, n_t, weight_t.float(),
-                                            window, sink, self.scale, sink_logits)
+            mass = _head_sum(self.tp, observation_mass_batched(q[rows_t], self.batch.positions[rows_t], keys, n_t,
+                                                      weight_t.float(), window, sink, self.scale, sink_logits))
             for k, i in enumerate(group):
                 self.requests[i].info["mass"] = mass[k, :self.requests[i].n]
                 self.requests[i].flops.add_scoring(self.cfg, n_obs[i], self.requests[i].n)
@@ -366,6 +367,36 @@ def _correct_pages(r: _Request, corr, k, v, table, k_pages, v_pages) -> None:
                                  lambda p: (_gather(k_pages, table, p), _gather(v_pages, table, p)), rotate)
     _scatter(k_pages, table, rest, new_k)
     _scatter(v_pages, table, rest, new_v)
+
+
+# Under tensor parallelism a rank holds some KV heads: a score over every head is its sum over the
+# ranks (each rank's share all-reduced), so every rank ranks rows alike, as on one device.
+
+def _head_sum(group, x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over this rank's heads, summed over the ranks' heads."""
+    return x if group is None else group.all_reduce(x.contiguous())
+
+
+def _head_norm(group, d: torch.Tensor) -> torch.Tensor:
+    """The norm over heads and dims of deviations d [R, H, D], over every rank's heads."""
+    if group is None:
+        return d.norm(dim=(-1, -2))
+    return group.all_reduce(d.pow(2).sum(dim=(-1, -2))).sqrt()
+
+
+def _cross_mass(group, q, q_pos, keys, window, sink, scale, chunk_id, sink_logits=None) -> torch.Tensor:
+    """``cross_chunk_mass`` over every rank's heads: the mean over the heads that see the whole
+    context (over all heads where none does), as sum / count over the ranks."""
+    if group is None:
+        return cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id, sink_logits)
+    full = int((window >= keys.shape[0]).sum())
+    any_full = int(group.all_reduce(torch.tensor([full], device=q.device))[0]) > 0
+    group_size = q.shape[1] // keys.shape[1]
+    heads = full if any_full else keys.shape[1]
+    mean = (cross_chunk_mass(q, q_pos, keys, window, sink, scale, chunk_id, sink_logits) if heads
+            else torch.zeros(q.shape[0], dtype=torch.float32, device=q.device))
+    total = group.all_reduce(torch.cat([mean * (heads * group_size), mean.new_tensor([heads * group_size])]))
+    return total[:-1] / total[-1]
 
 
 def _scatter(pages: torch.Tensor, table: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> None:

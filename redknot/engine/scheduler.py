@@ -6,7 +6,9 @@ prefixes and chunks are evicted for it; a request whose documents are cached kee
 admitted request is committed the pages it holds at its full length under its head plan
 (``reserve_full_length``), so running requests do not outgrow the pool; when they still do (shared
 pages, optimistic admission), the newest running request is preempted (recompute: its pages go back
-and it re-queues first).
+and it re-queues first). A request whose documents load from the tiers below the pool is parked
+(``park``: WAITING_FOR_KV, out of the queue, so the requests behind it may start) until the
+loader beside the engine is done with it (``unpark``: back to the head of the queue).
 
 Every number a front needs about what fits (``check_fits``, ``context_limits``, ``max_new_tokens``)
 comes from the same functions admission uses.
@@ -54,6 +56,7 @@ class Scheduler:
         self.max_num_seqs = cfg.max_num_seqs  # a front may lower it (never above the slots)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []  # parked while their documents load from the tiers (no pages of their own)
         self.committed = 0  # pages promised to the running requests (their full lengths)
         self.num_preemptions = 0
         L, hkv = pool.window.shape
@@ -165,7 +168,22 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def park(self, seq: Sequence) -> None:
+        """The head of the queue waits for its documents' KV (loaded beside the engine); the
+        requests behind it may start meanwhile."""
+        assert self.waiting[0] is seq
+        self.waiting.popleft()
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        self.loading.append(seq)
+
+    def unpark(self, seq: Sequence) -> None:
+        """Its load is done (or given up): it goes back to the head of the queue."""
+        if seq in self.loading:
+            self.loading.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def split_running(self) -> tuple[list[Sequence], list[Sequence]]:
         """(decoding: one pending token after their prompt, prefilling: the rest)."""
@@ -222,7 +240,7 @@ class Scheduler:
         """Nothing runs and the caches hold nothing to give back: the head of the queue will never
         find its pages (``check_fits`` refuses such requests up front; this keeps the engine from
         waiting forever should one slip through). Evicts what the caches hold first."""
-        return not self.running and not self.reclaim(self.pool.num_pages)
+        return not self.running and not self.loading and not self.reclaim(self.pool.num_pages)
 
     def start(self, adm: Admission) -> None:
         """The admitted request leaves the queue, gets its pool sequence and its commitment."""
@@ -292,7 +310,7 @@ class Scheduler:
         self.free(seq)
         seq.num_computed = 0
         if seq.reuse is not None:
-            seq.reuse.recovery, seq.reuse.spans = None, []
+            seq.reuse.recovery, seq.reuse.spans, seq.reuse.linear = None, [], None
             seq.reuse.done = True  # its re-prefill runs in the pool: exact KV under its plan
         seq.exact_kv = True
         seq.num_preemptions += 1
@@ -313,6 +331,8 @@ class Scheduler:
     def abort(self, seq: Sequence) -> None:
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.loading:
+            self.loading.remove(seq)
         self.free(seq)
         if seq.finish_reason is None:
             seq.finish("abort")

@@ -15,6 +15,7 @@ _ids = itertools.count()
 
 class SequenceStatus(str, Enum):
     WAITING = "waiting"  # queued (also after a preemption)
+    WAITING_FOR_KV = "waiting_for_kv"  # parked while its documents' KV loads from a tier below the pool
     RUNNING = "running"  # admitted: holds pages, prefills or decodes
     FINISHED = "finished"  # finish_reason says why
 
@@ -29,6 +30,10 @@ class ReuseState:
     spans: list[tuple[int, int]] = field(default_factory=list)  # (start, tokens) its first prefill forward recomputes
     specs: list | None = None  # (key, canonical tokens, start) of its prefix and chunks, hashed once
     recovery: tuple | None = None  # recovery methods before their recovery forward: (Policy, cached bool [N])
+    tiers_tried: bool = False  # its missing documents were looked for below the pool (asynchronously)
+    loaded: dict = field(default_factory=dict)  # key -> ChunkPages loaded for it alone (some heads; it holds them)
+    linear: object | None = None  # a hybrid's placed linear state: reuse.flops.LinearReuse (its FLOPs)
+    linear_pieces: dict | None = None  # a hybrid's chunk key -> cache.linear_chunks.LinearChunk, until placed
 
 
 @dataclass(eq=False)

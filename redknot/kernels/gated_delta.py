@@ -21,6 +21,8 @@ different lengths share one padded batch.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -160,3 +162,42 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     ends = cu_seqlens[1:].long() + torch.arange(1, B + 1, device=x.device) * hist
     new_state = buf[ends[:, None] - hist + torch.arange(hist, device=x.device)]  # [B, W-1, C]
     return F.silu(out).to(x.dtype), new_state.transpose(1, 2).to(conv_state.dtype)
+
+
+# ---------------------------------------------------------------- a chunk as an affine map of the state
+#
+# Per value head the recurrence is affine in the state: S_t = M_t S_{t-1} + beta_t k_t v_t^T with
+# M_t = exp(g_t) (I - beta_t k_t k_t^T). Over a chunk of tokens, whatever state S_in comes before it,
+# the state after it is A S_in + S_own, where A = M_T ... M_1 is the chunk's transition and S_own the
+# state the chunk reaches from zero. With beta in [0, 1] (a sigmoid) and |k| <= 1 (L2-normalised),
+# I - beta k k^T is symmetric with eigenvalues in [0, 1], so |A S_in| <= exp(sum g) |S_in|: a chunk
+# whose decay exp(sum g) is tiny forgets what came before it.
+
+def chunk_transition(k, v, g, beta, use_qk_l2norm: bool = True):
+    """One chunk's effect on the state: k [T, H, Dk], v [T, HV, Dv], g, beta [T, HV] (the
+    convolution's output and the per-token gates, as the rule takes them). Returns (transition A
+    [HV, Dk, Dk], own state S_own [HV, Dk, Dv], log decay sum(g) [HV]) in the working dtype. One run
+    of the chunked rule over values widened by Dk zero columns, from the state [I | 0]: those columns
+    carry A = M_T ... M_1 I, the others S_own."""
+    T, hv, dv = v.shape
+    dk = k.shape[-1]
+    work = torch.float64 if v.dtype == torch.float64 else torch.float32
+    wide = torch.cat((v.new_zeros(T, hv, dk), v), dim=-1)
+    eye = torch.eye(dk, dtype=work, device=v.device).expand(1, hv, dk, dk)
+    start = torch.cat((eye, eye.new_zeros(1, hv, dk, dv)), dim=-1)
+    chunk = min(64, 1 << max(T - 1, 0).bit_length())
+    _, state = chunk_gated_delta_rule(k[None], k[None], wide[None], g[None], beta[None], initial_state=start,
+                                      use_qk_l2norm=use_qk_l2norm, chunk_size=chunk)
+    return state[0, :, :, :dk], state[0, :, :, dk:], g.to(work).sum(0)
+
+
+def compose_state(state, transition, own, log_decay, threshold: float):
+    """The state after a chunk placed after ``state`` [..., HV, Dk, Dv]: ``transition @ state + own``
+    per value head (exact), except heads whose decay exp(log_decay) is at most ``threshold``: ``own``
+    alone, the carried part (at most exp(log_decay) |state| in norm) dropped. Returns (the state,
+    composed bool [..., HV]: the heads that applied the transition)."""
+    composed = log_decay > math.log(threshold) if threshold > 0 else torch.ones_like(log_decay, dtype=torch.bool)
+    out = own.clone()
+    heads = composed.nonzero(as_tuple=True)  # only these pay the product (2 Dk^2 Dv FLOPs each)
+    out[heads] += transition[heads] @ state[heads].to(transition.dtype)
+    return out, composed

@@ -62,6 +62,11 @@ class KernelConfig:
       through the path that still checks whether each page is stored.
     * ``merge_edges``: all masked tiles of a prefill block in one loop instead of three
       (built-in: BLOCK_N <= 32).
+    * ``tma``: prefill reads interior key tiles through tensor descriptors (TMA on Hopper and
+      later) instead of pointer loads (built-in: off until measured faster). Needs BLOCK_N to
+      divide the page and a contiguous pool.
+    * ``warp_specialize``: the interior loop of the TMA path is warp-specialised (producer warps
+      load, consumer warps compute; built-in: off).
     """
 
     prefill: tuple[int, int, int, int] | None = None
@@ -72,6 +77,8 @@ class KernelConfig:
     decode_maxnreg: int | None = None
     fast_interior: bool | None = None
     merge_edges: bool | None = None
+    tma: bool | None = None
+    warp_specialize: bool | None = None
 
 
 _BUILT_IN = KernelConfig()
@@ -203,6 +210,28 @@ def _attend_interior(acc, l_i, m_i, q, K, V, bt_row, stride_kp, stride_ks, t_lo,
 
 
 @triton.jit
+def _attend_interior_tma(acc, l_i, m_i, q, k_desc, v_desc, bt_row, t_lo, t_hi, qk_scale,
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                         WARP_SPEC: tl.constexpr):
+    """``_attend_interior`` with each key tile fetched through tensor descriptors: a tile sits
+    inside one page (BLOCK_N divides PAGE), so it is one [BLOCK_N, D] box of the pool's rows."""
+    for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPEC):
+        j0 = t * BLOCK_N
+        phys = tl.maximum(tl.load(bt_row + j0 // PAGE), 0)
+        row = phys * PAGE + j0 % PAGE
+        k = k_desc.load([row, 0]).to(q.dtype)
+        v = v_desc.load([row, 0]).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attend_sel(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks,
                 sel_row, n_sel, i_lo, i_hi, pos, seq_len, W, S, qk_scale,
                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, SEL_N: tl.constexpr,
@@ -305,12 +334,13 @@ def _store_kernel(Kn, Vn, KP, VP, BT, CU, SEQ, QPOS, total_q, num_seqs,
 def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS, SINK_LOGIT, qk_scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                     stride_kp, stride_ks, stride_bb, stride_bh, max_pages,
-                    stride_sb, stride_sh, stride_nb,
+                    stride_sb, stride_sh, stride_nb, pool_rows,
                     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEL_N: tl.constexpr,
                     HAS_SEL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
                     UPCAST: tl.constexpr, FAST_INTERIOR: tl.constexpr,
-                    MERGE_EDGES: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SINK_LOGIT: tl.constexpr):
+                    MERGE_EDGES: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SINK_LOGIT: tl.constexpr,
+                    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     hq = tl.program_id(0)
     # Late query blocks see the most keys: launch them first to shorten the tail.
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -364,7 +394,14 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS,
         acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp,
                                       stride_ks, w0, f0, pos, seq_len, W, S, qk_scale,
                                       HEAD_DIM, PAGE, BLOCK_N, True, DOT_PREC)
-    if FAST_INTERIOR:
+    if USE_TMA:
+        k_desc = tl.make_tensor_descriptor(K, shape=[pool_rows, HEAD_DIM], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(V, shape=[pool_rows, HEAD_DIM], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        acc, l_i, m_i = _attend_interior_tma(acc, l_i, m_i, q, k_desc, v_desc, bt_row, f0, f1,
+                                             qk_scale, PAGE, BLOCK_N, DOT_PREC, WARP_SPEC)
+    elif FAST_INTERIOR:
         acc, l_i, m_i = _attend_interior(acc, l_i, m_i, q, K, V, bt_row, stride_kp, stride_ks,
                                          f0, f1, qk_scale, HEAD_DIM, PAGE, BLOCK_N, DOT_PREC)
     else:
@@ -547,6 +584,37 @@ def _prefill_merge_edges(block_n: int, cfg: KernelConfig) -> bool:
     return block_n <= 32
 
 
+def _prefill_tma(cfg: KernelConfig, k_pages: torch.Tensor, v_pages: torch.Tensor, block_n: int) -> bool:
+    """Whether prefill reads interior tiles through tensor descriptors; an explicit request that
+    the pool cannot serve is an error, not a silent fallback, so benchmarks time what they name."""
+    if not cfg.tma:
+        if cfg.warp_specialize:
+            raise ValueError("warp_specialize applies to the tensor-descriptor (tma=True) path only")
+        return False
+    page, d = k_pages.shape[1], k_pages.shape[2]
+    problems = []
+    if page % block_n:
+        problems.append(f"BLOCK_N={block_n} must divide the page ({page})")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not x.is_contiguous():
+            problems.append(f"{name} must be contiguous")
+        if x.data_ptr() % 16 or (d * x.element_size()) % 16:
+            problems.append(f"{name} rows must be 16-byte aligned")
+    if problems:
+        raise ValueError("KernelConfig(tma=True): " + "; ".join(problems))
+    if k_pages.is_cuda:
+        _tma_allocator()
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_allocator() -> None:
+    """Descriptors built inside a kernel need Triton's global scratch allocator, set once."""
+    def alloc(size: int, alignment: int, stream):
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+    triton.set_allocator(alloc)
+
+
 def _prefill_config(head_dim: int, dtype: torch.dtype, max_q_len: int, cfg: KernelConfig):
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for the prefill kernel."""
     if cfg.prefill is not None:
@@ -718,17 +786,19 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
                 qk_scale, o, lse, return_lse, gqa, mq, dot_prec, cfg, sink_logit, has_sink_logit)
     else:
         block_m, block_n, warps, stages = _prefill_config(d, q.dtype, mq, cfg)
+        use_tma = _prefill_tma(cfg, k_pages, v_pages, block_n)
         grid = (hq, triton.cdiv(mq, block_m), B)
         _prefill_kernel[grid](
             q, k_pages, v_pages, o, lse, bt, cu, sl, win, snk, sel, nsel, qpos, sink_logit, qk_scale,
             q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse_stride,
             k_pages.stride(0), k_pages.stride(1), bt.stride(0), bt.stride(1), max_pages,
-            *sel_strides,
+            *sel_strides, k_pages.shape[0] * page,
             GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
             SEL_N=block_n, HAS_SEL=has_sel, WRITE_LSE=return_lse, DOT_PREC=dot_prec,
             UPCAST=upcast, FAST_INTERIOR=True if cfg.fast_interior is None else cfg.fast_interior,
             MERGE_EDGES=_prefill_merge_edges(block_n, cfg), HAS_QPOS=has_qpos,
-            HAS_SINK_LOGIT=has_sink_logit, num_warps=warps, num_stages=stages,
+            HAS_SINK_LOGIT=has_sink_logit, USE_TMA=use_tma, WARP_SPEC=bool(cfg.warp_specialize),
+            num_warps=warps, num_stages=stages,
         )
     return (o, lse) if return_lse else o
 

@@ -43,10 +43,16 @@ class ModelAdapter:
     config: ModelConfig
     model: torch.nn.Module
     # Whether a prompt's K/V can come from elsewhere: cached document chunks placed or recovered
-    # (``document_reuse``), a cached prompt prefix (``prefix_caching``). A model whose layers also
-    # carry a recurrent state over the prompt (hybrid linear attention) says no to both.
+    # (``document_reuse``, per method ``places_documents``), a cached prompt prefix
+    # (``prefix_caching``). A model whose layers also carry a recurrent state over the prompt (hybrid
+    # linear attention) places only what its cached state can serve.
     document_reuse: bool = True
     prefix_caching: bool = True
+
+    def places_documents(self, method) -> bool:
+        """Whether requests of ``method`` (a ``reuse.registry.MethodSpec`` reading chunks) take
+        cached document K/V; if not, they prefill the whole prompt in the pool."""
+        return self.document_reuse
 
     # ---- PROFILE
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -127,7 +133,10 @@ class LlamaAdapter(ModelAdapter):
         return getattr(self._body.layers[layer].self_attn, "sinks", None)
 
     def layer_attention(self, layer, hidden, attn_out):
-        return hidden + self._body.layers[layer].self_attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        attn = self._body.layers[layer].self_attn
+        out = attn.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        reduce = getattr(attn, "reduce", None)  # tensor parallel: each rank's heads give a partial sum
+        return hidden + (out if reduce is None else reduce(out))
 
     def layer_ffn(self, layer, hidden, rows=None):
         return self._body.layers[layer].add_ffn(hidden, rows)

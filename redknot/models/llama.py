@@ -80,6 +80,7 @@ class Attention(nn.Module):
         self.backend = None  # set by the runner
         self.qkv_weight = self.qkv_bias = None  # one [Hq+2Hkv)*D, hidden] GEMM once fused
         self.qkv_packed = self.o_packed = None  # CPU: the GEMM library's layout (models/linear.py)
+        self.reduce = None  # tensor parallel: the sum of the ranks' partial outputs (redknot/distributed)
 
     def fuse(self, pack: bool = False) -> None:
         """One QKV GEMM instead of three: q/k/v_proj's weights become views of one fused tensor,
@@ -132,8 +133,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch, rows=None) -> torch.Tensor:
         q, k, v = self.qkv(x, positions)
         o = self.backend.attention(self.layer_idx, q, k, v, batch, rows, sink_logits=self.sinks)
-        o = o.reshape(x.shape[0], self.n_heads * self.head_dim)
-        return projection.linear(o, self.o_proj.weight, self.o_proj.bias, self.o_packed)
+        return self.project_out(o.reshape(x.shape[0], self.n_heads * self.head_dim))
+
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of attention outputs [T, Hq * D] (summed over the ranks under
+        tensor parallelism: each holds some heads' columns)."""
+        out = projection.linear(o, self.o_proj.weight, self.o_proj.bias, self.o_packed)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
@@ -145,6 +151,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=b)
         self.gate_up_weight = self.gate_up_bias = None  # one [2I, hidden] GEMM once fused
         self.gate_up_packed = self.down_packed = None  # CPU: the GEMM library's layout
+        self.reduce = None  # tensor parallel: the sum of the ranks' partial outputs (redknot/distributed)
 
     def fuse(self, pack: bool = False) -> None:
         self.gate_up_weight = _fuse_rows(self.gate_proj, self.up_proj)
@@ -157,6 +164,10 @@ class MLP(nn.Module):
         return projection.linear(h, self.down_proj.weight, self.down_proj.bias, self.down_packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._forward(x)
+        return out if self.reduce is None else self.reduce(out)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
             gate_up = projection.linear(x, self.gate_up_weight, self.gate_up_bias, self.gate_up_packed)
             fused = _fused_norms() if x.is_cuda else None
@@ -273,6 +284,9 @@ class LlamaForCausalLM(nn.Module):
     A family with other decoder layers subclasses it with its own ``backbone`` class."""
 
     backbone = Backbone
+    # tensor parallel: each rank's vocabulary slice gathered (redknot/distributed); a class default
+    # so families that build their own parts (DeepSeek) have it too
+    gather_logits = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -302,4 +316,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, batch, rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return projection.linear(hidden, self.lm_head.weight, None, self.head_packed).float()
+        logits = projection.linear(hidden, self.lm_head.weight, None, self.head_packed)
+        return (logits if self.gather_logits is None else self.gather_logits(logits)).float()

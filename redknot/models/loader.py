@@ -93,15 +93,16 @@ def expert_target(key: str, tensor: torch.Tensor, moe: MoEConfig | None):
     return None
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, shard=None) -> torch.nn.Module:
     """A model with random (PyTorch default init) weights, built directly on the device. Half
-    precision models are created in their dtype (a 30B-parameter MoE never exists in float32)."""
+    precision models are created in their dtype (a 30B-parameter MoE never exists in float32).
+    ``shard``: a tensor-parallel rank's share (``redknot.distributed.Shard``): only its part is built."""
     previous = torch.get_default_dtype()
     if dtype in (torch.float16, torch.bfloat16):
         torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class(cfg)(cfg)
+            model = model_class(cfg)(cfg) if shard is None else shard.build()
     finally:
         torch.set_default_dtype(previous)
     model = model.to(dtype)
@@ -110,9 +111,12 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> t
     return model.eval()
 
 
-def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Module, ModelConfig]:
+def load_model(path: str | Path, dtype=None, device=None, shard=None) -> tuple[torch.nn.Module, ModelConfig]:
     """``path``: an HF checkpoint directory, a ``.gguf`` file (or a directory holding one; converted
-    once into the cache) or a fetched shelf name: see ``redknot.models.resolve.resolve_model``."""
+    once into the cache) or a fetched shelf name: see ``redknot.models.resolve.resolve_model``.
+    ``shard``: a tensor-parallel rank's share (``redknot.distributed.Shard``): each tensor is cut
+    to the rank's slice as it is read, so the rank never holds the whole model. The config
+    returned is the full model's either way."""
     from .resolve import resolve_model
 
     path = resolve_model(path)
@@ -121,7 +125,7 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
     dtype = resolve_dtype(dtype, cfg, device)
     files = weight_files(path)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+        model = model_class(cfg)(cfg) if shard is None else shard.build()
     model = model.to(dtype).to_empty(device=device)  # allocated in the dtype only
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -153,6 +157,8 @@ def load_model(path: str | Path, dtype=None, device=None) -> tuple[torch.nn.Modu
                     halves = {k: v.to(device) for k, v in packed.pop(base).items()}  # dequantised where it runs
                     name, tensor = base, mxfp4.dequantize(halves[mxfp4.BLOCKS], halves[mxfp4.SCALES], dtype)
                 name, index, tensor = expert_target(name, tensor, cfg.moe) or (name, (slice(None),), tensor)
+                if shard is not None:
+                    tensor = shard.slice(name, tensor)
                 if name not in params:
                     unexpected.append(key)
                     continue

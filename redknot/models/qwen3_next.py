@@ -152,8 +152,11 @@ class GatedDeltaNet(nn.Module):
         slots, fresh = batch.state_slots, batch.extras["linear_fresh"]
         state = self.state.read(self.state_layer, slots, fresh)
         split = batch.extras.get("linear_split")
+        capture = batch.extras.get("linear_capture")  # a chunk prefill's: each chunk's inputs (cache/linear_chunks.py)
         if split is None:
-            o, state = self.mix(mixed, g, beta, state, batch.cu_seqlens_q, batch.max_q_len)
+            o, state = self.mix(mixed, g, beta, state, batch.cu_seqlens_q, batch.max_q_len, capture)
+        elif capture is not None:
+            raise ValueError("a forward both snapshots linear states and captures chunk inputs")
         else:  # rows up to each sequence's snapshot point, then the rest from the state there
             first, second = split
             o = mixed.new_empty(t, self.hv, self.dv)
@@ -170,14 +173,18 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o, z).reshape(t, self.value_dim)
         return self.out_proj(o)
 
-    def mix(self, mixed, g, beta, state, cu, max_len):
+    def mix(self, mixed, g, beta, state, cu, max_len, capture=None):
         """The convolution and the gated delta rule over packed rows of sequences continuing from
-        ``state`` (conv [B, C, W-1], recurrent [B, HV, Dk, Dv]). Returns (o [T, HV, Dv], the new state)."""
+        ``state`` (conv [B, C, W-1], recurrent [B, HV, Dk, Dv]). Returns (o [T, HV, Dv], the new state).
+        ``capture(layer, conv inputs, k, v, g, beta)`` sees the rule's inputs."""
         t = mixed.shape[0]
         conv_state, rec_state = state
+        conv_in = mixed
         mixed, conv_state = ref.causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], conv_state, cu)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q, k, v = q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv)
+        if capture is not None:
+            capture(self.state_layer, conv_in, k, v, g, beta)
         o, rec_state = _gated_delta(q, k, v, g, beta, rec_state, cu, max_len)
         return o, [conv_state, rec_state]
 
@@ -322,16 +329,30 @@ class HybridAdapter(ModelAdapter):
     layer of the model (a head config lists each layer) and the full layers' rows are what the pool
     sees. The linear layers' state at a token depends on every earlier token, so cached K/V pages
     alone cannot resume a prompt: a cached prefix needs the state stored at its end
-    (``cache/linear_prefix.py``), and cached documents cannot be placed: every document method
-    recomputes the whole prompt (the "all heads recompute" rule)."""
+    (``cache/linear_prefix.py``), and a cached document needs its chunk's effect on the state
+    (``cache/linear_chunks.py``): its transition and own state per linear layer and value head.
 
-    document_reuse = False
+    Which document methods place chunks (``places_documents``): those that only read the placed
+    state, ``full_reuse`` (each head's state composed exactly, or started from the chunk's own
+    state where its decay is below the threshold). Methods that recompute chunk rows in place
+    (``epic``, and the recovery methods: ``cacheblend``, ``redknot``, ``redknot_paper``,
+    ``qrecompute``, ``redknot_exact``) recompute the whole prompt instead (the "all heads
+    recompute" rule): a recomputed row's linear output needs the state just before that row,
+    which a chunk's transition does not give (it maps the state across the whole chunk); that
+    would need each chunk's per-token recurrence inputs cached (on Qwen3-Next-80B ~0.6 MB a token,
+    ~25 times its full layers' K/V) and a rerun over every chunk row, and a row left out of a layer
+    (redknot's sparse FFN) would need its cached inputs at every later linear layer."""
+
+    document_reuse = True
     prefix_caching = False
 
     def __init__(self, model, config: ModelConfig):
         self.model, self.config = model, config
         self._body = model.model
         self._full = config.attention_layers
+
+    def places_documents(self, method) -> bool:
+        return method.reads_chunks and not method.recovers and not method.recompute_chunk_heads
 
     def embed(self, ids):
         return self._body.embed_tokens(ids)

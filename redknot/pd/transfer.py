@@ -13,6 +13,8 @@ cuda_ipc   two processes on one GPU: the header carries CUDA IPC handles of the 
            prefill's memory, then says "done" (``redknot/pd/cuda_ipc.py``)
 nccl       torch.distributed point-to-point (NCCL on GPUs, gloo on CPUs) between a prefill and a
            decode process of one process group (``redknot/pd/nccl.py``)
+nixl       NIXL (optional): the decode side READs the pages from the prefill's registered staging
+           buffer, then says "done" (``redknot/pd/nixl_transport.py``)
 
 Whatever the path, the decode side checks the header against its own model, plan, layout and
 prompt (``Expect.check``) and the payload against the header's checksum before anything reaches its
@@ -200,9 +202,7 @@ class KVServer:
         except (ValueError, KeyError, TypeError, msgpack.UnpackException):
             return self._error(ident, "malformed request")
         if op == "done":
-            entry = self.awaiting.pop(lease_id, None)
-            if entry is not None:
-                self.leases.finish(entry[0])
+            self._finish_awaiting(lease_id, pulled=True)
             return
         path = self.paths.get(msg.get("path", "tcp"))
         if op != "pull" or path is None:
@@ -223,14 +223,27 @@ class KVServer:
         if finished:
             self.leases.finish(lease)
         else:
-            self.awaiting[lease_id] = (lease, time.monotonic() + self.done_timeout_s)
+            self.awaiting[lease_id] = (lease, time.monotonic() + self.done_timeout_s, path)
+
+    def _finish_awaiting(self, lease_id: str, pulled: bool) -> None:
+        """The lease's pages go back; a path that staged them elsewhere (``release``) lets that go too."""
+        entry = self.awaiting.pop(lease_id, None)
+        if entry is None:
+            return
+        lease, _, path = entry
+        release = getattr(path, "release", None)
+        if release is not None:
+            try:
+                release(lease_id)
+            except Exception as e:  # noqa: BLE001  (the pages still go back)
+                log.warning("pd: releasing lease %s's %s staging failed: %s", lease_id, path.name, e)
+        self.leases.finish(lease, pulled=pulled)
 
     def _expire_awaiting(self) -> None:
         now = time.monotonic()
-        for lease_id, (lease, deadline) in list(self.awaiting.items()):
+        for lease_id, (_, deadline, _) in list(self.awaiting.items()):
             if deadline <= now:
-                del self.awaiting[lease_id]
-                self.leases.finish(lease, pulled=False)
+                self._finish_awaiting(lease_id, pulled=False)
 
     def _error(self, ident: bytes, reason: str) -> None:
         try:

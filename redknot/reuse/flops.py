@@ -21,10 +21,14 @@ class FlopReport:
     tokens: list[int] = field(default_factory=list)  # tokens through the layer's projections
     ffn_tokens: list[int] = field(default_factory=list)
     lm_head: int = 0
-    # hybrid models: the linear-attention heads (layers x value heads) that ran over every prompt row
-    # (the "all heads recompute" rule: none starts from a reused state)
+    # hybrid models, counted over (linear layer, value head) pairs: heads that ran the recurrence over
+    # every prompt row (the "all heads recompute" rule), heads whose state over placed document
+    # chunks is exact (each chunk's transition applied), heads that started from a chunk's own state
+    # at least once (short memory: the incoming state dropped)
     linear_heads_recomputed: int = 0
     scoring: int = 0  # attention masses a policy reads (the observed queries' q·k over every key)
+    linear_heads_composed: int = 0
+    linear_heads_decayed: int = 0
 
     def add_layer(self, cfg: ModelConfig, n_tokens: int, pairs: int, n_ffn: int) -> None:
         per_row, per_pair = cfg.attention_flops()  # projections; q·k and p·v
@@ -32,15 +36,25 @@ class FlopReport:
         self.attention.append(per_pair * pairs)
         self._add_ffn(cfg, n_tokens, n_ffn)
 
-    def add_linear_layer(self, cfg: ModelConfig, n_tokens: int, n_ffn: int) -> None:
+    def add_linear_layer(self, cfg: ModelConfig, n_tokens: int, n_ffn: int,
+                         placed: tuple[int, int] | None = None) -> None:
         """A Gated DeltaNet layer over ``n_tokens`` rows: its projections (q/k/v/z, beta/decay, out),
         the short convolution, and the recurrence (per value head and token: decay, read, rank-1
-        write, output, four Dk x Dv multiply-adds)."""
+        write, output, four Dk x Dv multiply-adds). ``placed``: the layer's state came from placed
+        chunks (``LinearReuse``): (transitions applied, value heads exact over every chunk); each
+        transition is a Dk x Dk by Dk x Dv product. None: the rows are the whole prompt."""
         lc, h = cfg.linear, cfg.hidden_size
         self.proj.append(2 * n_tokens * h * (2 * lc.key_dim + 3 * lc.value_dim + 2 * lc.num_value_heads))
         recurrence = 8 * lc.num_value_heads * lc.key_head_dim * lc.value_head_dim
-        self.attention.append(n_tokens * (2 * lc.conv_dim * lc.conv_kernel + recurrence))
-        self.linear_heads_recomputed += lc.num_value_heads if n_tokens else 0
+        work = n_tokens * (2 * lc.conv_dim * lc.conv_kernel + recurrence)
+        if placed is None:
+            self.linear_heads_recomputed += lc.num_value_heads if n_tokens else 0
+        else:
+            applied, exact = placed
+            work += applied * 2 * lc.key_head_dim ** 2 * lc.value_head_dim
+            self.linear_heads_composed += exact
+            self.linear_heads_decayed += lc.num_value_heads - exact
+        self.attention.append(work)
         self._add_ffn(cfg, n_tokens, n_ffn)
 
     def _add_ffn(self, cfg: ModelConfig, n_tokens: int, n_ffn: int) -> None:
@@ -61,8 +75,11 @@ class FlopReport:
         out = {"proj": sum(self.proj), "attention": sum(self.attention), "ffn": sum(self.ffn),
                "lm_head": self.lm_head, "scoring": self.scoring}
         out["total"] = sum(out.values())
-        if self.linear_heads_recomputed:
-            out["linear_heads_recomputed"] = self.linear_heads_recomputed
+        linear = {"linear_heads_recomputed": self.linear_heads_recomputed,
+                  "linear_heads_composed": self.linear_heads_composed,
+                  "linear_heads_decayed": self.linear_heads_decayed}
+        if any(linear.values()):
+            out.update(linear)
         return out
 
     def merge(self, other: "FlopReport") -> "FlopReport":
@@ -76,22 +93,37 @@ class FlopReport:
                           [a + b for a, b in zip(self.ffn_tokens, other.ffn_tokens)],
                           self.lm_head + other.lm_head,
                           linear_heads_recomputed=self.linear_heads_recomputed + other.linear_heads_recomputed,
-                          scoring=self.scoring + other.scoring)
+                          scoring=self.scoring + other.scoring,
+                          linear_heads_composed=self.linear_heads_composed + other.linear_heads_composed,
+                          linear_heads_decayed=self.linear_heads_decayed + other.linear_heads_decayed)
 
 
-def prefill_flops(cfg: ModelConfig, positions, window, sink) -> dict:
+@dataclass(frozen=True)
+class LinearReuse:
+    """Placed document chunks on a hybrid's linear layers, per linear layer: transitions applied
+    ((chunk, head) pairs), carried states dropped (short-memory heads), value heads exact over
+    every chunk (``cache/linear_chunks.compose``)."""
+    composed: list[int]
+    dropped: list[int]
+    exact: list[int]
+
+
+def prefill_flops(cfg: ModelConfig, positions, window, sink, linear: LinearReuse | None = None) -> dict:
     """Totals of a prefill that computed ``positions`` (every layer, every row through the FFN)
-    under a plan's ``window``/``sink`` [L, Hkv] (a hybrid's: one row per full-attention layer)."""
+    under a plan's ``window``/``sink`` [L, Hkv] (a hybrid's: one row per full-attention layer);
+    ``linear``: a hybrid's linear state placed from document chunks before those rows."""
     import torch
 
     window, sink = torch.as_tensor(window), torch.as_tensor(sink)
     q_pos = torch.as_tensor(positions, dtype=torch.int64)
     group = cfg.num_attention_heads // cfg.num_key_value_heads
     report = FlopReport()
-    kv_layer = 0
+    kv_layer = linear_layer = 0
     for layer in range(cfg.num_hidden_layers):
         if cfg.is_linear_layer(layer):
-            report.add_linear_layer(cfg, q_pos.numel(), q_pos.numel())
+            placed = None if linear is None else (linear.composed[linear_layer], linear.exact[linear_layer])
+            report.add_linear_layer(cfg, q_pos.numel(), q_pos.numel(), placed)
+            linear_layer += 1
             continue
         pairs = visible_pairs(q_pos, window[kv_layer], sink[kv_layer], group)
         report.add_layer(cfg, q_pos.numel(), pairs, q_pos.numel())

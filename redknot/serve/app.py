@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (both with SSE streaming, ``n``
 choices, logprobs, structured output; chat with tools), ``GET /v1/models``, ``POST /tokenize``,
-``POST /detokenize``, ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus text format,
+``POST /detokenize``, ``POST /v1/chat/completions/render`` and ``POST /v1/completions/render``
+(vLLM's: the prompt's token ids, documents included, what KV-aware routers match), ``GET /version``, ``GET /health``, ``GET /metrics`` (Prometheus text format,
 ``metrics.py``). Each choice is one engine sequence (``choices.py``); tool calls: ``tools.py``.
 
 Every request is validated and admitted before the response starts, so bad input is a 4xx with
@@ -212,9 +213,30 @@ def _add_token_routes(app: FastAPI, srv: "_Server") -> None:
                            param="tokens")
         return DetokenizeResponse(prompt=srv.llm.tokenizer.decode(req.tokens))
 
+    @app.post("/v1/chat/completions/render", responses=_ERRORS)
+    async def render_chat(req: ChatCompletionRequest, request: Request) -> dict:
+        return _rendered(req, (await srv.tokenize(request, req))[0], srv.model_name)
+
+    @app.post("/v1/completions/render", responses=_ERRORS)
+    async def render_completion(req: CompletionRequest, request: Request) -> list:
+        seqs = await srv.tokenize(request, req.model_copy(update={"n": 1}), req.prompts(),
+                                  req.document_texts() or None)
+        return [_rendered(req, s, srv.model_name) for s in seqs]
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": _version()}
+
+
+def _rendered(req, seq, model_name: str) -> dict:
+    """vLLM's render answer for one prompt: the token ids the engine would run (chat template and
+    documents applied), nothing generated. Routers (vllm-router's ``cache_aware``/``kv_aware``)
+    match these ids against what each replica holds."""
+    p = seq.params
+    return {"request_id": new_id("render"), "model": model_name, "stream": bool(getattr(req, "stream", False)),
+            "token_ids": list(seq.token_ids),
+            "sampling_params": {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                                "seed": p.seed}}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -18,6 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most")
     p.add_argument("--kv-pages", type=int, default=None,
                    help="SegPaged pool pages (default: sized from --gpu-memory-utilization)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many processes, one per GPU (Llama family; docs/tp.md)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of the GPU's memory for weights, activations and KV pages together (vLLM's flag)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per SegPaged page")
@@ -97,9 +99,9 @@ def add_pd_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill: keep prefilled requests' pages (per head, what the plan sees) for a decode "
                         "instance to pull; decode: pull them and decode; both (default): either leg, and plain "
                         "requests as always")
-    g.add_argument("--pd-transport", choices=("tcp", "cuda_ipc", "nccl"), default="tcp",
+    g.add_argument("--pd-transport", choices=("tcp", "cuda_ipc", "nccl", "nixl"), default="tcp",
                    help="how page bytes travel: tcp (ZeroMQ), cuda_ipc (two processes on one GPU), nccl "
-                        "(torch.distributed point-to-point; gloo on CPUs)")
+                        "(torch.distributed point-to-point; gloo on CPUs), nixl (NIXL READs; needs redknot[nixl])")
     g.add_argument("--pd-host", default=None,
                    help="address the KV server binds and names in kv_transfer_params (default: --host)")
     g.add_argument("--pd-port", type=int, default=0, help="KV server port (default 0: any free one)")
@@ -153,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
               max_num_batched_tokens=args.max_num_batched_tokens, max_recovery_rows=args.max_recovery_rows,
               chunk_cache_bytes=args.chunk_cache_bytes, kv_offload=kv_offload_options(args),
               kv_events=kv_events_options(args),
-              gpu_memory_utilization=args.gpu_memory_utilization, selection=selection_options(args))
+              gpu_memory_utilization=args.gpu_memory_utilization, selection=selection_options(args),
+              tensor_parallel_size=args.tensor_parallel_size)
     set_default_method(llm, args.method)
     print(f"default method: {llm.method}; prefix caching on", flush=True)
     print(capacity_summary(llm.engine), flush=True)

@@ -192,6 +192,18 @@ def _tier_series(name: list, tiers: dict | None):
     for t, n in (tiers.get("hits") or {}).items():
         loads.add_metric(name + [t], n)
     yield loads
+    for key, help_ in (("downs_dropped", "Write-downs dropped because their queue was full."),):
+        c = CounterMetricFamily(P + f"kv_tier_{key}", help_, labels=["model_name"])
+        c.add_metric(name, tiers.get(key, 0))
+        yield c
+    loader = tiers.get("loader")
+    if loader:  # asynchronous loads: what per-head fetches read against what the entries hold
+        for key, help_ in (("bytes_fetched", "Payload bytes asynchronous loads read (only heads the request sees)."),
+                           ("bytes_whole", "Payload bytes of the same entries, every head counted."),
+                           ("timed_out", "Asynchronous loads given up (the documents were computed).")):
+            c = CounterMetricFamily(P + f"kv_tier_load_{key}", help_, labels=["model_name"])
+            c.add_metric(name, loader.get(key, 0))
+            yield c
 
 
 def _pd_series(name: list, st: dict, pd):

@@ -33,7 +33,7 @@ from ..pd.transfer import KVClient, KVServer, TcpPath, TransferFailed
 log = logging.getLogger("redknot.serve.pd")
 
 ROLES = ("both", "prefill", "decode")
-TRANSPORTS = ("tcp", "cuda_ipc", "nccl")
+TRANSPORTS = ("tcp", "cuda_ipc", "nccl", "nixl")
 POLICIES = ("recompute", "fail")
 
 
@@ -81,6 +81,10 @@ def data_paths(opts: PDOptions, device) -> dict:
         from ..pd.cuda_ipc import CudaIpcPath
 
         paths["cuda_ipc"] = CudaIpcPath()
+    elif opts.transport == "nixl":
+        from ..pd.nixl_transport import NixlPath
+
+        paths["nixl"] = NixlPath()  # raises, naming the import error, where NIXL does not import
     elif opts.transport == "nccl":
         from ..pd.nccl import NcclPath
 

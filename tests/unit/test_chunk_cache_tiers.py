@@ -157,3 +157,41 @@ def test_a_failing_fetch_is_a_miss(monkeypatch):
 
     monkeypatch.setattr(t, "fetch", broken)
     assert cache.lookup("a") is None and cache.fetch_errors == 1 and cache.stats()["tiers"]["fetch_errors"] == 1
+
+
+class _Copy:
+    """A device-to-host copy that ends when the test says so (``synchronize`` waits for it)."""
+    def __init__(self):
+        import threading
+        self.done = threading.Event()
+
+    def synchronize(self):
+        assert self.done.wait(10)
+
+
+def test_write_downs_only_enqueue_and_a_full_queue_drops_them():
+    from redknot.cache.tiers import KVEntry, Layout
+
+    stack = KVOffloadConfig(cpu_bytes=1 << 20).build()
+    stack = type(stack)(stack.cpu, None, None, write_behind=True, max_pending_downs=1)
+    layout = Layout("fp", "plan", "float32", PS, D, L, H)
+    c = chunk()
+
+    def build(key):
+        return lambda: KVEntry.build(key, key, layout, c.token_ids, c.start, c.k, c.v)
+    copies = [_Copy() for _ in range(3)]
+    import time
+    t0 = time.perf_counter()
+    assert stack.store_later("a", build("a"), copies[0])
+    while stack._down.qsize():  # the down thread took "a" and waits for its copy
+        time.sleep(0.01)
+    assert stack.store_later("b", build("b"), copies[1])  # queued
+    assert not stack.store_later("c", build("c"), copies[2])  # full: dropped, not waited for
+    assert time.perf_counter() - t0 < 5 and stack.downs_dropped == 1
+    assert stack.has("a") and stack.has("b") and not stack.has("c")
+    for x in copies:
+        x.done.set()
+    stack.flush()
+    assert stack.cpu.contains("a") and stack.cpu.contains("b") and not stack.cpu.contains("c")
+    assert stack.fetch("b", layout)[0].header.chunk_key == "b" and stack.downs_done == 2
+    stack.close()

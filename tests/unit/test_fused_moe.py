@@ -82,14 +82,48 @@ def test_each_kernel_step_matches_its_reference(activation, bias):
 @pytest.mark.parametrize("t,e,k,activation,bias", [(1, 8, 2, "silu", False), (23, 8, 2, "swiglu_clamped", True),
                                                    (150, 2, 1, "silu", True), (48, 4, 2, "silu", False)])
 def test_fused_experts_match_the_reference(t, e, k, activation, bias):
-    """Every tile configuration (16-, 32- and 64-row blocks by pairs per expert)."""
+    """Every tile configuration of the grouped path (16-, 32- and 64-row blocks by pairs per expert)."""
     h, i = 32, 48
     gu, dn, bgu, bdn = experts(e, h, i, bias)
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     w, ids = routed(t, e, k, seed=5, skew=True)
     ref = experts_reference(x, gu, dn, w, ids, activation, bgu, bdn)
-    torch.testing.assert_close(fm.fused_experts(x, gu, dn, w, ids, activation, bgu, bdn), ref, rtol=1e-5, atol=1e-5)
+    out = fm.fused_experts(x, gu, dn, w, ids, activation, bgu, bdn, path="grouped")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert fm.fused_experts(x[:0], gu, dn, w[:0], ids[:0], activation, bgu, bdn).shape == (0, h)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_few_token_gemv_path_matches_the_reference(seed):
+    """Random shapes, T = 1..4, H and I not multiples of the tiles, down's K split or not:
+    Qwen3-MoE style (silu, no biases) and gpt-oss style (expert biases, pre-activations past the
+    SwiGLU clamp)."""
+    g = torch.Generator().manual_seed(100 + seed)
+    t, k = 1 + seed % 4, int(torch.randint(1, 5, (1,), generator=g))
+    e = k + int(torch.randint(0, 6, (1,), generator=g))
+    h, i = (int(v) for v in torch.randint(17, 90, (2,), generator=g))
+    gpt_oss = seed % 2 == 1
+    activation = "swiglu_clamped" if gpt_oss else "silu"
+    gu, dn, bgu, bdn = experts(e, h, i, gpt_oss, seed=seed)
+    if gpt_oss:
+        gu = gu * 8
+    x = torch.randn(t, h, generator=g).to(DEVICE)
+    w, ids = routed(t, e, k, seed=seed)
+    ref = experts_reference(x, gu, dn, w, ids, activation, bgu, bdn, limit=3.0)
+    configs = [None, dict(gate_up=(8, 16, 1), down=(8, 16, 1, 3))]  # the default tiles; 3 splits of down's K
+    outs = [fm.gemv_experts(x, gu, dn, w, ids, activation, bgu, bdn, limit=3.0, config=cfg) for cfg in configs]
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # few pairs: the entry point takes this path (the same launches, so the same bits)
+    assert t * k <= fm.SMALL_PAIRS
+    assert torch.equal(fm.fused_experts(x, gu, dn, w, ids, activation, bgu, bdn, limit=3.0), outs[0])
+
+
+def test_gemv_config_fills_the_card_and_splits_only_when_short():
+    qwen = fm.gemv_config(8, 2048, 768)  # Qwen3-30B-A3B at T = 1
+    assert 8 * -(-768 // qwen["gate_up"][0]) >= 256 and qwen["down"][3] == 1
+    tiny = fm.gemv_config(2, 64, 512)  # few, narrow rows: down's K is split
+    assert tiny["down"][0] == 8 and tiny["down"][3] > 1
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 at real widths on the GPU")
@@ -100,7 +134,22 @@ def test_fused_experts_bf16_at_real_widths(t):
     x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
     w, ids = routed(t, e, k, seed=6)
     ref = experts_reference(x.float(), gu.float(), dn.float(), w, ids)
-    out = fm.fused_experts(x, gu, dn, w, ids).float()
+    for path in ("auto", "grouped"):
+        out = fm.fused_experts(x, gu, dn, w, ids, path=path).float()
+        assert ((out - ref).norm() / ref.norm()).item() < 1e-2
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 at real widths on the GPU")
+@pytest.mark.parametrize("t", [1, 4, 16])
+@pytest.mark.parametrize("arch", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_gemv_path_bf16_at_real_widths(t, arch):
+    e, k, h, i, act = (128, 8, 2048, 768, "silu") if arch == "qwen3-30b-a3b" else (32, 4, 2880, 2880, "swiglu_clamped")
+    gu, dn, bgu, bdn = experts(e, h, i, act != "silu", dtype=torch.bfloat16)
+    x = torch.randn(t, h, device=DEVICE, dtype=torch.bfloat16)
+    w, ids = routed(t, e, k, seed=7)
+    ref = experts_reference(x.float(), gu.float(), dn.float(), w, ids, act,
+                            *(None if b is None else b.float() for b in (bgu, bdn)))
+    out = fm.gemv_experts(x, gu, dn, w, ids, act, bgu, bdn).float()
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 

@@ -200,20 +200,23 @@ class KVEntry:
     def build(cls, key: str, chunk_key: str, layout: Layout, token_ids, start: int, k: torch.Tensor,
               v: torch.Tensor, pin: bool = False) -> "KVEntry":
         """From K and V [L, n, Hkv, D] on any device (copied to the host once)."""
-        L, n, h, d = k.shape
-        if (L, h, d) != (layout.num_layers, layout.num_kv_heads, layout.head_dim) or v.shape != k.shape:
-            raise ValueError(f"K/V {tuple(k.shape)} do not match the layout {layout}")
-        if k.dtype != layout.torch_dtype:
-            raise ValueError(f"K/V are {k.dtype}, the layout says {layout.dtype}")
-        kv = torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2).contiguous()  # [L, Hkv, 2, n, D]
-        seg = 2 * n * d * k.element_size()
-        payload = _empty(L * h * seg, pin)
+        kv = stack_kv(k, v, layout)
+        payload = _empty(kv.numel() * kv.element_size(), pin)
         payload.view(kv.dtype).view(kv.shape).copy_(kv)
+        return cls.from_payload(key, chunk_key, layout, token_ids, start, payload)
+
+    @classmethod
+    def from_payload(cls, key: str, chunk_key: str, layout: Layout, token_ids, start: int,
+                     payload: torch.Tensor) -> "KVEntry":
+        """From a host uint8 payload already in the entry's layout (``stack_kv``'s bytes): the
+        checksums and the header are computed here (off the step loop, on a writer thread)."""
+        n = len(token_ids)
+        seg = 2 * n * layout.head_dim * layout.torch_dtype.itemsize
+        if payload.numel() != seg * layout.heads:
+            raise ValueError(f"payload of {payload.numel()} bytes, {seg * layout.heads} for {n} tokens of {layout}")
         sums = _segment_sums(payload, seg)
         header = EntryHeader(key, chunk_key, layout, int(start), tuple(int(t) for t in token_ids), seg, sums,
                              xxhash.xxh3_64_intdigest(sums.astype("<u8").tobytes()))
-        if len(header.token_ids) != n:
-            raise ValueError(f"{len(header.token_ids)} token ids for K/V of {n} tokens")
         return cls(header, payload)
 
     def verify(self) -> None:
@@ -250,6 +253,17 @@ class KVEntry:
         if self.heads is not None:
             raise ValueError("only an entry with every head is stored")
         return [self.header.encode(), memoryview(self.payload.numpy())]
+
+
+def stack_kv(k: torch.Tensor, v: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """K and V [L, n, Hkv, D] as one contiguous tensor in the payload's order [L, Hkv, 2, n, D]
+    (on their device)."""
+    L, n, h, d = k.shape
+    if (L, h, d) != (layout.num_layers, layout.num_kv_heads, layout.head_dim) or v.shape != k.shape:
+        raise ValueError(f"K/V {tuple(k.shape)} do not match the layout {layout}")
+    if k.dtype != layout.torch_dtype:
+        raise ValueError(f"K/V are {k.dtype}, the layout says {layout.dtype}")
+    return torch.stack((k.transpose(1, 2), v.transpose(1, 2)), dim=2).contiguous()
 
 
 def head_ranges(heads: np.ndarray, segment_bytes: int, payload_offset: int) -> list[tuple[int, int, int]]:

@@ -8,6 +8,12 @@ promotes a hit from disk or Redis into the CPU tier.
 
 Writes to disk and Redis run on one background thread (``write_behind``), off the caller's step
 loop; an entry on its way there is still found by ``fetch``. ``flush`` waits for them.
+
+``store_later`` takes an entry whose bytes are still on their way to the host (a device-to-host
+copy on a side stream, an event marking its end): a second thread waits for the copy, checksums
+the entry and stores it, so the step loop only enqueues. Its queue is bounded; when it is full the
+write-down is dropped (counted in ``downs_dropped``), never waited for. ``fetch`` of a key on its
+way down waits for it (at most ``down_wait_s``).
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ class KVOffloadConfig:
     verify_cpu: bool = True
     disk_fsync: bool = False
     write_behind: bool = True  # disk and Redis writes on a background thread
+    # a request whose documents are below the pool waits while they load on a background thread
+    # (others keep running); off: loaded synchronously in its admission
+    async_loads: bool = True
+    per_head_fetch: bool = True  # an asynchronous load reads only the heads the request's plan can see
+    load_timeout_s: float = 10.0  # a load taking longer is given up: the documents are computed
 
     def __post_init__(self):
         for name in ("cpu_bytes", "disk_bytes"):
@@ -61,6 +72,8 @@ class KVOffloadConfig:
             raise ValueError(f"kv_offload.redis_ttl_s must be > 0 or None, got {self.redis_ttl_s}")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"kv_offload.write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
+        if self.load_timeout_s <= 0:
+            raise ValueError(f"kv_offload.load_timeout_s must be > 0, got {self.load_timeout_s}")
         if self.redis_timeout_s <= 0:
             raise ValueError(f"kv_offload.redis_timeout_s must be > 0, got {self.redis_timeout_s}")
 
@@ -97,9 +110,11 @@ class KVOffloadConfig:
 
 class TierStack:
     def __init__(self, cpu: CpuTier | None, disk: Tier | None, redis: Tier | None, write_behind: bool = True,
-                 max_pending_bytes: int = 1 << 30, write_policy: str = "write_through"):
+                 max_pending_bytes: int = 1 << 30, write_policy: str = "write_through", max_pending_downs: int = 64,
+                 down_wait_s: float = 2.0):
         """``max_pending_bytes``: entries waiting for the writer thread at most; past it the
-        caller writes itself, so a slow disk or server slows eviction instead of growing memory."""
+        caller writes itself, so a slow disk or server slows eviction instead of growing memory.
+        ``max_pending_downs``: write-downs (``store_later``) waiting at most; past it they are dropped."""
         self.cpu, self.disk, self.redis = cpu, disk, redis
         self.max_pending_bytes = max_pending_bytes
         if write_policy not in WRITE_POLICIES:
@@ -112,10 +127,19 @@ class TierStack:
         self._lock = threading.Lock()
         self._queue: queue.Queue | None = None
         self._thread = None
+        self.down_wait_s = down_wait_s
+        self.downs_done = self.downs_dropped = self.down_errors = 0
+        self._inflight: dict[str, threading.Event] = {}  # keys on their way down (store_later)
+        self._down: queue.Queue | None = None
+        if write_behind:
+            self._down = queue.Queue(maxsize=max(1, max_pending_downs))
+            self._down_thread = threading.Thread(target=self._downer, name="kv-tier-down", daemon=True)
+            self._down_thread.start()
         if write_behind and (disk is not None or redis is not None):
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._writer, name="kv-tier-writer", daemon=True)
             self._thread.start()
+        if self._down is not None or self._queue is not None:
             ref = weakref.ref(self)
             atexit.register(lambda: (s := ref()) is not None and s.flush())  # a clean exit loses no write
 
@@ -124,10 +148,12 @@ class TierStack:
     def has(self, key: str) -> bool:
         """The CPU tier holds ``key`` (now most recently used): storing it again copies nothing.
         Without a CPU tier: an earlier store of it is on its way down or done."""
+        if key in self._inflight:
+            return True
         if self.cpu is not None:
             return self.cpu.touch(key)
         with self._lock:
-            if key in self._pending:
+            if key in self._pending or key in self._inflight:
                 return True
         return self.disk is not None and self.disk.contains(key)
 
@@ -142,6 +168,50 @@ class TierStack:
             down.append((self.redis, entry))
         for tier, e in down:
             self._write(tier, e)
+
+    def store_later(self, key: str, build, event=None, through: bool = False) -> bool:
+        """Store ``build()`` (a KVEntry for ``key``) once ``event`` (a device-to-host copy's end, or
+        None) has passed, on the down thread (at once without ``write_behind``). False when the
+        queue is full: the write-down is dropped."""
+        if self._down is None:
+            if event is not None:
+                event.synchronize()
+            self.store(build(), through)
+            self.downs_done += 1
+            return True
+        with self._lock:
+            if key in self._inflight:
+                return True
+            done = self._inflight[key] = threading.Event()
+            try:
+                self._down.put_nowait((key, build, event, through, done))
+            except queue.Full:
+                del self._inflight[key]
+                self.downs_dropped += 1
+                return False
+        return True
+
+    def _downer(self) -> None:
+        while True:
+            item = self._down.get()
+            try:
+                if item is None:
+                    return
+                key, build, event, through, done = item
+                try:
+                    if event is not None:
+                        event.synchronize()
+                    self.store(build(), through)
+                    self.downs_done += 1
+                except Exception as e:  # e.g. no host memory: the entry is only missing below
+                    self.down_errors += 1
+                    log.warning("kv tiers: write-down of %s failed: %s", key, e)
+                finally:
+                    with self._lock:
+                        self._inflight.pop(key, None)
+                    done.set()
+            finally:
+                self._down.task_done()
 
     def _write(self, tier: Tier, entry: KVEntry) -> None:
         if self._queue is None:
@@ -187,7 +257,9 @@ class TierStack:
                 self._queue.task_done()
 
     def flush(self) -> None:
-        """Wait until every write to disk and Redis has been done."""
+        """Wait until every write-down and every write to disk and Redis has been done."""
+        if self._down is not None:
+            self._down.join()
         if self._queue is not None:
             self._queue.join()
 
@@ -197,6 +269,9 @@ class TierStack:
         """(verified entry, tier name) from the first tier holding ``key``, or None; a whole-entry
         hit below the CPU tier is promoted into it."""
         self.fetches += 1
+        down = self._inflight.get(key)
+        if down is not None:  # on its way down: it is there in a moment
+            down.wait(self.down_wait_s)
         with self._lock:
             pending = self._pending.get(key, (None,))[0]
         if pending is not None and self.cpu is not None and self.cpu.contains(key):
@@ -223,12 +298,19 @@ class TierStack:
 
     def info(self) -> dict:
         out = {"fetches": self.fetches, "fetch_hits": self.fetch_hits, "pending_writes": len(self._pending),
-               "pending_bytes": self._pending_bytes}
+               "pending_bytes": self._pending_bytes, "downs_done": self.downs_done,
+               "downs_dropped": self.downs_dropped, "down_errors": self.down_errors,
+               "downs_pending": len(self._inflight)}
         for t in self.tiers:
             out[t.name] = t.info()
         return out
 
     def close(self) -> None:
+        if self._down is not None:
+            self._down.join()
+            self._down.put(None)
+            self._down_thread.join(timeout=5)
+            self._down = None
         if self._queue is not None:
             self.flush()
             self._queue.put(None)
