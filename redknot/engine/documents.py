@@ -85,6 +85,8 @@ class DocumentKV:
         # chunks cached behind dummy tokens (ReuseOptions.dummy_prefix_tokens): their K/V are computed
         # after prefix + dummies, and only the chunk's own pages are kept (the dummies are dropped)
         dummies = with_budget(self.options, self.sparse, seq.budget)[0].dummy_prefix_tokens
+        if dummies and self.linear is not None:  # the linear layers' chunk states would carry the dummies
+            raise ValueError("dummy_prefix_tokens: not supported on hybrid (linear-attention) models")
         lead = prefix + (dummy_token(self.config),) * dummies
         specs += [(chunk_key(ns, lead, ids), lead + tuple(ids), len(lead)) for ids in cp.chunks]
         seq.reuse.specs = specs
