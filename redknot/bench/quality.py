@@ -508,9 +508,11 @@ def _resumable(path: Path, args, methods: list[str]) -> list[dict]:
     if old_args.get("shallow_suffix", "local") != "local":  # files that record it: the question's shallow visibility
         raise ValueError(f"--resume: {path} was made with shallow_suffix={old_args['shallow_suffix']!r}; "
                          f"redknot's question attends locally in the shallow layers ('local')")
-    if list(old["methods"]) != methods:
-        raise ValueError(f"--resume: {path} has methods {','.join(old['methods'])}, this run {','.join(methods)}")
-    return entries
+    dropped = [m for m in methods if m not in old["methods"]]
+    if dropped:  # a subset continues (the others' answers are left out); a new method would lack old records
+        raise ValueError(f"--resume: {path} has methods {','.join(old['methods'])}, this run {','.join(methods)} "
+                         f"(a resumed run keeps all or some of the earlier methods, no new ones)")
+    return [{**e, "predictions": {m: e["predictions"][m] for m in methods}} for e in entries]
 
 
 def format_table(result: dict) -> str:

@@ -35,6 +35,12 @@ LINEAR_CHUNK_SLOTS = 4
 LINEAR_CHUNK_BYTES = 2 << 30
 
 
+def dummy_token(config) -> int:
+    """The token chunks are cached behind under a dummy prefix: the model's BOS (else id 0)."""
+    bos = getattr(config, "bos_token_id", None)
+    return 0 if bos is None else int(bos)
+
+
 def pages_of(entries: dict) -> np.ndarray:
     """Every page id of a set of chunk entries (one entry per reference)."""
     return np.concatenate([e.pages.ravel() for e in entries.values()] + [np.zeros(0, np.int32)])
@@ -76,7 +82,13 @@ class DocumentKV:
         prefix = tuple(cp.prefix)
         ns = self.fingerprint if seq.cache_salt is None else f"{self.fingerprint}\x1fsalt:{seq.cache_salt}"
         specs = [(chunk_key(ns, (), prefix), prefix, 0)] if prefix else []
-        specs += [(chunk_key(ns, prefix, ids), prefix + tuple(ids), len(prefix)) for ids in cp.chunks]
+        # chunks cached behind dummy tokens (ReuseOptions.dummy_prefix_tokens): their K/V are computed
+        # after prefix + dummies, and only the chunk's own pages are kept (the dummies are dropped)
+        dummies = with_budget(self.options, self.sparse, seq.budget)[0].dummy_prefix_tokens
+        if dummies and self.linear is not None:  # the linear layers' chunk states would carry the dummies
+            raise ValueError("dummy_prefix_tokens: not supported on hybrid (linear-attention) models")
+        lead = prefix + (dummy_token(self.config),) * dummies
+        specs += [(chunk_key(ns, lead, ids), lead + tuple(ids), len(lead)) for ids in cp.chunks]
         seq.reuse.specs = specs
         return specs
 

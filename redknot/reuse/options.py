@@ -20,8 +20,12 @@ class ReuseOptions:
     qrecompute_layer: int = 2  # first-token KL on 4 HotpotQA records (SmolLM2): layer 2 best per FLOP
     qrecompute_start_tokens: int = 16  # each chunk's first tokens rank first among the recomputed ones
     # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
-    # and KV head, measured on the recomputed tokens of that chunk (qrecompute only; off by default)
+    # and KV head, measured on the recomputed tokens of that chunk (qrecompute, cacheblend, redknot; off by default)
     kv_correction: bool = False
+    # Each chunk cached behind this many shared dummy tokens (the model's BOS) after the prefix, their
+    # K/V dropped at reuse (EPIC's LegoLink-0): the chunk's own first tokens are not its attention
+    # sinks. 0: cached right after the prefix (the first chunk's cache is then exact).
+    dummy_prefix_tokens: int = 0
     # hybrid models: a linear-attention head whose decay over a placed chunk, exp(sum of its log
     # decays), is at most this starts from the chunk's own state (the incoming state, then at most
     # this share of its norm, dropped: no work); the others apply the chunk's transition (exact).
@@ -35,6 +39,8 @@ class ReuseOptions:
             raise ValueError(f"ReuseOptions.qrecompute_layer={self.qrecompute_layer!r}: use a layer >= 0")
         if not 0 <= self.qrecompute_ratio <= 1:
             raise ValueError(f"ReuseOptions.qrecompute_ratio={self.qrecompute_ratio!r}: use a share in [0, 1]")
+        if self.dummy_prefix_tokens < 0:
+            raise ValueError(f"ReuseOptions.dummy_prefix_tokens={self.dummy_prefix_tokens!r}: use a count >= 0")
         if not 0 <= self.linear_decay_threshold <= 1:
             raise ValueError(f"ReuseOptions.linear_decay_threshold={self.linear_decay_threshold!r}: use a decay "
                              f"in [0, 1]")

@@ -32,9 +32,18 @@ class CacheBlend(FixedSet):
     rounding noise (and differs between devices). From layer 1 on a value carries what the
     token's layer-0 attention saw: the cross-chunk context the cache lacks."""
 
-    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, ratio: float, check_layer: int = 1):
+    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, ratio: float, check_layer: int = 1,
+                 chunk_id: torch.Tensor | None = None, rotate=None):
         super().__init__(positions, window, sink)
         self.is_chunk, self.ratio, self.check_layer = is_chunk, ratio, check_layer
+        # KV correction (``rotate``: the model's RoPE relocation): after the check layer the rows left
+        # out move by their chunk's mean offset over the chunk's recomputed rows
+        self.chunk_id, self.rotate = chunk_id, rotate
+
+    def kv_correction(self, layer, cur):
+        if self.rotate is None or layer <= self.check_layer:
+            return None
+        return self.chunk_id, self.is_chunk[cur], self.rotate
 
     def needs_deviation(self, layer):
         return layer == self.check_layer
@@ -94,8 +103,13 @@ def query_ranked_rows(score: torch.Tensor, is_chunk: torch.Tensor, first: torch.
 
 class RedKnot(FixedSet):
     def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
-                 sparse: SparseFFNConfig, observe: int, keep_cached: bool, chunk_id: torch.Tensor | None = None):
+                 sparse: SparseFFNConfig, observe: int, keep_cached: bool, chunk_id: torch.Tensor | None = None,
+                 rotate=None):
         super().__init__(positions, window, sink)
+        if rotate is not None and not keep_cached:
+            raise ValueError("kv_correction needs the rows left out to keep their cached K/V (redknot, not "
+                             "redknot_paper)")
+        self.rotate = rotate  # KV correction after the first sparse layer (the model's RoPE relocation)
         self.shallow = (shallow_window, shallow_sink)
         self.is_chunk, self.sparse, self.n_obs, self.keep_cached = is_chunk, sparse, observe, keep_cached
         self.chunk_id = chunk_id if chunk_id is not None else torch.where(is_chunk, 0, -1)  # per position
@@ -181,6 +195,14 @@ class RedKnot(FixedSet):
 
     def keep_rows(self, layer, cur, info):
         return self._rows if self.keep_cached else None
+
+    def kv_correction(self, layer, cur):
+        """After the first sparse layer (where rows start to be left out): the left-out chunk rows
+        move by their chunk's mean offset over its rows still computed, past its first
+        ``chunk_start_tokens`` (kept by rule, and the rows whose cache-time context differs most)."""
+        if self.rotate is None or layer <= self.sparse.dense_until:
+            return None
+        return self.chunk_id, self.is_chunk[cur] & ~self.chunk_start[cur], self.rotate
 
 
 def chunk_start_rows(chunk_id: torch.Tensor, n: int) -> torch.Tensor:

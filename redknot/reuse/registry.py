@@ -22,6 +22,8 @@ qrecompute     query-guided recomputation: every chunk token up to ``qrecompute_
                question's attention picks the ``qrecompute_ratio`` of them that go on through every
                layer (each chunk's first ``qrecompute_start_tokens`` first); ``kv_correction`` moves
                the cached K/V of the rest by their chunk's mean recomputed-minus-cached offset
+               (``kv_correction``, ``+kc``, also moves the left-out rows of cacheblend and redknot;
+               ``dummy_prefix_tokens``, ``+dpN``, caches every chunk behind N dummy tokens)
 redknot_exact  the redknot code path with every head global, dense FFN, every chunk recomputed:
                equals dense (the correctness gate)
 """
@@ -117,16 +119,15 @@ def _cacheblend(x: PolicyInputs) -> Policy:
     body = torch.arange(len(x.prompt.prefix), len(x.prompt), device=x.device)  # chunks + question
     is_chunk, _ = x.chunk_layout()
     o = x.options
+    _, chunk_id = x.chunk_layout()
     return CacheBlend(body, *x.global_visibility(), is_chunk, o.cacheblend_ratio,
-                      min(o.cacheblend_check_layer, x.config.num_hidden_layers - 1))
+                      min(o.cacheblend_check_layer, x.config.num_hidden_layers - 1), chunk_id,
+                      _rope_relocation(x) if o.kv_correction else None)
 
 
 def _qrecompute(x: PolicyInputs) -> Policy:
     p, o = x.prompt, x.options
-    # The first chunk sits where it was encoded (right after the prefix): its cache is exact, so
-    # recovery starts at the second chunk (as redknot's).
-    first = p.chunk_starts[1] if len(p.chunks) > 1 else p.suffix_start
-    body = torch.arange(first, len(p), device=x.device)
+    body = torch.arange(_first_recovered(x), len(p), device=x.device)
     is_chunk, chunk_id = x.chunk_layout()
     rotate = _rope_relocation(x) if o.kv_correction else None
     return QueryRecompute(body, *x.global_visibility(), is_chunk, chunk_id, o.qrecompute_ratio,
@@ -161,15 +162,24 @@ def _redknot(keep_cached: bool) -> Callable[[PolicyInputs], Policy]:
         window, sink = x.plan_visibility()
         shallow_w, shallow_s = _shallow(window, sink, x.options.shallow_window)
         p = x.prompt
-        # The first chunk was encoded right after the prefix, where it sits now: its cached K/V are
-        # what dense prefill computes, so recomputing it only costs FLOPs and moves it away from
-        # exact. Recovery starts at the second chunk.
-        first = p.chunk_starts[1] if len(p.chunks) > 1 else p.suffix_start
-        body = torch.arange(first, len(p), device=x.device)
+        body = torch.arange(_first_recovered(x), len(p), device=x.device)
         is_chunk, chunk_id = x.chunk_layout()
+        rotate = _rope_relocation(x) if x.options.kv_correction else None
         return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, x.sparse,
-                       min(x.options.observation_tokens, len(p.suffix)), keep_cached=keep_cached, chunk_id=chunk_id)
+                       min(x.options.observation_tokens, len(p.suffix)), keep_cached=keep_cached, chunk_id=chunk_id,
+                       rotate=rotate)
     return build
+
+
+def _first_recovered(x: PolicyInputs) -> int:
+    """Where recovery starts. The first chunk was encoded right after the prefix, where it sits now:
+    its cached K/V are what dense prefill computes, so recomputing it only costs FLOPs; recovery
+    starts at the second chunk. Cached behind dummy tokens (``dummy_prefix_tokens``) it is not
+    exact, and recovery starts at the first."""
+    p = x.prompt
+    if x.options.dummy_prefix_tokens and p.chunks:
+        return p.chunk_starts[0]
+    return p.chunk_starts[1] if len(p.chunks) > 1 else p.suffix_start
 
 
 def _shallow(window: torch.Tensor, sink: torch.Tensor, shallow_window: int | None):
@@ -227,7 +237,13 @@ def default_method(head_config) -> str:
 BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
                 "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float),
                 "qrecompute": ("qrecompute_ratio", float)}
-REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens", "kv_correction")
+REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens", "kv_correction",
+               "dummy_prefix_tokens")
+# What may follow a budget after "+": chunk starts kept ("+s16"), KV correction ("+kc"), chunks cached
+# behind dummy tokens ("+dp4"): the methods that take each.
+START_TOKENS = {"redknot": "chunk_start_tokens", "redknot_paper": "chunk_start_tokens",
+                "qrecompute": "qrecompute_start_tokens"}
+KV_CORRECTED = ("cacheblend", "redknot", "qrecompute")
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -235,8 +251,9 @@ def parse_method(spec: str) -> tuple[str, dict]:
     tokens recomputed per chunk, ``"redknot@0.2"`` -> the sparse FFN's keep fraction (with
     ``+sN``: each chunk's first N tokens among the kept rows; without it none); a plain name ->
     (its registry name, {}); ``"qrecompute@0.3"`` -> the share recomputed (each chunk's first 16
-    tokens first; ``+sN``: N of them), ``+kc`` turning KV correction on. Raises ValueError naming
-    what is wrong."""
+    tokens first; ``+sN``: N of them). ``+kc`` turns KV correction on (cacheblend, redknot,
+    qrecompute), ``+dpN`` caches each chunk behind N dummy tokens (any budgeted method). Raises
+    ValueError naming what is wrong."""
     name, at, value = spec.partition("@")
     name = canonical_name(name)
     if not at:
@@ -253,24 +270,27 @@ def parse_method(spec: str) -> tuple[str, dict]:
         raise ValueError(f"method {spec!r}: {field_} out of range")
     knobs = {field_: v}
     if field_ == "keep_fraction":
-        knobs["chunk_start_tokens"] = 0
-        for extra in extras:
-            if not extra.startswith("s") or not extra[1:].isdigit():
-                raise ValueError(f"method {spec!r}: {extra!r} is not a chunk-start count ('+s16')")
-            knobs["chunk_start_tokens"] = int(extra[1:])
-    elif field_ == "qrecompute_ratio":
-        for extra in extras:
-            if extra == "kc":
-                knobs["kv_correction"] = True
-            elif extra.startswith("s") and extra[1:].isdigit():
-                knobs["qrecompute_start_tokens"] = int(extra[1:])
-            else:
-                raise ValueError(f"method {spec!r}: {extra!r} is neither a chunk-start count ('+s16') nor "
-                                 f"KV correction ('+kc')")
-    elif extras:
-        raise ValueError(f"method {spec!r}: a chunk-start count ('+{extras[0]}') is for redknot, redknot_paper "
-                         f"and qrecompute only")
+        knobs["chunk_start_tokens"] = 0  # none unless "+sN" says otherwise
+    for extra in extras:
+        knobs.update(_extra_knob(spec, name, extra))
     return name, knobs
+
+
+def _extra_knob(spec: str, name: str, extra: str) -> dict:
+    """The knob one "+" suffix of a method spec sets (``parse_method``)."""
+    if extra == "kc":
+        if name not in KV_CORRECTED:
+            raise ValueError(f"method {spec!r}: KV correction ('+kc') is for {', '.join(KV_CORRECTED)} only")
+        return {"kv_correction": True}
+    if extra.startswith("dp") and extra[2:].isdigit() and int(extra[2:]) > 0:
+        return {"dummy_prefix_tokens": int(extra[2:])}
+    if extra.startswith("s") and extra[1:].isdigit():
+        if name not in START_TOKENS:
+            raise ValueError(f"method {spec!r}: a chunk-start count ('+{extra}') is for "
+                             f"{', '.join(START_TOKENS)} only")
+        return {START_TOKENS[name]: int(extra[1:])}
+    raise ValueError(f"method {spec!r}: {extra!r} is neither a chunk-start count ('+s16'), KV correction "
+                     f"('+kc') nor a dummy prefix ('+dp4')")
 
 
 def with_budget(options: ReuseOptions, sparse: SparseFFNConfig, budget: dict | None):

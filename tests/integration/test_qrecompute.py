@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from redknot import LLM, HeadConfig, SamplingParams
+from redknot.config import SparseFFNConfig
+from redknot.engine.documents import dummy_token
 from redknot.models.config import ModelConfig
 from redknot.models.rope import RotaryEmbedding
 from redknot.reuse.correction import chunk_offsets, corrected
 from redknot.reuse.flops import FlopReport
-from redknot.reuse.policies import QueryRecompute, query_ranked_rows
+from redknot.reuse.policies import QueryRecompute, RedKnot, query_ranked_rows
 from redknot.reuse.prompt import build_prompt
 from redknot.reuse.registry import parse_method
 from redknot.visibility import visible_pairs
@@ -131,7 +133,14 @@ def test_parse_method():
     assert parse_method("qrecompute@0.3") == ("qrecompute", {"qrecompute_ratio": 0.3})
     assert parse_method("qrecompute@0.2+s8+kc") == ("qrecompute", {"qrecompute_ratio": 0.2,
                                                                    "qrecompute_start_tokens": 8, "kv_correction": True})
-    for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "cacheblend@0.3+kc"):
+    assert parse_method("cacheblend@0.15+kc") == ("cacheblend", {"cacheblend_ratio": 0.15, "kv_correction": True})
+    assert parse_method("redknot_kv@0.2+s16+kc") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16,
+                                                                 "kv_correction": True})
+    assert parse_method("qrecompute@0.25+kc+dp4") == ("qrecompute", {"qrecompute_ratio": 0.25, "kv_correction": True,
+                                                                     "dummy_prefix_tokens": 4})
+    assert parse_method("epic@16+dp2") == ("epic", {"epic_tokens": 16, "dummy_prefix_tokens": 2})
+    for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "epic@16+kc", "redknot_paper@0.3+kc", "cacheblend@0.3+s16",
+                "cacheblend@0.3+dp0", "cacheblend@0.3+dp"):
         with pytest.raises(ValueError):
             parse_method(bad)
 
@@ -190,3 +199,100 @@ def test_correction_off_leaves_the_cache_as_placed(llm):
     assert left_out.numel() >= 0.5 * rest.numel()  # 70% of those chunk rows are left out after layer 1
     assert not torch.equal(fixed.k[last][left_out], placed.k[last][left_out])
     assert all(bool(torch.isfinite(k).all()) for k in fixed.k)
+
+
+# redknot with a fixed keep fraction from layer 1 on, short enough a recent window to leave rows out
+KEEP = SparseFFNConfig(dense_until=1, deep_layer_start=2, recent_n=4, min_keep=2, keep_fraction=0.3,
+                       chunk_start_tokens=2)
+
+
+def _with(llm, sparse=None, **kw):
+    """Engine reuse options (and sparse FFN) for one test; returns what to restore."""
+    docs = llm.engine.documents
+    saved = docs.options, docs.sparse
+    docs.options = dataclasses.replace(docs.options, **kw)
+    docs.sparse = sparse or docs.sparse
+    return saved
+
+
+def _restore(llm, saved):
+    llm.engine.documents.options, llm.engine.documents.sparse = saved
+
+
+def _batch_equals_the_oracle(llm, method):
+    llm.engine.clear_caches()
+    orders = [DOCS, DOCS[::-1], [DOCS[1], DOCS[0]]]
+    questions = [QUESTION, "Question: what jumps over the dog?", QUESTION]
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, return_first_logits=True)
+    outs = llm.generate(questions, params, documents=orders, method=method)
+    for o, q, docs in zip(outs, questions, orders):
+        oracle = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, q, docs), method).recovered
+        torch.testing.assert_close(o.first_token_logits, oracle.logits, rtol=1e-4, atol=1e-4)
+        assert o.metrics["flops"] == oracle.flops.totals()
+    assert llm.engine.request_kv_bytes() == 0
+    return outs
+
+
+@pytest.mark.parametrize("method", ["cacheblend", "redknot"])
+def test_kv_correction_of_cacheblend_and_redknot_equals_the_reference_and_moves_the_logits(llm, method):
+    """``+kc`` on CacheBlend's and redknot's own selections: the engine's batched recovery equals the
+    reference forward, and the correction changes what the question sees."""
+    saved = _with(llm, KEEP, cacheblend_ratio=0.3, kv_correction=True)
+    try:
+        outs = _batch_equals_the_oracle(llm, method)
+        _with(llm, kv_correction=False)
+        plain = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, QUESTION, DOCS), method).recovered
+        assert not torch.allclose(plain.logits, outs[0].first_token_logits, atol=1e-5)
+    finally:
+        _restore(llm, saved)
+
+
+def test_kv_correction_at_a_full_cacheblend_budget_equals_dense(llm):
+    dense = llm.first_token_logits(QUESTION, documents=DOCS, method="dense")
+    torch.testing.assert_close(llm.first_token_logits(QUESTION, documents=DOCS, method="cacheblend@1.0+kc"), dense,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_kv_correction_needs_rows_that_keep_their_cache():
+    vis = torch.full((2, 1), 64), torch.zeros(2, 1, dtype=torch.long)
+    is_chunk = torch.tensor([False, True, True, False])
+    with pytest.raises(ValueError, match="redknot_paper"):
+        RedKnot(torch.arange(4), *vis, *vis, is_chunk, KEEP, 1, keep_cached=False, rotate=lambda x, d: x)
+
+
+@pytest.mark.parametrize("method", ["full_reuse", "cacheblend", "qrecompute", "redknot"])
+def test_dummy_prefix_equals_the_reference_and_drops_the_dummies(llm, method):
+    """Chunks cached behind 4 BOS tokens (``+dp4``): the engine equals the reference forward (which
+    computes each chunk after prefix + dummies and places the chunk alone), the prompt and the cached
+    token count are those of the plain run (no dummy reaches the request), and the logits move."""
+    prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+    saved = _with(llm, KEEP, qrecompute_ratio=0.3, qrecompute_start_tokens=2)
+    try:
+        _first(llm, QUESTION, DOCS, method)
+        plain = _first(llm, QUESTION, DOCS, method)  # warm, as the run with dummies below
+        _with(llm, dummy_prefix_tokens=4)
+        outs = _batch_equals_the_oracle(llm, method)
+        warm = _first(llm, QUESTION, DOCS, method)  # every chunk now served from the cache
+    finally:
+        _restore(llm, saved)
+    assert list(warm.prompt_token_ids) == list(plain.prompt_token_ids) == prompt.token_ids
+    assert warm.metrics["cached_tokens"] == plain.metrics["cached_tokens"]
+    torch.testing.assert_close(warm.first_token_logits, outs[0].first_token_logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(plain.first_token_logits, warm.first_token_logits, atol=1e-5)
+
+
+def test_dummy_prefix_off_keeps_the_chunk_keys(llm):
+    """Off (the default) the chunk cache keys are the plain ones: cached chunks stay valid and every
+    output is unchanged; on, the chunks get keys of their own, behind the model's BOS."""
+    from redknot.engine.sequence import ReuseState
+
+    seq = llm.make_sequence(QUESTION, SamplingParams(max_tokens=1), DOCS, "full_reuse")
+    docs = llm.engine.documents
+    seq.reuse = ReuseState(seq.chunked_prompt)
+    plain = docs.specs(seq)
+    seq.reuse, seq.budget = ReuseState(seq.chunked_prompt), {"dummy_prefix_tokens": 3}
+    lead = docs.specs(seq)
+    assert [k for k, _, _ in plain][:1] == [k for k, _, _ in lead][:1]  # the prefix alone: shared
+    assert not {k for k, _, _ in plain[1:]} & {k for k, _, _ in lead[1:]}
+    for (_, t0, s0), (_, t1, s1) in zip(plain[1:], lead[1:]):
+        assert s1 == s0 + 3 and t1[s1:] == t0[s0:] and t1[s0:s1] == (dummy_token(llm.config),) * 3

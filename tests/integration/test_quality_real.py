@@ -147,8 +147,16 @@ def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
     # the sparse FFN's keep fraction is a budget: more rows through the FFN cost more
     assert m["redknot@0.25"]["flops_fraction"] < m["redknot@1.0"]["flops_fraction"]
     assert result["n_records_done"] == 3
-    with pytest.raises(ValueError, match="methods"):
+    with pytest.raises(ValueError, match="methods"):  # a method the earlier run lacks
         quality.run(_args(**{**common, "methods": "dense,cacheblend"}, resume=True))
+    # some of the earlier methods: their answers are kept as they were, the others left out
+    sub = tmp / "sub.json"
+    sub.write_text(json.dumps({**saved, "records": saved["records"][:2], "complete": False}))
+    quality.run(_args(**{**common, "methods": "dense,redknot@0.25", "out": sub}, resume=True))
+    kept = json.loads(sub.read_text())
+    assert list(kept["methods"]) == ["dense", "redknot@0.25"] and [r["id"] for r in kept["records"]] == ["a", "b", "c"]
+    assert kept["records"][1]["predictions"] == {m: saved["records"][1]["predictions"][m] for m in kept["methods"]}
+    assert kept["records"][2]["predictions"]["redknot@0.25"]["text"] == saved["records"][2]["predictions"]["redknot@0.25"]["text"]
     with pytest.raises(ValueError, match="max_tokens"):
         quality.run(_args(**{**common, "max_tokens": 4}, resume=True))
     with pytest.raises(ValueError, match="page_size=64"):  # budgets keep whole pages: another measurement

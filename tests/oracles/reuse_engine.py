@@ -131,8 +131,11 @@ class ReuseEngine:
             self._place(ck, cv, self._entry(self.store, self._key((), prompt.prefix), (), prompt.prefix, 0,
                                             offline), 0)
             cached[:p] = True
+        # a dummy prefix: each chunk computed after prefix + that many BOS tokens, their K/V not placed
+        bos = self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 0
+        lead = tuple(prompt.prefix) + (bos,) * self.options.dummy_prefix_tokens
         for ids, at in zip(prompt.chunks, prompt.chunk_starts):
-            entry = self._entry(self.store, self._key(prompt.prefix, ids), prompt.prefix, ids, p, offline)
+            entry = self._entry(self.store, self._key(lead, ids), lead, ids, len(lead), offline)
             self._place(ck, cv, entry, at)
         policy, cached = self.policy(prompt, method)
         rec = recover(self.model, tokens, policy, ck, cv, cached, self.kernel)

@@ -90,3 +90,28 @@ def test_normalised_recovery_against_full_reuse_and_dense(tmp_path):
     summaries = add_recovery({"dense": {"f1": 0.2, "answer_f1": 1.0}, "full_reuse": {"f1": 0.2, "answer_f1": 0.5},
                               "m": {"f1": 0.3, "answer_f1": 0.75}})
     assert summaries["m"]["f1_recovery"] is None and summaries["m"]["answer_f1_recovery"] == 0.5
+
+
+def test_pareto_front_keeps_the_settings_nothing_beats():
+    rows = [{"label": n, "flops_fraction": f, "answer_f1": q, "kl": k}
+            for n, f, q, k in (("a", 0.1, 0.5, 0.3), ("b", 0.3, 0.4, 0.2), ("c", 0.3, 0.7, 0.1), ("d", 0.6, 0.6, 0.05),
+                               ("e", 1.0, 1.0, 0.0), ("h", None, 0.9, 0.0))]
+    assert [x["label"] for x in quality_report.pareto_front(rows, "answer_f1")] == ["a", "c", "e"]
+    assert [x["label"] for x in quality_report.pareto_front(rows, "kl", higher=False)] == ["a", "c", "d", "e"]
+
+
+def test_the_report_writes_its_pareto_png_beside_its_json(tmp_path):
+    import argparse
+
+    a = _run(tmp_path / "a.json", ["r1", "r2"], {"dense": lambda i: (1.0, 100), "full_reuse": lambda i: (0.0, 5, 0.2, 0.3),
+                                                 "cacheblend@0.3": lambda i: (1.0, 40, 0.4, 0.7),
+                                                 "qrecompute@0.25+kc": lambda i: (1.0, 33, 0.5, 0.8)})
+    p = argparse.ArgumentParser()
+    quality_report.add_arguments(p)
+    quality_report.run(p.parse_args([str(a), "--out", str(tmp_path / "rep.json")]))
+    png = tmp_path / "rep.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    quality_report.run(p.parse_args([str(a), "--plot", str(tmp_path / "kl.png"), "--plot-columns", "kl"]))
+    assert (tmp_path / "kl.png").is_file()
+    with pytest.raises(ValueError, match="plot columns"):
+        quality_report.run(p.parse_args([str(a), "--plot", str(tmp_path / "x.png"), "--plot-columns", "em"]))
