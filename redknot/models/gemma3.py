@@ -214,7 +214,9 @@ class Gemma3Adapter(LlamaAdapter):
         out = torch.empty_like(k)
         for rope in self._body.rope_modules():
             idx = [i for i, layer in enumerate(layers) if layer.self_attn.rope is rope]
-            sel = torch.tensor(idx, device=k.device)
+            if not idx:  # a RoPE no layer uses (e.g. every layer sliding): nothing to rotate
+                continue
+            sel = torch.tensor(idx, dtype=torch.long, device=k.device)
             part = k.index_select(0, sel)
             out.index_copy_(0, sel, rope.relocate(part.reshape(-1, *k.shape[2:]), delta).view_as(part))
         return out

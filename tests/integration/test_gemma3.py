@@ -308,3 +308,16 @@ def test_decode_bench_runs_gemma3_with_its_transformers_baseline(tmp_path):
     # the tied LM head is read every step: its bytes are in the bound
     cfg = ModelConfig.from_dict(bd.ARCHS["tiny-gemma3"])
     assert json.loads(out.read_text())["weight_bytes"] >= cfg.vocab_size * cfg.hidden_size * 4
+
+
+def test_relocation_with_every_layer_sliding(tiny_checkpoint):
+    """A model whose layers all slide leaves the global RoPE unused: relocation rotates only what is used."""
+    path = tiny_checkpoint(FAMILY, num_hidden_layers=2, layer_types=["sliding_attention"] * 2)
+    adapter = LLM(model=path, device="cpu", page_size=16).engine.adapter
+    cfg = adapter.config
+    hidden = torch.randn(8, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    pos, delta = torch.arange(3, 11), 21
+    with torch.no_grad():
+        at_p = torch.stack([adapter.layer_qkv(l, hidden, pos)[1] for l in range(cfg.num_hidden_layers)])
+        there = torch.stack([adapter.layer_qkv(l, hidden, pos + delta)[1] for l in range(cfg.num_hidden_layers)])
+        torch.testing.assert_close(adapter.relocate_layers(at_p, delta), there, atol=1e-5, rtol=1e-5)
