@@ -179,6 +179,19 @@ def _tile(acc, l_i, m_i, q, K, V, bt_row, max_pages, stride_kp, stride_ks, t,
 
 
 @triton.jit
+def _interior_step(acc, l_i, m_i, q, k, v, qk_scale, DOT_PREC: tl.constexpr):
+    """One fully visible key tile into the online softmax: no masks; the scale folds into the
+    exp2 argument, and each row's max is finite from the first tile."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_interior(acc, l_i, m_i, q, K, V, bt_row, stride_kp, stride_ks, t_lo, t_hi, qk_scale,
                      HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                      DOT_PREC: tl.constexpr):
@@ -199,13 +212,7 @@ def _attend_interior(acc, l_i, m_i, q, K, V, bt_row, stride_kp, stride_ks, t_lo,
             rows = phys.to(tl.int64) * stride_kp + (j % PAGE) * stride_ks
         k = tl.load(K + rows[:, None] + offs_d[None, :]).to(q.dtype)
         v = tl.load(V + rows[:, None] + offs_d[None, :]).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
+        acc, l_i, m_i = _interior_step(acc, l_i, m_i, q, k, v, qk_scale, DOT_PREC)
     return acc, l_i, m_i
 
 
@@ -221,13 +228,7 @@ def _attend_interior_tma(acc, l_i, m_i, q, k_desc, v_desc, bt_row, t_lo, t_hi, q
         row = phys * PAGE + j0 % PAGE
         k = k_desc.load([row, 0]).to(q.dtype)
         v = v_desc.load([row, 0]).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
+        acc, l_i, m_i = _interior_step(acc, l_i, m_i, q, k, v, qk_scale, DOT_PREC)
     return acc, l_i, m_i
 
 
