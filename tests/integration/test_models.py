@@ -1,13 +1,12 @@
 """redknot's own forward against HF transformers on tiny random checkpoints of each family."""
 
-import json
-
 import pytest
 import torch
 import transformers
 
 from redknot import LLM, SamplingParams
 from redknot.models import CheckpointError, UnsupportedModelError
+from oracles.hf_reference import edited_checkpoint
 
 PROMPTS = ["The quick brown fox jumps", "Question: who founded the city of Varna? Answer:",
            "Attention heads differ: some look far back, most look at recent tokens and a few sinks. 0 1 2 3"]
@@ -117,15 +116,6 @@ def test_bad_inputs_give_clear_errors(tiny_checkpoint, tmp_path):
         LLM(model=path, device="cpu", dtype="int3")
 
 
-def _edited_checkpoint(src, dst, edit):
-    import shutil
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    edit(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("edit,match", [
     (lambda c: c.update(model_type="gpt2"), "model_type='gpt2'"),
     (lambda c: c.update(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), "rope_type='longrope'"),
@@ -133,15 +123,15 @@ def _edited_checkpoint(src, dst, edit):
     (lambda c: c.update(num_key_value_heads=3), "num_key_value_heads"),
 ])
 def test_unsupported_config_names_the_field(tiny_checkpoint, tmp_path, edit, match):
-    path = _edited_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck", edit)
+    path = edited_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck", edit)
     with pytest.raises(UnsupportedModelError, match=match):
         LLM(model=path, device="cpu")
 
 
 def test_weights_that_do_not_match_config(tiny_checkpoint, tmp_path):
-    path = _edited_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck", lambda c: c.update(intermediate_size=50))
+    path = edited_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck", lambda c: c.update(intermediate_size=50))
     with pytest.raises(CheckpointError, match="has shape"):
         LLM(model=path, device="cpu")
-    path = _edited_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck3", lambda c: c.update(num_hidden_layers=3))
+    path = edited_checkpoint(tiny_checkpoint("llama"), tmp_path / "ck3", lambda c: c.update(num_hidden_layers=3))
     with pytest.raises(CheckpointError, match="missing weights"):
         LLM(model=path, device="cpu")

@@ -4,9 +4,7 @@ against a float64 masked reference, prefix-cache hits, every reuse method, the r
 cached RoPE parts, the profiler over query heads, config errors, and on a GPU the Triton decode
 under CUDA graphs."""
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -20,6 +18,7 @@ from redknot.models.config import ModelConfig
 from redknot.models.llama import _ffn
 from redknot.reuse.registry import METHODS
 from redknot.visibility import visibility_mask
+from oracles.hf_reference import hf_last_logits_and_greedy, edited_checkpoint
 
 DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")
 PROMPT = "Question: who founded the city of Varna? Answer: the merchants of the old salt road"
@@ -57,9 +56,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_checkpoint, family, kw
     llm = LLM(model=path, device="cpu", dtype="float32")
     assert llm.config.mla is not None and llm.pool.num_kv_heads == 1  # one latent head per layer
     ids = llm.tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        ref = hf(ids).logits[0, -1]
-        gen = hf.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    ref, gen = hf_last_logits_and_greedy(hf, ids)
     ours = llm.first_token_logits(PROMPT)
     assert rel(ours, ref) <= 1e-4 and cos(ours, ref) >= 0.99999
     assert llm.generate(PROMPT, greedy(20))[0].outputs[0].token_ids == gen
@@ -141,9 +138,7 @@ def test_query_head_plan_equals_a_float64_masked_reference(tiny_checkpoint):
     hf = _f64_reference_with_head_mask(path, HEAD_PLAN)
     prompt = PROMPT + ". " + DOCS[0]
     ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        ref = hf(ids).logits[0, -1]
-        gen = hf.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    ref, gen = hf_last_logits_and_greedy(hf, ids)
     ours = llm.first_token_logits(prompt)
     assert rel(ours, ref) <= 1e-4
     dense = llm.first_token_logits(prompt, method="dense")
@@ -254,14 +249,6 @@ def test_retrieval_heads_are_refused_by_name(tiny_checkpoint):
         LLM(model=tiny_checkpoint("deepseek_v3"), device="cpu", head_config=hc)
 
 
-def _edited(src, dst, edit):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    edit(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("family,edit,match", [
     ("deepseek_v3", lambda c: c.update(num_key_value_heads=2), "num_key_value_heads=2"),
     ("deepseek_v3", lambda c: c.update(kv_lora_rank=33), "kv_lora_rank=33"),
@@ -277,7 +264,7 @@ def _edited(src, dst, edit):
 ])
 def test_unsupported_config_names_the_field(tiny_checkpoint, tmp_path, family, edit, match):
     with pytest.raises(UnsupportedModelError, match=match):
-        ModelConfig.from_dir(_edited(tiny_checkpoint(family), tmp_path / "ck", edit))
+        ModelConfig.from_dir(edited_checkpoint(tiny_checkpoint(family), tmp_path / "ck", edit))
 
 
 @pytest.mark.skipif(DEVICE != "cuda" or not torch.cuda.is_available(), reason="the Triton decode and CUDA graphs need a GPU")
@@ -359,7 +346,7 @@ def test_multi_token_prediction_layers_are_skipped(tiny_checkpoint, tmp_path):
     """DeepSeek-V3 checkpoints carry the MTP module as the layer past the last (transformers skips it)."""
     from safetensors.torch import load_file, save_file
 
-    path = _edited(tiny_checkpoint("deepseek_v3"), tmp_path / "ck", lambda c: None)
+    path = edited_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path / "ck", lambda c: None)
     weights = load_file(path / "model.safetensors")
     weights["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
     weights["model.layers.3.self_attn.kv_b_proj.weight"] = torch.zeros(4 * 32, 32)

@@ -15,6 +15,7 @@ import transformers
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.models import UnsupportedModelError
 from redknot.reuse.registry import METHODS
+from oracles.hf_reference import hf_last_logits_and_greedy
 
 DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")
 PROMPT = "Question: who founded the city of Varna? Answer: the merchants of the old salt road"
@@ -76,9 +77,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_checkpoint, name, kw):
     assert cfg.is_hybrid and cfg.moe.shared_expert_intermediate_size and len(cfg.attention_layers) < 4
     assert llm.pool.num_layers == len(cfg.attention_layers)  # pages for the full layers only
     ids = llm.tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        ref = hf(ids).logits[0, -1]
-        gen = hf.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    ref, gen = hf_last_logits_and_greedy(hf, ids)
     ours = llm.first_token_logits(PROMPT)
     assert rel(ours, ref) <= 1e-4 and cos(ours, ref) >= 0.99999
     assert llm.generate(PROMPT, greedy(20))[0].outputs[0].token_ids == gen

@@ -2,9 +2,7 @@
 random checkpoints: logits, greedy tokens, a per-head mask, every reuse method, the sparse FFN's
 shared expert, loading errors, and on a GPU the fused experts under CUDA-graph decode."""
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -17,6 +15,7 @@ from redknot.reuse.prompt import build_prompt
 from redknot.reuse.registry import METHODS
 from oracles.reuse_engine import reuse_oracle
 from oracles.hf_head_mask import hf_with_head_mask
+from oracles.hf_reference import hf_last_logits_and_greedy, edited_checkpoint
 
 DEVICE = os.environ.get("REDKNOT_TEST_DEVICE", "cpu")
 PROMPT = "Question: who founded the city of Varna? Answer: the merchants of the old salt road"
@@ -51,9 +50,7 @@ def test_logits_and_greedy_tokens_match_transformers(tiny_checkpoint, family, kw
     llm = LLM(model=path, device="cpu", dtype="float32")
     assert llm.config.moe is not None and any(llm.config.moe.layers)
     ids = llm.tokenizer(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        ref = hf(ids).logits[0, -1]
-        gen = hf.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    ref, gen = hf_last_logits_and_greedy(hf, ids)
     ours = llm.first_token_logits(PROMPT)
     assert ((ours - ref).norm() / ref.norm()).item() <= 1e-4 and cos(ours, ref) >= 0.99999
     assert llm.generate(PROMPT, greedy(20))[0].outputs[0].token_ids == gen
@@ -70,9 +67,7 @@ def test_headsparse_equals_transformers_with_head_mask(tiny_checkpoint, family):
     hf = hf_with_head_mask(path, hc, llm.config)
     prompt = PROMPT + ". " + DOCS[0]
     ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
-    with torch.no_grad():
-        ref = hf(ids).logits[0, -1]
-        gen = hf.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    ref, gen = hf_last_logits_and_greedy(hf, ids)
     ours = llm.first_token_logits(prompt)
     assert ((ours - ref).norm() / ref.norm()).item() <= 1e-4
     dense = LLM(model=path, device="cpu").first_token_logits(prompt)
@@ -139,14 +134,6 @@ def test_sparse_ffn_rows_skip_the_routed_experts_only(tiny_checkpoint, family):
         assert shared is None and torch.equal(sparse[rest], x[rest])
 
 
-def _edited(src, dst, edit):
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    edit(cfg)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
 @pytest.mark.parametrize("family,edit,match", [
     ("qwen3_moe", lambda c: c.update(num_experts_per_tok=9), "num_experts_per_tok=9"),
     ("qwen3_moe", lambda c: c.update(decoder_sparse_step=0), "decoder_sparse_step"),
@@ -158,7 +145,7 @@ def _edited(src, dst, edit):
 ])
 def test_unsupported_moe_config_names_the_field(tiny_checkpoint, tmp_path, family, edit, match):
     with pytest.raises(UnsupportedModelError, match=match):
-        LLM(model=_edited(tiny_checkpoint(family), tmp_path / "ck", edit), device="cpu")
+        LLM(model=edited_checkpoint(tiny_checkpoint(family), tmp_path / "ck", edit), device="cpu")
 
 
 @pytest.mark.parametrize("family,edit,match", [
@@ -167,13 +154,13 @@ def test_unsupported_moe_config_names_the_field(tiny_checkpoint, tmp_path, famil
 ])
 def test_expert_weights_that_do_not_match_the_config(tiny_checkpoint, tmp_path, family, edit, match):
     with pytest.raises(CheckpointError, match=match):
-        LLM(model=_edited(tiny_checkpoint(family), tmp_path / "ck", edit), device="cpu")
+        LLM(model=edited_checkpoint(tiny_checkpoint(family), tmp_path / "ck", edit), device="cpu")
 
 
 def test_one_missing_expert_projection_is_a_missing_weight(tiny_checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    path = _edited(tiny_checkpoint("olmoe"), tmp_path / "ck", lambda c: None)
+    path = edited_checkpoint(tiny_checkpoint("olmoe"), tmp_path / "ck", lambda c: None)
     weights = load_file(path / "model.safetensors")
     del weights["model.layers.1.mlp.experts.3.up_proj.weight"]
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
