@@ -22,6 +22,7 @@ from ..reuse.options import ReuseOptions
 from ..reuse.prompt import ChunkedPrompt, build_prompt, is_conversation
 from ..reuse.registry import METHOD_NAMES as METHODS, get_method, parse_method
 from .engine import Engine, EngineConfig
+from .host_memory import cap_cpu_primitive_cache
 from .sampling import SamplingParams
 from .selective import SelectionOptions
 from .sequence import Sequence
@@ -59,7 +60,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, head_config: str | Path | HeadConfig | None = None,
                  method: str = "dense", device: str | torch.device | None = None, dtype=None,
                  page_size: int = 64, kv_pages: int | None = None, max_num_batched_tokens: int = 8192,
-                 max_recovery_rows: int | None = None,
+                 max_recovery_rows: int | None = None, long_prefill_token_threshold: int | None = None,
                  sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
@@ -93,6 +94,8 @@ class LLM:
         kv_offload = KVOffloadConfig.of(kv_offload)  # bad options fail before the model loads
         model, head_config, sparse_ffn = _resolve(model, head_config, sparse_ffn)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            cap_cpu_primitive_cache()
         self.model_dir = None if isinstance(model, ModelConfig) else Path(model)
         self.config = model if isinstance(model, ModelConfig) else ModelConfig.from_dir(model)
         self.head_config, self.sparse_ffn = head_config, sparse_ffn = _load_plans(head_config, sparse_ffn, self.config)
@@ -106,7 +109,7 @@ class LLM:
         self.engine = self._make_engine(head_config, EngineConfig(
             page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_recovery_rows=max_recovery_rows,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+            long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
             async_decode=async_decode, chunk_cache_bytes=chunk_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, reserve_full_length=reserve_full_length, kernel=kernel,
             reuse_options=reuse_options, selection=selection, kv_offload=kv_offload, kv_events=kv_events))
