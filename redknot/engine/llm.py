@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from ..distributed.shard import check_tensor_parallel
 from ..config import HeadConfig, SparseFFNConfig
 from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolve_model
 from ..models.resolve import bundled_model_path
+from ..models.shelf import REUSE_FILE
 from ..models.tokenizer import make_tokenizer
 from ..models.fingerprint import model_fingerprint
 from ..reuse.options import ReuseOptions
@@ -98,6 +100,8 @@ class LLM:
             cap_cpu_primitive_cache()
         self.model_dir = None if isinstance(model, ModelConfig) else Path(model)
         self.config = model if isinstance(model, ModelConfig) else ModelConfig.from_dir(model)
+        # the checkpoint's measured method for requests that name none (``redknot serve``'s auto)
+        self.recommended_method = checkpoint_method(self.model_dir)
         self.head_config, self.sparse_ffn = head_config, sparse_ffn = _load_plans(head_config, sparse_ffn, self.config)
         if selection is None and (retrieval_heads or decode_kv_budget is not None):
             selection = SelectionOptions(retrieval_heads=retrieval_heads, decode_kv_budget=decode_kv_budget)
@@ -323,6 +327,21 @@ def _resolve(model, head_config, sparse_ffn):
     if sparse_ffn is None and (Path(model) / "sparse_ffn.json").is_file():
         sparse_ffn = Path(model) / "sparse_ffn.json"
     return model, head_config, sparse_ffn
+
+
+def checkpoint_method(model_dir: Path | None) -> str | None:
+    """The method spec a checkpoint recommends for requests that name none (``reuse.json``
+    beside it, written from the shelf's measurements), or None."""
+    path = None if model_dir is None else Path(model_dir) / REUSE_FILE
+    if path is None or not path.is_file():
+        return None
+    try:
+        spec = json.loads(path.read_text())["method"]
+        parse_method(spec)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: expected {{\"method\": SPEC}} with a method spec such as "
+                         f"\"redknot@0.2+s16\" ({e})") from None
+    return spec
 
 
 def _load_plans(head_config, sparse_ffn, config) -> tuple[HeadConfig | None, SparseFFNConfig]:

@@ -231,10 +231,13 @@ def get_method(name: str) -> MethodSpec:
     return METHODS[canonical_name(name)]
 
 
-def default_method(head_config) -> str:
-    """The method a request that names none gets under ``auto``: the best quality per FLOP
+def default_method(head_config, recommended: str | None = None) -> str:
+    """The method a request that names none gets under ``auto``: the checkpoint's measured choice
+    (``recommended``, its ``reuse.json``) where it has one; else the best quality per FLOP
     (docs/results/quality_testbed.md), ``redknot``, which needs a head config; without one
     ``cacheblend``, the strongest head-agnostic reuse."""
+    if recommended is not None:
+        return recommended
     return "redknot" if head_config is not None else "cacheblend"
 
 

@@ -301,10 +301,13 @@ def capacity_summary(engine) -> str:
 
 
 def set_default_method(llm, method: str = "auto") -> str:
-    """The method requests that name none get (``auto``: ``reuse.registry.default_method``)."""
+    """The method requests that name none get (``auto``: ``reuse.registry.default_method``, with
+    the checkpoint's ``reuse.json`` choice)."""
     from ..reuse.registry import default_method
 
-    llm.method = llm.check_method(default_method(llm.head_config) if method == "auto" else method)
+    if method == "auto":
+        method = default_method(llm.head_config, llm.recommended_method)
+    llm.method = llm.check_method(method)
     return llm.method
 
 
