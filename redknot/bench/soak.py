@@ -234,12 +234,12 @@ def _llm(args):
                    long_prefill_token_threshold=args.long_prefill_token_threshold)
     import torch
 
-    from ..models import ModelConfig, build_model, resolve_dtype
+    from ..models import ModelConfig
     from .common import ARCHS
 
     cfg = ModelConfig.from_dict(dict(ARCHS[args.arch]))
     dev = torch.device(args.device or "cuda")
-    return LLM(model=build_model(cfg, resolve_dtype(None, cfg, dev), dev), device=str(dev),
+    return LLM(model=cfg, device=str(dev),
                max_num_batched_tokens=args.max_num_batched_tokens,
                long_prefill_token_threshold=args.long_prefill_token_threshold)
 
