@@ -11,7 +11,7 @@ Three kernels share a few jitted helpers:
   page is read once per group; each head's visible tiles are cut evenly over the splits so small
   batches and sparse heads still fill the GPU. Partial O/LSE are fp32 and merged in fp32, by
   ``_merge_kernel`` or (``KernelConfig.decode_fused_merge``) by the last split of each group
-  inside ``_decode_kernel``; both call ``_merge_row``.
+  inside ``_decode_kernel``; both call ``_merge_rows``.
 
 Positions are never stored: slot s of logical page lp holds position lp * page_size + s.
 All softmax math is fp32, base-2 (scores are pre-multiplied by log2(e)); LSE is returned in
@@ -439,45 +439,52 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS,
 
 
 @triton.jit
-def _merge_row(op_row, lp_row, stride_ops, num_splits, sink_logit_ptr, o_ptr, lse_ptr,
-               HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
-               HAS_SINK_LOGIT: tl.constexpr, CACHE: tl.constexpr):
-    """Merges one (query token, query head) row's split partials (fp32 O, base-2 LSE) into its
-    output (and natural-log LSE): the max LSE first, then the LSE-weighted sum. CACHE is the
-    partials' load cache modifier ('.cg' reads them from L2, past a stale L1)."""
+def _merge_rows(OP, LP, O, LSE, SINK_LOGIT, tok, h, row_ok, num_splits,
+                stride_opt, stride_oph, stride_ops, stride_lpt, stride_lph, stride_ot, stride_oh, stride_lt,
+                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
+                HAS_SINK_LOGIT: tl.constexpr, CACHE: tl.constexpr):
+    """Merges the split partials (fp32 O, base-2 LSE) of ROWS (query token tok, query head h) rows
+    (row_ok: the rows that exist) into their outputs (and natural-log LSE): each row's max LSE
+    first, then the LSE-weighted sum. CACHE is the partials' load cache modifier ('.cg' reads
+    them from L2, never a stale L1 line)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_s = tl.arange(0, CHUNK)
+    lp_row = LP + tok * stride_lpt + h * stride_lph
+    op_row = OP + tok * stride_opt + h * stride_oph
     # Pass 1: the max base-2 LSE over splits.
-    m_vec = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
+    m_vec = tl.full([ROWS, CHUNK], float("-inf"), dtype=tl.float32)
     for c in range(0, num_splits, CHUNK):
-        lse = tl.load(lp_row + c + offs_s, mask=c + offs_s < num_splits, other=float("-inf"),
+        ok = row_ok[:, None] & (c + offs_s < num_splits)[None, :]
+        lse = tl.load(lp_row[:, None] + c + offs_s[None, :], mask=ok, other=float("-inf"),
                       cache_modifier=CACHE)
         m_vec = tl.maximum(m_vec, lse)
-    m = tl.max(m_vec, 0)
+    m = tl.max(m_vec, 1)
     sink2 = float("-inf")
     if HAS_SINK_LOGIT:  # one more partial: the sink, with weight exp(sink) and output 0
-        sink2 = tl.load(sink_logit_ptr) * _LOG2E_C
+        sink2 = tl.load(SINK_LOGIT + h, mask=row_ok, other=float("-inf")) * _LOG2E_C
         m = tl.maximum(m, sink2)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     # Pass 2: LSE-weighted sum of the partial outputs, in fp32.
-    den = tl.zeros([CHUNK], dtype=tl.float32)
-    acc = tl.zeros([CHUNK, HEAD_DIM], dtype=tl.float32)
+    den = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+    acc = tl.zeros([ROWS, CHUNK, HEAD_DIM], dtype=tl.float32)
     for c in range(0, num_splits, CHUNK):
-        s_ok = c + offs_s < num_splits
-        lse = tl.load(lp_row + c + offs_s, mask=s_ok, other=float("-inf"), cache_modifier=CACHE)
-        w = tl.exp2(lse - m_use)
-        o = tl.load(op_row + (c + offs_s)[:, None] * stride_ops + offs_d[None, :],
-                    mask=s_ok[:, None], other=0.0, cache_modifier=CACHE)
+        ok = row_ok[:, None] & (c + offs_s < num_splits)[None, :]
+        lse = tl.load(lp_row[:, None] + c + offs_s[None, :], mask=ok, other=float("-inf"),
+                      cache_modifier=CACHE)
+        w = tl.exp2(lse - m_use[:, None])
+        o = tl.load(op_row[:, None, None] + (c + offs_s)[None, :, None] * stride_ops + offs_d[None, None, :],
+                    mask=ok[:, :, None], other=0.0, cache_modifier=CACHE)
         den += w
-        acc += w[:, None] * o
-    total = tl.sum(den, 0)
+        acc += w[:, :, None] * o
+    total = tl.sum(den, 1)
     if HAS_SINK_LOGIT:
         total += tl.exp2(sink2 - m_use)
-    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(o_ptr + offs_d, out.to(o_ptr.dtype.element_ty))
+    out = tl.sum(acc, 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(O + (tok * stride_ot + h * stride_oh)[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
     if WRITE_LSE:
         lse_out = tl.where(total == 0.0, float("-inf"), (m_use + tl.log2(total)) * _LN2)
-        tl.store(lse_ptr, lse_out)
+        tl.store(LSE + tok * stride_lt + h, lse_out, mask=row_ok)
 
 
 @triton.jit
@@ -490,8 +497,8 @@ def _decode_kernel(Q, K, V, OP, LP, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sca
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_SEL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                   FUSED_MERGE: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
-                   HAS_SINK_LOGIT: tl.constexpr):
+                   FUSED_MERGE: tl.constexpr, CHUNK: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                   WRITE_LSE: tl.constexpr, HAS_SINK_LOGIT: tl.constexpr):
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -569,12 +576,12 @@ def _decode_kernel(Q, K, V, OP, LP, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sca
         done = tl.atomic_add(sem, 1, sem="acq_rel")
         if done == num_splits - 1:
             tl.store(sem, 0)  # every split of the group has counted: ready for the next launch
-            for rr in range(0, q_len * GQA):
-                t = (q_start + rr // GQA).to(tl.int64)
-                h = hk * GQA + rr % GQA
-                _merge_row(OP + t * stride_opt + h * stride_oph, LP + t * stride_lpt + h * stride_lph,
-                           stride_ops, num_splits, SINK_LOGIT + h, O + t * stride_ot + h * stride_oh,
-                           LSE + t * stride_lt + h, HEAD_DIM, CHUNK, WRITE_LSE, HAS_SINK_LOGIT, ".cg")
+            for r0 in range(0, q_len * GQA, MERGE_ROWS):
+                rr = r0 + tl.arange(0, MERGE_ROWS)  # rows of the tile: query rr // GQA, head rr % GQA
+                _merge_rows(OP, LP, O, LSE, SINK_LOGIT, (q_start + rr // GQA).to(tl.int64), hk * GQA + rr % GQA,
+                            rr < q_len * GQA, num_splits, stride_opt, stride_oph, stride_ops,
+                            stride_lpt, stride_lph, stride_ot, stride_oh, stride_lt,
+                            MERGE_ROWS, HEAD_DIM, CHUNK, WRITE_LSE, HAS_SINK_LOGIT, ".cg")
 
 
 @triton.jit
@@ -583,11 +590,11 @@ def _merge_kernel(OP, LP, O, LSE, SINK_LOGIT, num_splits,
                   stride_ot, stride_oh, stride_lt,
                   HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
                   HAS_SINK_LOGIT: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    _merge_row(OP + t * stride_opt + h * stride_oph, LP + t * stride_lpt + h * stride_lph,
-               stride_ops, num_splits, SINK_LOGIT + h, O + t * stride_ot + h * stride_oh,
-               LSE + t * stride_lt + h, HEAD_DIM, CHUNK, WRITE_LSE, HAS_SINK_LOGIT, "")
+    t = tl.program_id(0).to(tl.int64) + tl.zeros([1], dtype=tl.int64)
+    h = tl.program_id(1) + tl.zeros([1], dtype=tl.int32)
+    _merge_rows(OP, LP, O, LSE, SINK_LOGIT, t, h, h >= 0, num_splits, stride_opt, stride_oph, stride_ops,
+                stride_lpt, stride_lph, stride_ot, stride_oh, stride_lt,
+                1, HEAD_DIM, CHUNK, WRITE_LSE, HAS_SINK_LOGIT, "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -887,7 +894,8 @@ def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, h
         o, lse, sink_logit, sem, o.stride(0), o.stride(1), lse_stride,
         GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         HAS_SEL=has_sel, DOT_PREC=dot_prec, UPCAST=_upcast(q.dtype),
-        FUSED_MERGE=fused, CHUNK=chunk, WRITE_LSE=return_lse, HAS_SINK_LOGIT=has_sink_logit,
+        FUSED_MERGE=fused, CHUNK=chunk, MERGE_ROWS=_fused_merge_rows(gqa * mq, chunk, d),
+        WRITE_LSE=return_lse, HAS_SINK_LOGIT=has_sink_logit,
         num_warps=warps, num_stages=stages, **extra,
     )
     if fused:
@@ -900,6 +908,12 @@ def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, h
         HEAD_DIM=d, CHUNK=chunk, WRITE_LSE=return_lse,
         HAS_SINK_LOGIT=has_sink_logit, num_warps=2 if d <= 64 else 4,
     )
+
+
+def _fused_merge_rows(rows: int, chunk: int, head_dim: int) -> int:
+    """Rows the fused merge takes at once: all of a group's if they fit 4096 fp32 partial values
+    (32 registers a thread at 4 warps), else as many as do; fewer rounds, fewer L2 round trips."""
+    return max(1, min(triton.next_power_of_2(rows), 4096 // (chunk * head_dim)))
 
 
 _SEMAPHORES: dict[tuple[str, int], torch.Tensor] = {}

@@ -626,6 +626,9 @@ def _assert_semaphores_zero(c):
     ([(1, 150), (2, 33)], 8, 1, 128, 16, [1], [5], None),
     # GQA 1, mixed classes, three tiles a split
     ([(2, 90), (1, 64)], 4, 4, 16, 16, [G, 1, 30, 100], [0, 0, 4, 64], 3),
+    # head_dim 64 with 16+ splits: the merge takes 4 rows a round, so 6 rows (GQA 2 x q_len 3)
+    # take two rounds, the second half empty
+    ([(3, 300), (1, 200)], 4, 2, 64, 16, [G, 40], [4, 0], 1),
 ])
 def test_decode_fused_merge_matches_two_kernel(seqs, hq, hkv, d, page, windows, sinks, per_split):
     c = make_case(seqs, hq, hkv, d, page, windows, sinks, seed=40, nan_tail=True)
