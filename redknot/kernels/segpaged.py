@@ -680,7 +680,9 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_q_len: int, cfg: Kern
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, cfg: KernelConfig, has_sel: bool = False):
-    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel. num_stages pipelines each of its
+    key-tile loops (sink, window and selected tiles): Triton applies the launch's stage count to
+    every loop that sets none of its own."""
     if cfg.decode is not None:
         return cfg.decode
     block_n = 64 if head_dim >= 128 else 128
@@ -882,20 +884,24 @@ def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, h
         maxnreg = 128
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
     fused = bool(cfg.decode_fused_merge)
-    sem = _merge_semaphores(q.device, B * hkv) if fused else sl  # placeholder when unused
     chunk = min(16, triton.next_power_of_2(num_splits))
     lse_stride = lse.stride(0) if return_lse else 0
+    if fused:
+        merge_args = (o, lse, sink_logit, _merge_semaphores(q.device, B * hkv), o.stride(0), o.stride(1), lse_stride)
+        merge_consts = dict(CHUNK=chunk, MERGE_ROWS=_fused_merge_rows(gqa * mq, chunk, d), WRITE_LSE=return_lse,
+                            HAS_SINK_LOGIT=has_sink_logit)
+    else:  # fixed placeholders: the split kernel compiles once whatever the merge's shape
+        merge_args = (sl, sl, sl, sl, 0, 0, 0)
+        merge_consts = dict(CHUNK=1, MERGE_ROWS=1, WRITE_LSE=False, HAS_SINK_LOGIT=False)
     _decode_kernel[(num_splits, hkv, B)](
         q, k_pages, v_pages, o_part, lse_part, bt, cu, sl, win, snk, sel, nsel, qk_scale,
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         k_pages.stride(0), k_pages.stride(1), bt.stride(0), bt.stride(1), max_pages,
         *sel_strides, min_tiles,
-        o, lse, sink_logit, sem, o.stride(0), o.stride(1), lse_stride,
+        *merge_args,
         GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_SEL=has_sel, DOT_PREC=dot_prec, UPCAST=_upcast(q.dtype),
-        FUSED_MERGE=fused, CHUNK=chunk, MERGE_ROWS=_fused_merge_rows(gqa * mq, chunk, d),
-        WRITE_LSE=return_lse, HAS_SINK_LOGIT=has_sink_logit,
+        HAS_SEL=has_sel, DOT_PREC=dot_prec, UPCAST=_upcast(q.dtype), FUSED_MERGE=fused, **merge_consts,
         num_warps=warps, num_stages=stages, **extra,
     )
     if fused:
