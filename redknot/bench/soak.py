@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="the engine's token budget per step (the server's flag): a smaller one bounds how long "
                         "a long prompt's chunk holds a step")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="the server's flag: a long prompt's chunk at most this many tokens while other work runs")
     p.add_argument("--normal-clients", type=int, default=4)
     p.add_argument("--think-s", type=float, default=2.0,
                    help="normal clients' mean pause between requests (exponential; 0: back to back)")
@@ -228,7 +230,8 @@ def _llm(args):
     from ..engine import LLM
 
     if args.arch is None:
-        return LLM(model=args.model, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens)
+        return LLM(model=args.model, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
+                   long_prefill_token_threshold=args.long_prefill_token_threshold)
     import torch
 
     from ..models import ModelConfig, build_model, resolve_dtype
@@ -237,7 +240,8 @@ def _llm(args):
     cfg = ModelConfig.from_dict(dict(ARCHS[args.arch]))
     dev = torch.device(args.device or "cuda")
     return LLM(model=build_model(cfg, resolve_dtype(None, cfg, dev), dev), device=str(dev),
-               max_num_batched_tokens=args.max_num_batched_tokens)
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -354,7 +358,8 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     out = {
         "date": datetime.date.today().isoformat(), "command": _command(args),
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
-        "max_num_batched_tokens": args.max_num_batched_tokens, "method": args.method,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold, "method": args.method,
         "statuses": log["status"], "server_errors_5xx": fivexx,
         "health_max_s": max(log["health_s"], default=float("nan")),
         "ttft_unloaded_p50_s": _pct(unloaded, 0.5), "ttft_unloaded_p99_s": p99_idle,

@@ -180,7 +180,8 @@ class Engine:
             decode, prefill = self.scheduler.split_running()
             budget = admit(self, self.cfg.max_num_batched_tokens - len(decode), prefill, outputs)
             recovering = [s for s in prefill if s.recovery is not None]
-            chunks = self._prompt_chunks([s for s in prefill if s.recovery is None], budget, recovering)
+            chunks = self._prompt_chunks([s for s in prefill if s.recovery is None], budget, recovering,
+                                         busy=bool(decode))
             batch = self.scheduler.make_room([(s, 1) for s in decode] + chunks, self._preempt,
                                              pinned=self.executor.recovering)
         self.timings["steps"] += 1
@@ -201,16 +202,19 @@ class Engine:
             self._guarded([s for s, _ in items], outputs, lambda: self._forward(plan, items, outputs, ahead))
         return outputs
 
-    def _prompt_chunks(self, prompts: list[Sequence], budget: int, recovering: list[Sequence]) -> list[tuple[Sequence, int]]:
+    def _prompt_chunks(self, prompts: list[Sequence], budget: int, recovering: list[Sequence],
+                       busy: bool) -> list[tuple[Sequence, int]]:
         """The step's prompt chunks, short prompts first, then the budget the recoveries (under way
         or starting) still need (kept for them), then long prompts: a long dense prompt does not
         slow a recovery down to a few layers a step, and a long recovery does not hold a short
-        prompt back."""
+        prompt back. With other work in the step (``busy``: decode) a long prompt's chunk is capped
+        (``long_prefill_token_threshold``), so the step stays short for requests arriving during it."""
         short = [s for s in prompts if self.scheduler.short_prompt(s)]
         chunks = self.scheduler.prompt_chunks(short, budget, self._selection_rows)
         budget -= sum(n for _, n in chunks) + self.executor.reserved_tokens(recovering)
         rest = [s for s in prompts if not self.scheduler.short_prompt(s)]
-        return chunks + self.scheduler.prompt_chunks(rest, budget, self._selection_rows)
+        cap = self.scheduler.prompt_chunk_cap(busy or bool(chunks) or bool(recovering))
+        return chunks + self.scheduler.prompt_chunks(rest, budget, self._selection_rows, cap)
 
     def _recover(self, seqs: list[Sequence], outputs: list[StepOutput]) -> None:
         """The step's piece of a recovery batch; once it ends, its requests sample their first

@@ -26,6 +26,11 @@ class EngineConfig:
     reserve_decode_tokens: int = 4096
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # While a step carries other work (decode, shorter prompts, recoveries, or requests waiting),
+    # a prompt's chunk is at most this many tokens: a request arriving mid-step then waits for a
+    # short step, not a whole budget of a long prompt (vLLM's long_prefill_token_threshold). A
+    # prompt alone still takes the whole budget. None: no cap.
+    long_prefill_token_threshold: int | None = None
     # Rows one recovery forward starts with at most (every row of each prompt: recovery reads the
     # whole prompt at layer 0), beside the token budget that charges what it computes over all
     # layers; the memory profile sizes the activations for it. None: 4 x max_num_batched_tokens.
@@ -52,6 +57,8 @@ class EngineConfig:
     def __post_init__(self):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
+            raise ValueError(f"long_prefill_token_threshold must be >= 1, got {self.long_prefill_token_threshold}")
         if self.max_recovery_rows is not None and self.max_recovery_rows < 1:
             raise ValueError(f"max_recovery_rows must be >= 1, got {self.max_recovery_rows}")
 

@@ -38,6 +38,19 @@ def release_free_heap() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
+# oneDNN (torch's CPU kernels) caches a compiled primitive per distinct operand shape, 1,024 by
+# default. Recoveries compute a different row count per layer and request, so a CPU server sees
+# ever new shapes and the cache grows for tens of minutes (measured: half of a 30-minute soak's
+# resident-memory growth). A small cache keeps the shapes of the current step.
+CPU_PRIMITIVE_CACHE_CAPACITY = 64
+
+
+def cap_cpu_primitive_cache(capacity: int = CPU_PRIMITIVE_CACHE_CAPACITY) -> None:
+    """Bound oneDNN's primitive cache unless the user set it; oneDNN reads the variable when it
+    creates its first primitive, so this acts only before the process's first CPU kernel of that kind."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
+
+
 def resident_bytes() -> int:
     """This process's resident set size in bytes (0 where /proc is missing)."""
     try:

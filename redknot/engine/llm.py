@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +17,14 @@ from ..distributed.shard import check_tensor_parallel
 from ..config import HeadConfig, SparseFFNConfig
 from ..models import ModelConfig, build_model, load_model, resolve_dtype, resolve_model
 from ..models.resolve import bundled_model_path
+from ..models.shelf import REUSE_FILE
 from ..models.tokenizer import make_tokenizer
 from ..models.fingerprint import model_fingerprint
 from ..reuse.options import ReuseOptions
 from ..reuse.prompt import ChunkedPrompt, build_prompt, is_conversation
 from ..reuse.registry import METHOD_NAMES as METHODS, get_method, parse_method
 from .engine import Engine, EngineConfig
+from .host_memory import cap_cpu_primitive_cache
 from .sampling import SamplingParams
 from .selective import SelectionOptions
 from .sequence import Sequence
@@ -59,7 +62,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, head_config: str | Path | HeadConfig | None = None,
                  method: str = "dense", device: str | torch.device | None = None, dtype=None,
                  page_size: int = 64, kv_pages: int | None = None, max_num_batched_tokens: int = 8192,
-                 max_recovery_rows: int | None = None,
+                 max_recovery_rows: int | None = None, long_prefill_token_threshold: int | None = None,
                  sparse_ffn: str | Path | SparseFFNConfig | None = None, chunk_cache_bytes: int | None = None,
                  reuse_options: ReuseOptions | None = None, tokenizer=None,
                  max_num_seqs: int = 256, max_model_len: int | None = None, enable_prefix_caching: bool = True,
@@ -93,8 +96,12 @@ class LLM:
         kv_offload = KVOffloadConfig.of(kv_offload)  # bad options fail before the model loads
         model, head_config, sparse_ffn = _resolve(model, head_config, sparse_ffn)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            cap_cpu_primitive_cache()
         self.model_dir = None if isinstance(model, ModelConfig) else Path(model)
         self.config = model if isinstance(model, ModelConfig) else ModelConfig.from_dir(model)
+        # the checkpoint's measured method for requests that name none (``redknot serve``'s auto)
+        self.recommended_method = checkpoint_method(self.model_dir)
         self.head_config, self.sparse_ffn = head_config, sparse_ffn = _load_plans(head_config, sparse_ffn, self.config)
         if selection is None and (retrieval_heads or decode_kv_budget is not None):
             selection = SelectionOptions(retrieval_heads=retrieval_heads, decode_kv_budget=decode_kv_budget)
@@ -106,7 +113,7 @@ class LLM:
         self.engine = self._make_engine(head_config, EngineConfig(
             page_size=page_size, kv_pages=kv_pages, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_recovery_rows=max_recovery_rows,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
+            long_prefill_token_threshold=long_prefill_token_threshold, max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, cuda_graphs=cuda_graphs,
             async_decode=async_decode, chunk_cache_bytes=chunk_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization, reserve_full_length=reserve_full_length, kernel=kernel,
             reuse_options=reuse_options, selection=selection, kv_offload=kv_offload, kv_events=kv_events))
@@ -320,6 +327,21 @@ def _resolve(model, head_config, sparse_ffn):
     if sparse_ffn is None and (Path(model) / "sparse_ffn.json").is_file():
         sparse_ffn = Path(model) / "sparse_ffn.json"
     return model, head_config, sparse_ffn
+
+
+def checkpoint_method(model_dir: Path | None) -> str | None:
+    """The method spec a checkpoint recommends for requests that name none (``reuse.json``
+    beside it, written from the shelf's measurements), or None."""
+    path = None if model_dir is None else Path(model_dir) / REUSE_FILE
+    if path is None or not path.is_file():
+        return None
+    try:
+        spec = json.loads(path.read_text())["method"]
+        parse_method(spec)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: expected {{\"method\": SPEC}} with a method spec such as "
+                         f"\"redknot@0.2+s16\" ({e})") from None
+    return spec
 
 
 def _load_plans(head_config, sparse_ffn, config) -> tuple[HeadConfig | None, SparseFFNConfig]:

@@ -371,7 +371,7 @@ class RecoveryRows:
 def _correct_pages(r: _Request, corr, k, v, table, k_pages, v_pages) -> None:
     """``reuse.correction`` on one request's pages: its recomputed rows ``k``/``v`` against the
     cached ones still in the pages, the left-out chunk tokens' pages rewritten."""
-    chunk_id, probe, rotate = corr
+    chunk_id, probe, correction = corr
     chunk_id = chunk_id.to(r.cur.device)
     rest = r.cached & (chunk_id >= 0)
     rest[r.cur] = False
@@ -380,7 +380,7 @@ def _correct_pages(r: _Request, corr, k, v, table, k_pages, v_pages) -> None:
         return
     old_k, old_v = _gather(k_pages, table, r.cur), _gather(v_pages, table, r.cur)
     new_k, new_v = correct_layer(k, v, old_k, old_v, r.cur, probe.to(r.cur.device), rest, chunk_id,
-                                 lambda p: (_gather(k_pages, table, p), _gather(v_pages, table, p)), rotate)
+                                 lambda p: (_gather(k_pages, table, p), _gather(v_pages, table, p)), correction)
     _scatter(k_pages, table, rest, new_k)
     _scatter(v_pages, table, rest, new_v)
 

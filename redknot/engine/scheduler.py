@@ -259,12 +259,21 @@ class Scheduler:
 
     # ------------------------------------------------------------------ the step's tokens
 
+    def prompt_chunk_cap(self, busy: bool) -> int | None:
+        """The most tokens a long prompt's chunk takes this step: the configured threshold while
+        the step has other work (``busy``) or requests wait, else the whole budget."""
+        if self.cfg.long_prefill_token_threshold is None or not (busy or self.waiting):
+            return None
+        return self.cfg.long_prefill_token_threshold
+
     def short_prompt(self, seq: Sequence) -> bool:
         """Its prompt's rest fits an eighth of the token budget (it goes first in a step)."""
         return seq.num_pending <= max(1, self.cfg.max_num_batched_tokens // 8)
 
-    def prompt_chunks(self, prefill: list[Sequence], budget: int, tail_rows) -> list[tuple[Sequence, int]]:
-        """Prompt chunks of prefilling requests under the token ``budget``. ``tail_rows(seq)``: rows
+    def prompt_chunks(self, prefill: list[Sequence], budget: int, tail_rows,
+                      cap: int | None = None) -> list[tuple[Sequence, int]]:
+        """Prompt chunks of prefilling requests under the token ``budget``, each at most ``cap``
+        tokens. ``tail_rows(seq)``: rows
         the forward completing its prompt must compute together (a selection's observation window).
         The prompts with the least left go first (shortest remaining first; arrival order among
         equals), so a long prompt's chunks never hold a shorter request back more than a step
@@ -274,7 +283,7 @@ class Scheduler:
         for s in sorted(prefill, key=lambda s: s.num_pending):  # stable: arrival order among equals
             if budget <= 0:
                 break
-            n = min(s.num_pending, budget)
+            n = min(s.num_pending, budget, cap or budget)
             tail = min(tail_rows(s), self.cfg.max_num_batched_tokens)  # a budget that fits it
             if n < s.num_pending < n + tail:  # the last chunk keeps the selection's rows
                 n = s.num_pending - tail

@@ -29,6 +29,9 @@ from pathlib import Path
 from .conversions import DEFAULT_DTYPE, cache_dir, convert_cached, converted_dir, is_checkpoint
 
 
+REUSE_FILE = "reuse.json"  # {"method": spec}: the method a checkpoint's requests get when they name none
+
+
 class ShelfError(ValueError):
     """A shelf model that cannot be fetched: unknown name, registry unreachable, bad hash, ..."""
 
@@ -51,9 +54,10 @@ class ShelfModel:
     notes: str = ""
     extra: dict = field(default_factory=dict, compare=False)
     # Measured reuse defaults written beside the converted checkpoint (``install_reuse_defaults``):
-    # "heads": "all_global" (heads.json, every head global) and "sparse_ffn": SparseFFNConfig fields
-    # (sparse_ffn.json). LLM and ``redknot serve`` read both from there, so the server's default method
-    # becomes redknot under them. Empty: nothing written (serve defaults to cacheblend).
+    # "heads": "all_global" (heads.json, every head global), "sparse_ffn": SparseFFNConfig fields
+    # (sparse_ffn.json) and "method": the method spec requests that name none get (reuse.json). LLM
+    # and ``redknot serve`` read them from there (without "method" the server's default is redknot
+    # under a head config). Empty: nothing written (serve defaults to cacheblend).
     reuse: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -318,7 +322,7 @@ def get(name: str, dtype=DEFAULT_DTYPE, force: bool = False, keep_gguf: bool = T
 
 def install_reuse_defaults(model: ShelfModel, hf_dir: Path, verbose: bool = False) -> list[Path]:
     """Write the entry's measured reuse defaults (``ShelfModel.reuse``) beside its checkpoint:
-    ``heads.json`` and ``sparse_ffn.json``. A file already there is kept (a user's own plan wins);
+    ``heads.json``, ``sparse_ffn.json`` and ``reuse.json``. A file already there is kept (a user's own plan wins);
     returns the files written."""
     from ..config import HeadConfig, SparseFFNConfig
 
@@ -337,6 +341,10 @@ def install_reuse_defaults(model: ShelfModel, hf_dir: Path, verbose: bool = Fals
         SparseFFNConfig(**sparse)  # a bad field fails here, not at the first request
         (hf_dir / "sparse_ffn.json").write_text(json.dumps(sparse, indent=1) + "\n")
         written.append(hf_dir / "sparse_ffn.json")
+    method = model.reuse.get("method")
+    if method is not None and not (hf_dir / REUSE_FILE).exists():
+        (hf_dir / REUSE_FILE).write_text(json.dumps({"method": method}, indent=1) + "\n")
+        written.append(hf_dir / REUSE_FILE)
     if verbose and written:
         print(f"{model.name}: reuse defaults {', '.join(p.name for p in written)} written beside the checkpoint")
     return written

@@ -10,11 +10,21 @@ a constant shift of the unrotated keys is then corrected exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H, D], delta positions [T]) -> rotated x
+
+
+@dataclass(frozen=True)
+class KVCorrection:
+    """How a recovery corrects the rows it leaves out: ``rotate`` is the model's RoPE relocation;
+    ``values`` False moves the keys only (the values keep their cached version)."""
+
+    rotate: Rotate
+    values: bool = True
 
 
 def chunk_offsets(new_k: torch.Tensor, old_k: torch.Tensor, new_v: torch.Tensor, old_v: torch.Tensor,
@@ -30,25 +40,28 @@ def chunk_offsets(new_k: torch.Tensor, old_k: torch.Tensor, new_v: torch.Tensor,
     return (zeros.index_add(0, chunk, d_k) * scale, zeros.index_add(0, chunk, d_v) * scale, count > 0)
 
 
-def corrected(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, chunk: torch.Tensor, offsets, rotate: Rotate):
+def corrected(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, chunk: torch.Tensor, offsets, rotate: Rotate,
+              values: bool = True):
     """Cached K/V [T, Hkv, D] of the tokens at ``pos`` [T] (chunks ``chunk`` [T]) plus their chunk's
-    offsets (``chunk_offsets``); tokens of a chunk without a probe are returned as they are."""
+    offsets (``chunk_offsets``; the values' only if ``values``); tokens of a chunk without a probe
+    are returned as they are."""
     off_k, off_v, has = offsets
     keep = has[chunk][:, None, None]
-    k_new = k.float() + rotate(off_k[chunk], pos)
-    v_new = v.float() + off_v[chunk]
-    return torch.where(keep, k_new, k.float()).to(k.dtype), torch.where(keep, v_new, v.float()).to(v.dtype)
+    k_new = torch.where(keep, k.float() + rotate(off_k[chunk], pos), k.float()).to(k.dtype)
+    if not values:
+        return k_new, v
+    return k_new, torch.where(keep, v.float() + off_v[chunk], v.float()).to(v.dtype)
 
 
 def correct_layer(new_k: torch.Tensor, new_v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor,
                   cur: torch.Tensor, probe: torch.Tensor, rest: torch.Tensor, chunk_id: torch.Tensor,
-                  read: Callable, rotate: Rotate):
+                  read: Callable, correction: KVCorrection):
     """One layer's correction: the recomputed rows ``cur`` [T] (their new and cached K/V), the probe
     rows among them (bool [T]), the positions left out ``rest`` [R], ``chunk_id`` per position;
     ``read(pos)`` gives the cached (K, V) at positions. Returns the corrected (K, V) of ``rest``."""
     n_chunks = int(chunk_id.max()) + 1 if chunk_id.numel() else 0
     p = cur[probe]
     offsets = chunk_offsets(new_k[probe], old_k[probe], new_v[probe], old_v[probe], p, chunk_id[p], max(n_chunks, 1),
-                            rotate)
+                            correction.rotate)
     k_rest, v_rest = read(rest)
-    return corrected(k_rest, v_rest, rest, chunk_id[rest], offsets, rotate)
+    return corrected(k_rest, v_rest, rest, chunk_id[rest], offsets, correction.rotate, correction.values)

@@ -22,6 +22,7 @@ class ReuseOptions:
     # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
     # and KV head, measured on the recomputed tokens of that chunk (qrecompute, cacheblend, redknot; off by default)
     kv_correction: bool = False
+    kv_correction_values: bool = True  # False: the keys move, the values keep their cached version
     # Each chunk cached behind this many shared dummy tokens (the model's BOS) after the prefix, their
     # K/V dropped at reuse (EPIC's LegoLink-0): the chunk's own first tokens are not its attention
     # sinks. 0: cached right after the prefix (the first chunk's cache is then exact).

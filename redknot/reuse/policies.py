@@ -33,17 +33,17 @@ class CacheBlend(FixedSet):
     token's layer-0 attention saw: the cross-chunk context the cache lacks."""
 
     def __init__(self, positions, window, sink, is_chunk: torch.Tensor, ratio: float, check_layer: int = 1,
-                 chunk_id: torch.Tensor | None = None, rotate=None):
+                 chunk_id: torch.Tensor | None = None, correction=None):
         super().__init__(positions, window, sink)
         self.is_chunk, self.ratio, self.check_layer = is_chunk, ratio, check_layer
-        # KV correction (``rotate``: the model's RoPE relocation): after the check layer the rows left
+        # KV correction (a ``reuse.correction.KVCorrection``): after the check layer the rows left
         # out move by their chunk's mean offset over the chunk's recomputed rows
-        self.chunk_id, self.rotate = chunk_id, rotate
+        self.chunk_id, self.correction = chunk_id, correction
 
     def kv_correction(self, layer, cur):
-        if self.rotate is None or layer <= self.check_layer:
+        if self.correction is None or layer <= self.check_layer:
             return None
-        return self.chunk_id, self.is_chunk[cur], self.rotate
+        return self.chunk_id, self.is_chunk[cur], self.correction
 
     def needs_deviation(self, layer):
         return layer == self.check_layer
@@ -66,15 +66,15 @@ class QueryRecompute(FixedSet):
     their cached, relocated K/V from the next layer on. The rows up to ``score_layer`` are the
     scoring pass: they are executed, so their FLOPs are in the method's count.
 
-    ``rotate`` (the model's RoPE relocation) turns on KV correction (``reuse.correction``): at every
+    ``correction`` (a ``reuse.correction.KVCorrection``) turns on KV correction: at every
     later layer the cached K/V of the tokens left out move by their chunk's mean offset over its
     recomputed tokens (those past its first ``start_tokens``, whose cache-time context differs most)."""
 
     def __init__(self, positions, window, sink, is_chunk: torch.Tensor, chunk_id: torch.Tensor, ratio: float,
-                 score_layer: int, observe: int, start_tokens: int, rotate=None):
+                 score_layer: int, observe: int, start_tokens: int, correction=None):
         super().__init__(positions, window, sink)
         self.is_chunk, self.chunk_id, self.ratio = is_chunk, chunk_id, ratio
-        self.score_layer, self.n_obs, self.rotate = score_layer, observe, rotate
+        self.score_layer, self.n_obs, self.correction = score_layer, observe, correction
         self.chunk_start = chunk_start_rows(chunk_id, start_tokens)
 
     def observe(self, layer):
@@ -86,9 +86,9 @@ class QueryRecompute(FixedSet):
         return query_ranked_rows(info["mass"][cur], self.is_chunk[cur], self.chunk_start[cur], self.ratio)
 
     def kv_correction(self, layer, cur):
-        if self.rotate is None or layer <= self.score_layer:
+        if self.correction is None or layer <= self.score_layer:
             return None
-        return self.chunk_id, self.is_chunk[cur] & ~self.chunk_start[cur], self.rotate
+        return self.chunk_id, self.is_chunk[cur] & ~self.chunk_start[cur], self.correction
 
 
 def query_ranked_rows(score: torch.Tensor, is_chunk: torch.Tensor, first: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -104,12 +104,12 @@ def query_ranked_rows(score: torch.Tensor, is_chunk: torch.Tensor, first: torch.
 class RedKnot(FixedSet):
     def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
                  sparse: SparseFFNConfig, observe: int, keep_cached: bool, chunk_id: torch.Tensor | None = None,
-                 rotate=None):
+                 correction=None):
         super().__init__(positions, window, sink)
-        if rotate is not None and not keep_cached:
+        if correction is not None and not keep_cached:
             raise ValueError("kv_correction needs the rows left out to keep their cached K/V (redknot, not "
                              "redknot_paper)")
-        self.rotate = rotate  # KV correction after the first sparse layer (the model's RoPE relocation)
+        self.correction = correction  # KV correction after the first sparse layer (reuse.correction)
         self.shallow = (shallow_window, shallow_sink)
         self.is_chunk, self.sparse, self.n_obs, self.keep_cached = is_chunk, sparse, observe, keep_cached
         self.chunk_id = chunk_id if chunk_id is not None else torch.where(is_chunk, 0, -1)  # per position
@@ -200,9 +200,9 @@ class RedKnot(FixedSet):
         """After the first sparse layer (where rows start to be left out): the left-out chunk rows
         move by their chunk's mean offset over its rows still computed, past its first
         ``chunk_start_tokens`` (kept by rule, and the rows whose cache-time context differs most)."""
-        if self.rotate is None or layer <= self.sparse.dense_until:
+        if self.correction is None or layer <= self.sparse.dense_until:
             return None
-        return self.chunk_id, self.is_chunk[cur] & ~self.chunk_start[cur], self.rotate
+        return self.chunk_id, self.is_chunk[cur] & ~self.chunk_start[cur], self.correction
 
 
 def chunk_start_rows(chunk_id: torch.Tensor, n: int) -> torch.Tensor:

@@ -62,7 +62,7 @@ class Policy:
         return None
 
     def kv_correction(self, layer: int, cur: torch.Tensor):
-        """(chunk id per position [N], probe rows bool [len(cur)], rotate) when this layer moves the
+        """(chunk id per position [N], probe rows bool [len(cur)], KVCorrection) when this layer moves the
         cached K/V of the chunk tokens it does not compute by their chunk's mean offset over the
         probe rows (``reuse.correction``; ``rotate(x, delta)`` is the model's RoPE relocation);
         None: no correction."""
@@ -200,14 +200,14 @@ def _correct(policy: Policy, layer: int, cur, cached, k, v, keys, values) -> Non
     corr = policy.kv_correction(layer, cur)
     if corr is None:
         return
-    chunk_id, probe, rotate = corr
+    chunk_id, probe, correction = corr
     rest = cached & (chunk_id >= 0)
     rest[cur] = False
     rest = rest.nonzero().flatten()
     if rest.numel() == 0 or not bool(probe.any()):
         return
     keys[rest], values[rest] = correct_layer(k, v, keys[cur], values[cur], cur, probe, rest, chunk_id,
-                                             lambda p: (keys[p], values[p]), rotate)
+                                             lambda p: (keys[p], values[p]), correction)
 
 
 def _run(pos: torch.Tensor) -> tuple[int, int] | None:

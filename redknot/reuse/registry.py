@@ -40,6 +40,7 @@ from ..config import DEFAULT_SINK, HeadConfig, SparseFFNConfig
 from ..models.config import ModelConfig
 from .options import ReuseOptions
 from .policies import CacheBlend, QueryRecompute, RedKnot
+from .correction import KVCorrection
 from .prompt import ChunkedPrompt
 from .recovery import Policy
 
@@ -122,21 +123,27 @@ def _cacheblend(x: PolicyInputs) -> Policy:
     _, chunk_id = x.chunk_layout()
     return CacheBlend(body, *x.global_visibility(), is_chunk, o.cacheblend_ratio,
                       min(o.cacheblend_check_layer, x.config.num_hidden_layers - 1), chunk_id,
-                      _rope_relocation(x) if o.kv_correction else None)
+                      _correction(x))
 
 
 def _qrecompute(x: PolicyInputs) -> Policy:
     p, o = x.prompt, x.options
     body = torch.arange(_first_recovered(x), len(p), device=x.device)
     is_chunk, chunk_id = x.chunk_layout()
-    rotate = _rope_relocation(x) if o.kv_correction else None
     return QueryRecompute(body, *x.global_visibility(), is_chunk, chunk_id, o.qrecompute_ratio,
                           min(o.qrecompute_layer, x.config.num_hidden_layers - 1),
-                          max(1, min(o.observation_tokens, len(p.suffix))), o.qrecompute_start_tokens, rotate)
+                          max(1, min(o.observation_tokens, len(p.suffix))), o.qrecompute_start_tokens, _correction(x))
 
 
 # Architectures whose keys carry one plain RoPE in every layer (what KV correction un-rotates)
 _PLAIN_ROPE = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "olmoe")
+
+
+def _correction(x: PolicyInputs) -> KVCorrection | None:
+    """The KV correction the options ask for (``+kc``, keys only with ``+kck``), or None."""
+    if not x.options.kv_correction:
+        return None
+    return KVCorrection(_rope_relocation(x), values=x.options.kv_correction_values)
 
 
 def _rope_relocation(x: PolicyInputs):
@@ -164,10 +171,9 @@ def _redknot(keep_cached: bool) -> Callable[[PolicyInputs], Policy]:
         p = x.prompt
         body = torch.arange(_first_recovered(x), len(p), device=x.device)
         is_chunk, chunk_id = x.chunk_layout()
-        rotate = _rope_relocation(x) if x.options.kv_correction else None
         return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, x.sparse,
                        min(x.options.observation_tokens, len(p.suffix)), keep_cached=keep_cached, chunk_id=chunk_id,
-                       rotate=rotate)
+                       correction=_correction(x))
     return build
 
 
@@ -225,10 +231,13 @@ def get_method(name: str) -> MethodSpec:
     return METHODS[canonical_name(name)]
 
 
-def default_method(head_config) -> str:
-    """The method a request that names none gets under ``auto``: the best quality per FLOP
+def default_method(head_config, recommended: str | None = None) -> str:
+    """The method a request that names none gets under ``auto``: the checkpoint's measured choice
+    (``recommended``, its ``reuse.json``) where it has one; else the best quality per FLOP
     (docs/results/quality_testbed.md), ``redknot``, which needs a head config; without one
     ``cacheblend``, the strongest head-agnostic reuse."""
+    if recommended is not None:
+        return recommended
     return "redknot" if head_config is not None else "cacheblend"
 
 
@@ -238,8 +247,8 @@ BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens
                 "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float),
                 "qrecompute": ("qrecompute_ratio", float)}
 REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens", "kv_correction",
-               "dummy_prefix_tokens")
-# What may follow a budget after "+": chunk starts kept ("+s16"), KV correction ("+kc"), chunks cached
+               "kv_correction_values", "dummy_prefix_tokens")
+# What may follow a budget after "+": chunk starts kept ("+s16"), KV correction ("+kc"; keys only "+kck"), chunks cached
 # behind dummy tokens ("+dp4"): the methods that take each.
 START_TOKENS = {"redknot": "chunk_start_tokens", "redknot_paper": "chunk_start_tokens",
                 "qrecompute": "qrecompute_start_tokens"}
@@ -252,7 +261,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
     ``+sN``: each chunk's first N tokens among the kept rows; without it none); a plain name ->
     (its registry name, {}); ``"qrecompute@0.3"`` -> the share recomputed (each chunk's first 16
     tokens first; ``+sN``: N of them). ``+kc`` turns KV correction on (cacheblend, redknot,
-    qrecompute), ``+dpN`` caches each chunk behind N dummy tokens (any budgeted method). Raises
+    qrecompute; ``+kck`` the keys only), ``+dpN`` caches each chunk behind N dummy tokens (any budgeted method). Raises
     ValueError naming what is wrong."""
     name, at, value = spec.partition("@")
     name = canonical_name(name)
@@ -278,10 +287,10 @@ def parse_method(spec: str) -> tuple[str, dict]:
 
 def _extra_knob(spec: str, name: str, extra: str) -> dict:
     """The knob one "+" suffix of a method spec sets (``parse_method``)."""
-    if extra == "kc":
+    if extra in ("kc", "kck"):
         if name not in KV_CORRECTED:
-            raise ValueError(f"method {spec!r}: KV correction ('+kc') is for {', '.join(KV_CORRECTED)} only")
-        return {"kv_correction": True}
+            raise ValueError(f"method {spec!r}: KV correction ('+{extra}') is for {', '.join(KV_CORRECTED)} only")
+        return {"kv_correction": True, "kv_correction_values": extra == "kc"}
     if extra.startswith("dp") and extra[2:].isdigit() and int(extra[2:]) > 0:
         return {"dummy_prefix_tokens": int(extra[2:])}
     if extra.startswith("s") and extra[1:].isdigit():
@@ -290,7 +299,7 @@ def _extra_knob(spec: str, name: str, extra: str) -> dict:
                              f"{', '.join(START_TOKENS)} only")
         return {START_TOKENS[name]: int(extra[1:])}
     raise ValueError(f"method {spec!r}: {extra!r} is neither a chunk-start count ('+s16'), KV correction "
-                     f"('+kc') nor a dummy prefix ('+dp4')")
+                     f"('+kc', keys only '+kck') nor a dummy prefix ('+dp4')")
 
 
 def with_budget(options: ReuseOptions, sparse: SparseFFNConfig, budget: dict | None):

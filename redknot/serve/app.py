@@ -432,7 +432,7 @@ class _Server:
     def _sequence(self, req, prompt, documents, params, salt, param):
         method = req.method
         if method == "auto":  # the best reuse method this model runs, whatever the server's default
-            method = default_method(self.llm.head_config)
+            method = default_method(self.llm.head_config, self.llm.recommended_method)
         try:
             seq = self.llm.make_sequence(prompt, params, documents, method, cache_salt=salt)
         except (ValueError, TypeError) as e:

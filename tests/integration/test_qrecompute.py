@@ -11,7 +11,7 @@ from redknot.config import SparseFFNConfig
 from redknot.engine.documents import dummy_token
 from redknot.models.config import ModelConfig
 from redknot.models.rope import RotaryEmbedding
-from redknot.reuse.correction import chunk_offsets, corrected
+from redknot.reuse.correction import KVCorrection, chunk_offsets, corrected
 from redknot.reuse.flops import FlopReport
 from redknot.reuse.policies import QueryRecompute, RedKnot, query_ranked_rows
 from redknot.reuse.prompt import build_prompt
@@ -131,15 +131,17 @@ def test_policy_ranks_by_the_observed_mass_at_its_layer():
 
 def test_parse_method():
     assert parse_method("qrecompute@0.3") == ("qrecompute", {"qrecompute_ratio": 0.3})
+    kc, kck = {"kv_correction": True, "kv_correction_values": True}, {"kv_correction": True,
+                                                                      "kv_correction_values": False}
     assert parse_method("qrecompute@0.2+s8+kc") == ("qrecompute", {"qrecompute_ratio": 0.2,
-                                                                   "qrecompute_start_tokens": 8, "kv_correction": True})
-    assert parse_method("cacheblend@0.15+kc") == ("cacheblend", {"cacheblend_ratio": 0.15, "kv_correction": True})
-    assert parse_method("redknot_kv@0.2+s16+kc") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16,
-                                                                 "kv_correction": True})
-    assert parse_method("qrecompute@0.25+kc+dp4") == ("qrecompute", {"qrecompute_ratio": 0.25, "kv_correction": True,
+                                                                   "qrecompute_start_tokens": 8, **kc})
+    assert parse_method("cacheblend@0.15+kc") == ("cacheblend", {"cacheblend_ratio": 0.15, **kc})
+    assert parse_method("cacheblend@0.15+kck") == ("cacheblend", {"cacheblend_ratio": 0.15, **kck})
+    assert parse_method("redknot_kv@0.2+s16+kc") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16, **kc})
+    assert parse_method("qrecompute@0.25+kc+dp4") == ("qrecompute", {"qrecompute_ratio": 0.25, **kc,
                                                                      "dummy_prefix_tokens": 4})
     assert parse_method("epic@16+dp2") == ("epic", {"epic_tokens": 16, "dummy_prefix_tokens": 2})
-    for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "epic@16+kc", "redknot_paper@0.3+kc", "cacheblend@0.3+s16",
+    for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "epic@16+kc", "epic@16+kck", "redknot_paper@0.3+kc", "cacheblend@0.3+s16",
                 "cacheblend@0.3+dp0", "cacheblend@0.3+dp"):
         with pytest.raises(ValueError):
             parse_method(bad)
@@ -170,6 +172,8 @@ def test_correction_recovers_a_constant_unrotated_shift():
     k_fix, v_fix = corrected(old_k[rest], v[rest], pos[rest], chunk[rest], off, rope.relocate)
     torch.testing.assert_close(k_fix, new_k[rest], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v_fix, new_v[rest], rtol=1e-5, atol=1e-5)
+    k_only, v_kept = corrected(old_k[rest], v[rest], pos[rest], chunk[rest], off, rope.relocate, values=False)
+    assert torch.equal(k_only, k_fix) and torch.equal(v_kept, v[rest])  # keys only: values as cached
     # probes = every token: each token's own offset is its chunk's mean only when the shift is constant;
     # a chunk without a probe is left as it is
     off = chunk_offsets(new_k[:6], old_k[:6], new_v[:6], v[:6], pos[:6], chunk[:6], 2, rope.relocate)
@@ -180,11 +184,13 @@ def test_correction_recovers_a_constant_unrotated_shift():
 
 def test_correction_off_leaves_the_cache_as_placed(llm):
     """Without KV correction the K/V of the chunk tokens left out are the relocated cache, bit for
-    bit; with it they move (and every token's KV is still finite)."""
+    bit; with it they move (and every token's KV is still finite); keys only ("+kck") moves the
+    keys and leaves their values as placed."""
     prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
     outs = {}
-    for correct in (False, True):
-        saved = _options(llm, qrecompute_ratio=0.3, qrecompute_start_tokens=2, kv_correction=correct)
+    for correct in (False, True, "keys"):
+        saved = _options(llm, qrecompute_ratio=0.3, qrecompute_start_tokens=2, kv_correction=bool(correct),
+                         kv_correction_values=correct is True)
         try:
             oracle = reuse_oracle(llm)
             placed = oracle.prefill(prompt, "full_reuse").recovered  # the relocated chunk KV (layers' caches)
@@ -198,7 +204,11 @@ def test_correction_off_leaves_the_cache_as_placed(llm):
     left_out = rest[(plain.k[last][rest] == placed.k[last][rest]).all(-1).all(-1)]
     assert left_out.numel() >= 0.5 * rest.numel()  # 70% of those chunk rows are left out after layer 1
     assert not torch.equal(fixed.k[last][left_out], placed.k[last][left_out])
+    assert not torch.equal(fixed.v[last][left_out], placed.v[last][left_out])
     assert all(bool(torch.isfinite(k).all()) for k in fixed.k)
+    _, keys_only = outs["keys"]
+    assert torch.equal(keys_only.k[last][left_out], fixed.k[last][left_out])  # same offsets, same probes
+    assert torch.equal(keys_only.v[last][left_out], placed.v[last][left_out])
 
 
 # redknot with a fixed keep fraction from layer 1 on, short enough a recent window to leave rows out
@@ -257,7 +267,8 @@ def test_kv_correction_needs_rows_that_keep_their_cache():
     vis = torch.full((2, 1), 64), torch.zeros(2, 1, dtype=torch.long)
     is_chunk = torch.tensor([False, True, True, False])
     with pytest.raises(ValueError, match="redknot_paper"):
-        RedKnot(torch.arange(4), *vis, *vis, is_chunk, KEEP, 1, keep_cached=False, rotate=lambda x, d: x)
+        RedKnot(torch.arange(4), *vis, *vis, is_chunk, KEEP, 1, keep_cached=False,
+                correction=KVCorrection(lambda x, d: x))
 
 
 @pytest.mark.parametrize("method", ["full_reuse", "cacheblend", "qrecompute", "redknot"])

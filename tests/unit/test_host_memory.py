@@ -1,5 +1,6 @@
 """Freed host memory goes back to the OS (glibc malloc_trim) when the serving loop goes idle."""
 
+import os
 import sys
 
 import pytest
@@ -81,3 +82,14 @@ def test_an_expensive_trim_stretches_the_interval():
     assert not p.due(2)
     f.t += 30.0
     assert p.due(2)
+
+
+def test_cpu_primitive_cache_is_capped_unless_the_user_set_it(monkeypatch):
+    from redknot.engine.host_memory import CPU_PRIMITIVE_CACHE_CAPACITY, cap_cpu_primitive_cache
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    cap_cpu_primitive_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(CPU_PRIMITIVE_CACHE_CAPACITY)
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
+    cap_cpu_primitive_cache()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
