@@ -996,7 +996,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start no new method after this many seconds (default 360)")
     p.add_argument("--h2o", action="store_true",
                    help="the H2O heavy-hitter decode shapes instead (8K/16K/32K, B=8, 10%% budget): segpaged with "
-                        "sel_pos vs FA-2 dense vs the same selection stored densely (redknot.bench.kernel_h2o)")
+                        "sel_pos (and with its fused decode merge) vs FA-2 dense vs the same selection stored densely (redknot.bench.kernel_h2o)")
     p.add_argument("--kernel", default="auto",
                    help="MODULE:FUNCTION of the segpaged attention to time (default: "
                         "redknot.kernels on CUDA, the torch reference on CPU)")

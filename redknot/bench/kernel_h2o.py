@@ -8,12 +8,16 @@ as the engine's decode budgets keep them), at random distant pages chosen per (s
 Methods:
   segpaged_h2o   redknot.kernels.segpaged_attention over the pool as a budgeted head leaves it:
                  only sink, window and heavy pages exist; the heavy tokens are ``sel_pos``.
+  segpaged_fused the same call with ``KernelConfig(decode_fused_merge=True)``: the last split of
+                 each (sequence, KV head) merges the partials, one launch instead of two
+                 (Triton kernel only; skipped when the reference or a ``--kernel`` runs).
   fa_dense       FA-2 dense decode over the whole context (the same API bench kernel uses).
   dense_selected the same kept tokens stored densely (contiguous [B * kept, Hkv, D]) through
                  the same FA-2 call: what the selection costs without paging.
 
-Correctness: segpaged_h2o and dense_selected vs a float64 softmax over the kept tokens.
-Reported: ms, speedups over fa_dense, KV bytes held vs dense (and the fraction saved).
+Correctness: segpaged_h2o, segpaged_fused and dense_selected vs a float64 softmax over the kept
+tokens. Reported: ms, speedups over fa_dense (and of the fused merge over segpaged_h2o), KV bytes
+held vs dense (and the fraction saved).
 
 Run:  redknot bench kernel --h2o [--out kernel_h2o.json]
       redknot bench kernel --h2o --quick --device cpu     (CPU smoke: tiny shapes)
@@ -51,7 +55,8 @@ class H2OShape:
 SHAPES = {s.name: s for s in [H2OShape("h2o-8k", 8, 8192), H2OShape("h2o-16k", 8, 16384),
                                H2OShape("h2o-32k", 8, 32768)]}
 QUICK_SHAPES = {s.name: s for s in [H2OShape("h2o-quick", 2, 1500, 0.3, 64)]}
-METHODS = ("fa_dense", "dense_selected", "segpaged_h2o")
+METHODS = ("fa_dense", "dense_selected", "segpaged_h2o", "segpaged_fused")
+SEGPAGED_METHODS = ("segpaged_h2o", "segpaged_fused")
 
 
 def make_h2o_case(shape: H2OShape, device: torch.device, seed: int) -> dict:
@@ -161,8 +166,15 @@ def run_h2o_shape(shape: H2OShape, env, seed: int) -> dict:
                 attn = env.kernels[0]
                 args = (c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["cu_q"], c["seq_lens"],
                         c["window"], c["sink"], c["scale"], 1)
-                fn = lambda: attn(*args, sel_pos=c["sel_pos"], sel_lens=c["sel_lens"])  # noqa: E731
+                kw = {"sel_pos": c["sel_pos"], "sel_lens": c["sel_lens"]}
                 name = env.kernels[2] + " (sel_pos)"
+                if m == "segpaged_fused":
+                    kw["config"] = _fused_merge_config(attn)
+                    if kw["config"] is None:
+                        entry["methods"][m] = {"skipped": "the fused merge is a launch choice of the Triton kernel"}
+                        continue
+                    name += ", fused merge"
+                fn = lambda: attn(*args, **kw)  # noqa: E731
             outs[m] = fn()
             entry["methods"][m] = {"method": name, **env.timer(fn)}
         except Exception as e:
@@ -173,22 +185,31 @@ def run_h2o_shape(shape: H2OShape, env, seed: int) -> dict:
     qd = c["q"].double().view(B, H, g, D)
     s = torch.einsum("bhgd,bhnd->bhgn", qd, c["k_sel"].double()) * c["scale"]
     ref = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(s, -1), c["v_sel"].double()).reshape(B, kb.HQ, D)
-    for m in ("segpaged_h2o", "dense_selected"):
+    for m in (*SEGPAGED_METHODS, "dense_selected"):
         if m in outs:
             entry["correctness"][f"{m}_vs_ref"] = kb.compare(outs[m].reshape(B, kb.HQ, D), ref)
-    base = entry["methods"].get("fa_dense", {}).get("ms")
-    for m in ("segpaged_h2o", "dense_selected"):
-        ms = entry["methods"].get(m, {}).get("ms")
-        if base and ms:
-            entry["speedup"][f"{m}_over_fa_dense"] = base / ms
-    seg, dsel = entry["methods"].get("segpaged_h2o", {}).get("ms"), entry["methods"].get("dense_selected", {}).get("ms")
-    if seg and dsel:
-        entry["speedup"]["segpaged_h2o_over_dense_selected"] = dsel / seg
+    ms = {m: entry["methods"].get(m, {}).get("ms") for m in METHODS}
+    for m in (*SEGPAGED_METHODS, "dense_selected"):
+        if ms["fa_dense"] and ms[m]:
+            entry["speedup"][f"{m}_over_fa_dense"] = ms["fa_dense"] / ms[m]
+    for m in SEGPAGED_METHODS:
+        if ms[m] and ms["dense_selected"]:
+            entry["speedup"][f"{m}_over_dense_selected"] = ms["dense_selected"] / ms[m]
+    if ms["segpaged_h2o"] and ms["segpaged_fused"]:
+        entry["speedup"]["segpaged_fused_over_segpaged_h2o"] = ms["segpaged_h2o"] / ms["segpaged_fused"]
     return entry
 
 
-TABLE_HEAD = (f"{'shape':<10}{'kept':>7}{'segpaged_h2o':>14}{'fa_dense':>10}{'dense_sel':>11}"
-              f"{'x FA-2':>9}{'x dense_sel':>12}{'KV saved':>10}{'cos ref':>10}")
+def _fused_merge_config(attn):
+    """KernelConfig(decode_fused_merge=True) when attn is the Triton kernel, else None (the torch
+    reference and user kernels take no launch choices)."""
+    from ..kernels import segpaged
+
+    return segpaged.KernelConfig(decode_fused_merge=True) if attn is segpaged.segpaged_attention else None
+
+
+TABLE_HEAD = (f"{'shape':<10}{'kept':>7}{'segpaged_h2o':>14}{'fused':>8}{'fa_dense':>10}{'dense_sel':>11}"
+              f"{'x FA-2':>9}{'x dense_sel':>12}{'x fused':>9}{'KV saved':>10}{'cos ref':>10}")
 
 
 def table_row(e: dict) -> str:
@@ -197,8 +218,10 @@ def table_row(e: dict) -> str:
     cos = e.get("correctness", {}).get("segpaged_h2o_vs_ref", {}).get("cos")
     f = lambda k, w: f"{(f'{sp[k]:.2f}x' if k in sp else '-'):>{w}}"  # noqa: E731
     return (f"{e['name']:<10}{e.get('kept_tokens', 0):>7}{kb._cell(ms.get('segpaged_h2o', {})):>14}"
+            f"{kb._cell(ms.get('segpaged_fused', {})):>8}"
             f"{kb._cell(ms.get('fa_dense', {})):>10}{kb._cell(ms.get('dense_selected', {})):>11}"
             + f("segpaged_h2o_over_fa_dense", 9) + f("segpaged_h2o_over_dense_selected", 12)
+            + f("segpaged_fused_over_segpaged_h2o", 9)
             + f"{e['kv_bytes']['saved_vs_dense'] * 100:>9.1f}%"
             + f"{(f'{cos:.6f}' if isinstance(cos, float) else '-'):>10}")
 
@@ -248,6 +271,7 @@ def run(args) -> dict:
              f"heavy-hitter budget {budgets}", TABLE_HEAD, "-" * len(TABLE_HEAD)]
     for e in result["shapes"]:
         lines.append(table_row(e) if "kv_bytes" in e else f"{e['name']:<10} ERROR {e.get('error', '')[:200]}")
-    lines.append(f"(x = ms of the baseline / ms of segpaged_h2o; KV saved = pages held vs dense) json: {out_path}")
+    lines.append(f"(x = ms of the baseline / ms of segpaged_h2o; x fused = ms of segpaged_h2o / ms of "
+                 f"segpaged_fused; KV saved = pages held vs dense) json: {out_path}")
     print("\n".join(lines), flush=True)
     return result

@@ -3,7 +3,8 @@ reference first. Prints a table and writes JSON.
 
 Prefill: which (BLOCK_M, BLOCK_N, warps, stages) and interior path is fastest at each shape.
 Decode under H2O budgets (``--h2o``): which (BLOCK_N, warps, stages), split layout (tiles a
-split reads) and register cap is fastest at the `bench kernel --h2o` shapes, against FA-2 dense in the same run.
+split reads), register cap and merge (a separate kernel or fused into the splits) is fastest at
+the `bench kernel --h2o` shapes, against FA-2 dense in the same run.
 
     python -m redknot.bench.kernel_sweep --out sweep.json [--shapes prefill-8k,prefill-32k]
     python -m redknot.bench.kernel_sweep --h2o --out sweep_h2o.json [--shapes h2o-8k,h2o-32k]
@@ -45,22 +46,27 @@ TMA_VARIANTS = [
 
 
 # decode: (BLOCK_N, num_warps, num_stages, tiles per split (None: built-in split count), min tiles,
-# max registers per thread (None: the compiler's choice))
+# max registers per thread (None: the compiler's choice), fused merge (the last split merges: one
+# launch))
 DECODE_VARIANTS = [
-    (64, 4, 1, None, None, None),
-    (64, 2, 1, None, None, None),
-    (64, 4, 1, None, None, 128),
-    (64, 4, 1, None, None, 96),
-    (64, 4, 1, None, None, 80),
-    (64, 4, 2, None, None, 128),
-    (64, 4, 2, None, None, 96),
-    (32, 4, 1, None, None, None),
-    (32, 4, 2, None, None, None),
-    (32, 4, 2, None, None, 96),
-    (32, 4, 3, None, None, 80),
-    (32, 2, 2, None, None, None),
-    (64, 8, 1, None, None, 64),
-    (64, 4, 1, None, 2, 96),
+    (64, 4, 1, None, None, None, False),
+    (64, 2, 1, None, None, None, False),
+    (64, 4, 1, None, None, 128, False),
+    (64, 4, 1, None, None, 96, False),
+    (64, 4, 1, None, None, 80, False),
+    (64, 4, 2, None, None, 128, False),
+    (64, 4, 2, None, None, 96, False),
+    (32, 4, 1, None, None, None, False),
+    (32, 4, 2, None, None, None, False),
+    (32, 4, 2, None, None, 96, False),
+    (32, 4, 3, None, None, 80, False),
+    (32, 2, 2, None, None, None, False),
+    (64, 8, 1, None, None, 64, False),
+    (64, 4, 1, None, 2, 96, False),
+    (64, 4, 1, None, None, 128, True),
+    (64, 4, 1, None, None, None, True),
+    (64, 4, 1, None, 2, 128, True),
+    (32, 4, 2, None, None, 96, True),
 ]
 
 
@@ -91,11 +97,12 @@ def sweep_h2o(args) -> int:
         qd = c["q"].double().view(B, H, kb.GROUP, D)
         sc = torch.einsum("bhgd,bhnd->bhgn", qd, c["k_sel"].double()) * c["scale"]
         ref = torch.einsum("bhgn,bhnd->bhgd", torch.softmax(sc, -1), c["v_sel"].double()).reshape(B, kb.HQ, D)
-        for bn, warps, stages, per_split, min_tiles, maxnreg in DECODE_VARIANTS:
+        for bn, warps, stages, per_split, min_tiles, maxnreg, fused in DECODE_VARIANTS:
             cfg = segpaged.KernelConfig(decode=(bn, warps, stages), decode_tiles_per_split=per_split,
-                                        decode_min_tiles_per_split=min_tiles, decode_maxnreg=maxnreg)
+                                        decode_min_tiles_per_split=min_tiles, decode_maxnreg=maxnreg,
+                                        decode_fused_merge=fused)
             entry = {"shape": name, "block_n": bn, "warps": warps, "stages": stages, "tiles_per_split": per_split,
-                     "min_tiles": min_tiles, "maxnreg": maxnreg, "fa_dense_ms": fa_ms}
+                     "min_tiles": min_tiles, "maxnreg": maxnreg, "fused_merge": fused, "fa_dense_ms": fa_ms}
             try:
                 fn = lambda: segpaged.segpaged_attention(  # noqa: E731
                     c["q"], c["k_pages"], c["v_pages"], c["block_table"], c["cu_q"], c["seq_lens"], c["window"],
@@ -110,11 +117,11 @@ def sweep_h2o(args) -> int:
         del c
         kb._free_memory(dev)
     _save(args.out, results)
-    print(f"\n{'shape':<9} {'BN':>4} {'warps':>5} {'stages':>6} {'per split':>9} {'min':>4} {'regs':>5} {'ms':>8} "
-          f"{'x FA-2':>7} {'cos':>9}")
+    print(f"\n{'shape':<9} {'BN':>4} {'warps':>5} {'stages':>6} {'per split':>9} {'min':>4} {'regs':>5} {'fused':>5} "
+          f"{'ms':>8} {'x FA-2':>7} {'cos':>9}")
     for e in results:
         head = (f"{e['shape']:<9} {e['block_n']:>4} {e['warps']:>5} {e['stages']:>6} {str(e['tiles_per_split']):>9} "
-                f"{str(e['min_tiles']):>4} {str(e.get('maxnreg')):>5}")
+                f"{str(e['min_tiles']):>4} {str(e.get('maxnreg')):>5} {str(e['fused_merge']):>5}")
         print(head + (f"  error: {e['error'][:60]}" if "error" in e
                       else f" {e['ms']:>8.4f} {e['x_fa_dense']:>7.2f} {e['cos']:>9.6f}"))
     return 0

@@ -9,7 +9,9 @@ Three kernels share a few jitted helpers:
 * ``_decode_kernel`` + ``_merge_kernel``: small q_len. One program per (split, KV head, sequence)
   packs every query head of the GQA group (and every query of the step) into one tile, so each KV
   page is read once per group; each head's visible tiles are cut evenly over the splits so small
-  batches and sparse heads still fill the GPU. Partial O/LSE are fp32 and merged in fp32.
+  batches and sparse heads still fill the GPU. Partial O/LSE are fp32 and merged in fp32, by
+  ``_merge_kernel`` or (``KernelConfig.decode_fused_merge``) by the last split of each group
+  inside ``_decode_kernel``; both call ``_merge_rows``.
 
 Positions are never stored: slot s of logical page lp holds position lp * page_size + s.
 All softmax math is fp32, base-2 (scores are pre-multiplied by log2(e)); LSE is returned in
@@ -67,6 +69,12 @@ class KernelConfig:
       divide the page and a contiguous pool.
     * ``warp_specialize``: the interior loop of the TMA path is warp-specialised (producer warps
       load, consumer warps compute; built-in: off).
+    * ``decode_fused_merge``: the decode splits merge their own partials: each split counts
+      itself on a per-(sequence, KV head) semaphore after writing its partial, and the last one
+      merges the group's rows, so decode is one launch instead of two (built-in: off, the
+      separate merge kernel, until measured faster). The semaphores are a cached buffer that
+      every launch leaves zeroed (CUDA-graph safe); launches sharing a shape must not run
+      concurrently on different streams.
     """
 
     prefill: tuple[int, int, int, int] | None = None
@@ -79,6 +87,7 @@ class KernelConfig:
     merge_edges: bool | None = None
     tma: bool | None = None
     warp_specialize: bool | None = None
+    decode_fused_merge: bool | None = None
 
 
 _BUILT_IN = KernelConfig()
@@ -430,14 +439,66 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS,
 
 
 @triton.jit
+def _merge_rows(OP, LP, O, LSE, SINK_LOGIT, tok, h, row_ok, num_splits,
+                stride_opt, stride_oph, stride_ops, stride_lpt, stride_lph, stride_ot, stride_oh, stride_lt,
+                ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
+                HAS_SINK_LOGIT: tl.constexpr, CACHE: tl.constexpr):
+    """Merges the split partials (fp32 O, base-2 LSE) of ROWS (query token tok, query head h) rows
+    (row_ok: the rows that exist) into their outputs (and natural-log LSE): each row's max LSE
+    first, then the LSE-weighted sum. CACHE is the partials' load cache modifier ('.cg' reads
+    them from L2, never a stale L1 line)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, CHUNK)
+    lp_row = LP + tok * stride_lpt + h * stride_lph
+    op_row = OP + tok * stride_opt + h * stride_oph
+    # Pass 1: the max base-2 LSE over splits.
+    m_vec = tl.full([ROWS, CHUNK], float("-inf"), dtype=tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        ok = row_ok[:, None] & (c + offs_s < num_splits)[None, :]
+        lse = tl.load(lp_row[:, None] + c + offs_s[None, :], mask=ok, other=float("-inf"),
+                      cache_modifier=CACHE)
+        m_vec = tl.maximum(m_vec, lse)
+    m = tl.max(m_vec, 1)
+    sink2 = float("-inf")
+    if HAS_SINK_LOGIT:  # one more partial: the sink, with weight exp(sink) and output 0
+        sink2 = tl.load(SINK_LOGIT + h, mask=row_ok, other=float("-inf")) * _LOG2E_C
+        m = tl.maximum(m, sink2)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    # Pass 2: LSE-weighted sum of the partial outputs, in fp32.
+    den = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+    acc = tl.zeros([ROWS, CHUNK, HEAD_DIM], dtype=tl.float32)
+    for c in range(0, num_splits, CHUNK):
+        ok = row_ok[:, None] & (c + offs_s < num_splits)[None, :]
+        lse = tl.load(lp_row[:, None] + c + offs_s[None, :], mask=ok, other=float("-inf"),
+                      cache_modifier=CACHE)
+        w = tl.exp2(lse - m_use[:, None])
+        o = tl.load(op_row[:, None, None] + (c + offs_s)[None, :, None] * stride_ops + offs_d[None, None, :],
+                    mask=ok[:, :, None], other=0.0, cache_modifier=CACHE)
+        den += w
+        acc += w[:, :, None] * o
+    total = tl.sum(den, 1)
+    if HAS_SINK_LOGIT:
+        total += tl.exp2(sink2 - m_use)
+    out = tl.sum(acc, 1) / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(O + (tok * stride_ot + h * stride_oh)[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse_out = tl.where(total == 0.0, float("-inf"), (m_use + tl.log2(total)) * _LN2)
+        tl.store(LSE + tok * stride_lt + h, lse_out, mask=row_ok)
+
+
+@triton.jit
 def _decode_kernel(Q, K, V, OP, LP, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_scale,
                    stride_qt, stride_qh, stride_opt, stride_oph, stride_ops,
                    stride_lpt, stride_lph,
                    stride_kp, stride_ks, stride_bb, stride_bh, max_pages,
                    stride_sb, stride_sh, stride_nb, min_tiles,
+                   O, LSE, SINK_LOGIT, SEM, stride_ot, stride_oh, stride_lt,
                    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HAS_SEL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   HAS_SEL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                   FUSED_MERGE: tl.constexpr, CHUNK: tl.constexpr, MERGE_ROWS: tl.constexpr,
+                   WRITE_LSE: tl.constexpr, HAS_SINK_LOGIT: tl.constexpr):
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
@@ -506,6 +567,21 @@ def _decode_kernel(Q, K, V, OP, LP, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, qk_sca
     tl.store(OP + tok[:, None] * stride_opt + hq[:, None] * stride_oph + split * stride_ops
              + offs_d[None, :], o, mask=row_ok[:, None])
     tl.store(LP + tok * stride_lpt + hq * stride_lph + split, lse2, mask=row_ok)
+    if FUSED_MERGE:
+        # Count this split on the group's semaphore; the split that sees every other one counted
+        # merges the group's rows. The barrier puts every thread's partial stores before the
+        # release; the acquire (and L2-only loads) make the other splits' partials visible.
+        tl.debug_barrier()
+        sem = SEM + b * tl.num_programs(1) + hk
+        done = tl.atomic_add(sem, 1, sem="acq_rel")
+        if done == num_splits - 1:
+            tl.store(sem, 0)  # every split of the group has counted: ready for the next launch
+            for r0 in range(0, q_len * GQA, MERGE_ROWS):
+                rr = r0 + tl.arange(0, MERGE_ROWS)  # rows of the tile: query rr // GQA, head rr % GQA
+                _merge_rows(OP, LP, O, LSE, SINK_LOGIT, (q_start + rr // GQA).to(tl.int64), hk * GQA + rr % GQA,
+                            rr < q_len * GQA, num_splits, stride_opt, stride_oph, stride_ops,
+                            stride_lpt, stride_lph, stride_ot, stride_oh, stride_lt,
+                            MERGE_ROWS, HEAD_DIM, CHUNK, WRITE_LSE, HAS_SINK_LOGIT, ".cg")
 
 
 @triton.jit
@@ -514,42 +590,11 @@ def _merge_kernel(OP, LP, O, LSE, SINK_LOGIT, num_splits,
                   stride_ot, stride_oh, stride_lt,
                   HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, WRITE_LSE: tl.constexpr,
                   HAS_SINK_LOGIT: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_s = tl.arange(0, CHUNK)
-    lp_row = LP + t * stride_lpt + h * stride_lph
-    op_row = OP + t * stride_opt + h * stride_oph
-    # Pass 1: the max base-2 LSE over splits.
-    m_vec = tl.full([CHUNK], float("-inf"), dtype=tl.float32)
-    for c in range(0, num_splits, CHUNK):
-        lse = tl.load(lp_row + c + offs_s, mask=c + offs_s < num_splits, other=float("-inf"))
-        m_vec = tl.maximum(m_vec, lse)
-    m = tl.max(m_vec, 0)
-    sink2 = float("-inf")
-    if HAS_SINK_LOGIT:  # one more partial: the sink, with weight exp(sink) and output 0
-        sink2 = tl.load(SINK_LOGIT + h) * _LOG2E_C
-        m = tl.maximum(m, sink2)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    # Pass 2: LSE-weighted sum of the partial outputs, in fp32.
-    den = tl.zeros([CHUNK], dtype=tl.float32)
-    acc = tl.zeros([CHUNK, HEAD_DIM], dtype=tl.float32)
-    for c in range(0, num_splits, CHUNK):
-        s_ok = c + offs_s < num_splits
-        lse = tl.load(lp_row + c + offs_s, mask=s_ok, other=float("-inf"))
-        w = tl.exp2(lse - m_use)
-        o = tl.load(op_row + (c + offs_s)[:, None] * stride_ops + offs_d[None, :],
-                    mask=s_ok[:, None], other=0.0)
-        den += w
-        acc += w[:, None] * o
-    total = tl.sum(den, 0)
-    if HAS_SINK_LOGIT:
-        total += tl.exp2(sink2 - m_use)
-    out = tl.sum(acc, 0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(O + t * stride_ot + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
-    if WRITE_LSE:
-        lse_out = tl.where(total == 0.0, float("-inf"), (m_use + tl.log2(total)) * _LN2)
-        tl.store(LSE + t * stride_lt + h, lse_out)
+    t = tl.program_id(0).to(tl.int64) + tl.zeros([1], dtype=tl.int64)
+    h = tl.program_id(1) + tl.zeros([1], dtype=tl.int32)
+    _merge_rows(OP, LP, O, LSE, SINK_LOGIT, t, h, h >= 0, num_splits, stride_opt, stride_oph, stride_ops,
+                stride_lpt, stride_lph, stride_ot, stride_oh, stride_lt,
+                1, HEAD_DIM, CHUNK, WRITE_LSE, HAS_SINK_LOGIT, "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -635,7 +680,9 @@ def _prefill_config(head_dim: int, dtype: torch.dtype, max_q_len: int, cfg: Kern
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, cfg: KernelConfig, has_sel: bool = False):
-    """(BLOCK_N, num_warps, num_stages) for the decode kernel."""
+    """(BLOCK_N, num_warps, num_stages) for the decode kernel. num_stages pipelines each of its
+    key-tile loops (sink, window and selected tiles): Triton applies the launch's stage count to
+    every loop that sets none of its own."""
     if cfg.decode is not None:
         return cfg.decode
     block_n = 64 if head_dim >= 128 else 128
@@ -836,21 +883,56 @@ def _decode(q, k_pages, v_pages, bt, cu, sl, win, snk, sel, nsel, sel_strides, h
         # a thread leave 3 programs an SM; capped at 128, 4 fit and a budgeted step is 1-7% faster.
         maxnreg = 128
     extra = {} if maxnreg is None else {"maxnreg": maxnreg}
+    fused = bool(cfg.decode_fused_merge)
+    chunk = min(16, triton.next_power_of_2(num_splits))
+    lse_stride = lse.stride(0) if return_lse else 0
+    if fused:
+        merge_args = (o, lse, sink_logit, _merge_semaphores(q.device, B * hkv), o.stride(0), o.stride(1), lse_stride)
+        merge_consts = dict(CHUNK=chunk, MERGE_ROWS=_fused_merge_rows(gqa * mq, chunk, d), WRITE_LSE=return_lse,
+                            HAS_SINK_LOGIT=has_sink_logit)
+    else:  # fixed placeholders: the split kernel compiles once whatever the merge's shape
+        merge_args = (sl, sl, sl, sl, 0, 0, 0)
+        merge_consts = dict(CHUNK=1, MERGE_ROWS=1, WRITE_LSE=False, HAS_SINK_LOGIT=False)
     _decode_kernel[(num_splits, hkv, B)](
         q, k_pages, v_pages, o_part, lse_part, bt, cu, sl, win, snk, sel, nsel, qk_scale,
         q.stride(0), q.stride(1), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
         k_pages.stride(0), k_pages.stride(1), bt.stride(0), bt.stride(1), max_pages,
         *sel_strides, min_tiles,
+        *merge_args,
         GQA=gqa, HEAD_DIM=d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        HAS_SEL=has_sel, DOT_PREC=dot_prec, UPCAST=_upcast(q.dtype),
+        HAS_SEL=has_sel, DOT_PREC=dot_prec, UPCAST=_upcast(q.dtype), FUSED_MERGE=fused, **merge_consts,
         num_warps=warps, num_stages=stages, **extra,
     )
+    if fused:
+        return
     _merge_kernel[(total_q, hq)](
         o_part, lse_part, o, lse, sink_logit, num_splits,
         o_part.stride(0), o_part.stride(1), o_part.stride(2),
         lse_part.stride(0), lse_part.stride(1),
-        o.stride(0), o.stride(1), lse.stride(0) if return_lse else 0,
-        HEAD_DIM=d, CHUNK=min(16, triton.next_power_of_2(num_splits)), WRITE_LSE=return_lse,
+        o.stride(0), o.stride(1), lse_stride,
+        HEAD_DIM=d, CHUNK=chunk, WRITE_LSE=return_lse,
         HAS_SINK_LOGIT=has_sink_logit, num_warps=2 if d <= 64 else 4,
     )
+
+
+def _fused_merge_rows(rows: int, chunk: int, head_dim: int) -> int:
+    """Rows the fused merge takes at once: all of a group's if they fit 4096 fp32 partial values
+    (32 registers a thread at 4 warps), else as many as do; fewer rounds, fewer L2 round trips."""
+    return max(1, min(triton.next_power_of_2(rows), 4096 // (chunk * head_dim)))
+
+
+_SEMAPHORES: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _merge_semaphores(device: torch.device, n: int) -> torch.Tensor:
+    """The fused merge's int32 counters, one per (sequence, KV head), zeroed once and cached per
+    (device, count): every launch leaves them zero again, so later calls (and CUDA graphs that
+    capture them after a warm-up call) reuse the same buffer."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (str(device), n)
+    buf = _SEMAPHORES.get(key)
+    if buf is None:
+        buf = _SEMAPHORES[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return buf

@@ -585,3 +585,107 @@ def test_sink_logits_bf16_gpt_oss_heads_on_gpu(window, q_len):
     o_r, lse_r = run(segpaged_attention_ref, c, sink_logits=_dev(sl))
     close(o, o_r, 2e-2)
     close(lse, lse_r, 2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode with the merge folded into the split kernel (KernelConfig.decode_fused_merge)
+# --------------------------------------------------------------------------------------------
+
+def _fused_vs_two_kernel(c, tol, **kw):
+    """The fused-merge decode equals the two-kernel decode and the reference on case c; returns
+    the fused (o, lse). kw: decode= etc. for both KernelConfigs, and sink_logits."""
+    sl = kw.pop("sink_logits", None)
+    extra = {} if sl is None else {"sink_logits": sl}
+    o_f, lse_f = run(segpaged.segpaged_attention, c, config=segpaged.KernelConfig(decode_fused_merge=True, **kw),
+                     **{k: _dev(v) for k, v in extra.items()})
+    o_2, lse_2 = run(segpaged.segpaged_attention, c, config=segpaged.KernelConfig(**kw),
+                     **{k: _dev(v) for k, v in extra.items()})
+    o_r, lse_r = run(segpaged_attention_ref, c, **extra)
+    if DEVICE == "cpu":  # same fp32 merge, same order: bit for bit under the interpreter
+        assert torch.equal(o_f, o_2) and torch.equal(lse_f, lse_2)
+    else:  # compiled, the two launches may reduce in another order
+        close(o_f, o_2, 1e-5 if c["q"].dtype == torch.float32 else 1e-2)
+        close(lse_f, lse_2, 1e-5)
+    close(o_f, o_r, tol)
+    close(lse_f, lse_r, tol)
+    return o_f, lse_f
+
+
+def _assert_semaphores_zero(c):
+    B, hkv = c["block_tables"].shape[:2]
+    sem = segpaged._merge_semaphores(torch.device(DEVICE), B * hkv)
+    assert sem.cpu().eq(0).all()
+
+
+@pytest.mark.parametrize("seqs,hq,hkv,d,page,windows,sinks,per_split", [
+    # q_len 1, GQA 4, one tile a split (many splits), a one-token sequence
+    ([(1, 1), (1, 77), (1, 300)], 8, 2, 64, 16, [G, 40], [4, 0], 1),
+    # q_len up to 4 with GQA 2, page 64, window + sink heads
+    ([(4, 130), (1, 9), (3, 200)], 4, 2, 16, 64, [17, G], [0, 2], 1),
+    # GQA 8, head_dim 128, window 1 + sink, built-in split count (some splits empty)
+    ([(1, 150), (2, 33)], 8, 1, 128, 16, [1], [5], None),
+    # GQA 1, mixed classes, three tiles a split
+    ([(2, 90), (1, 64)], 4, 4, 16, 16, [G, 1, 30, 100], [0, 0, 4, 64], 3),
+    # head_dim 64 with 16+ splits: the merge takes 4 rows a round, so 6 rows (GQA 2 x q_len 3)
+    # take two rounds, the second half empty
+    ([(3, 300), (1, 200)], 4, 2, 64, 16, [G, 40], [4, 0], 1),
+])
+def test_decode_fused_merge_matches_two_kernel(seqs, hq, hkv, d, page, windows, sinks, per_split):
+    c = make_case(seqs, hq, hkv, d, page, windows, sinks, seed=40, nan_tail=True)
+    _fused_vs_two_kernel(c, 1e-4, decode=(16, 4, 1), decode_tiles_per_split=per_split)
+    _assert_semaphores_zero(c)
+
+
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decode_fused_merge_selection_and_sink_logits(q_len):
+    """H2O-style selections (aligned page runs and scattered positions) next to sink + window
+    heads, learned sink logits in the merge, several splits a head."""
+    sel = [[list(range(16, 32)) + list(range(64, 80)) + [90, 95], [3, 17, 18, 40]],
+           [list(range(32, 48)), [0, 1, 2, 60, 61]]]
+    c = make_case([(q_len, 200), (1, 120)], 8, 2, 16, 16, [24, 40], [4, 0], sel=sel, seed=41, nan_tail=True)
+    _fused_vs_two_kernel(c, 1e-4, decode=(16, 4, 1), decode_tiles_per_split=1)
+    _fused_vs_two_kernel(c, 1e-4, decode=(16, 4, 1), decode_tiles_per_split=1,
+                         sink_logits=_sink_logits(8, 41))
+    _assert_semaphores_zero(c)
+
+
+def test_decode_fused_merge_no_lse_and_reuse():
+    """Without return_lse, and a second call with new queries on the same semaphores: the
+    counters were reset, so the second call's last split merges again."""
+    cfg = segpaged.KernelConfig(decode=(16, 4, 1), decode_tiles_per_split=1, decode_fused_merge=True)
+    c = make_case([(1, 100), (2, 45)], 8, 2, 16, 16, [G, 20], [4, 0], seed=42)
+    B, hkv = c["block_tables"].shape[:2]
+    sem = segpaged._merge_semaphores(torch.device(DEVICE), B * hkv)
+    for step in range(2):
+        c["q"] = torch.randn(c["q"].shape, generator=torch.Generator().manual_seed(step))
+        o = run(segpaged.segpaged_attention, c, return_lse=False, config=cfg)
+        close(o, run(segpaged_attention_ref, c, return_lse=False), 1e-4)
+        assert segpaged._merge_semaphores(torch.device(DEVICE), B * hkv).data_ptr() == sem.data_ptr()
+        assert sem.cpu().eq(0).all()
+
+
+def test_decode_fused_merge_bf16():
+    c = make_case([(1, 100), (1, 45)], 8, 2, 64, 16, [G, 20], [4, 0], dtype=torch.bfloat16, seed=43)
+    o, _ = _fused_vs_two_kernel(c, 2e-2, decode=(16, 4, 1), decode_tiles_per_split=2)
+    assert o.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a real H2O decode shape: compiled on a GPU (REDKNOT_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("q_len", [1, 4])
+def test_decode_fused_merge_h2o_shape_on_gpu(q_len):
+    """32K context, 8 KV heads with GQA 4, head_dim 128, B=8, bf16, page 64, a 10% budget (sink 4,
+    window 256, whole heavy-hitter pages): fused merge vs the two-kernel decode and the reference
+    with the built-in launch choices, sink logits on the second pass, repeated to reuse the
+    semaphores."""
+    B, L, hkv, page, window = 8, 32768, 8, 64, 256
+    gen = torch.Generator().manual_seed(44)
+    heavy = (L // 10) // page - 1 - window // page
+    sel = [[(torch.randperm(L // page - window // page - 2, generator=gen)[:heavy] + 1).sort().values
+            for _ in range(hkv)] for _ in range(B)]
+    sel = [[[int(p) * page + i for p in row for i in range(page)] for row in s] for s in sel]
+    c = make_case([(q_len, L)] * B, 4 * hkv, hkv, 128, page, [window] * hkv, [4] * hkv,
+                  dtype=torch.bfloat16, sel=sel, seed=44)
+    for sl in (None, _sink_logits(4 * hkv, 44)):
+        for _ in range(2):
+            _fused_vs_two_kernel(c, 2e-2, sink_logits=sl)
+    _assert_semaphores_zero(c)
