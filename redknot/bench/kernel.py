@@ -18,9 +18,9 @@ Methods (each in its own function, each failure recorded in the JSON, never fata
   flex        torch.compile(flex_attention) with a per-head mask_mod implementing the exact rule;
               block mask built once outside the timing; compile time reported separately.
   sdpa_mask   SDPA with a materialised bool mask [1, Hq, Lq, Lk] (skipped when it does not fit).
-  segpaged_tma, segpaged_tma_ws
+  segpaged_tma
               prefill only, CUDA only: segpaged with interior key tiles read through tensor
-              descriptors (TMA on Hopper), 64-key tiles (one page); _ws adds warp specialisation.
+              descriptors (TMA on Hopper), 64-key tiles (one page).
   fa3         FlashAttention-3 dense causal (flash_attn_interface) where a build exists on the
               machine; otherwise recorded as skipped, saying none does.
 
@@ -59,10 +59,11 @@ GROUP = HQ // HKV
 GLOBAL_KV_HEADS = (0, 4)  # 2 of 8 KV heads global
 SINK = 4                  # local heads' sink
 DTYPE = torch.bfloat16
-METHODS = ("fa_dense", "fa3", "fa_buckets", "sdpa_mask", "flex", "segpaged", "segpaged_tma",
-           "segpaged_tma_ws")  # run order
+METHODS = ("fa_dense", "fa3", "fa_buckets", "sdpa_mask", "flex", "segpaged", "segpaged_tma")  # run order
 BASELINES = ("fa_dense", "fa3", "fa_buckets", "flex", "sdpa_mask")
-TMA_PREFILL = (128, 64, 8, 2)  # (BLOCK_M, BLOCK_N, warps, stages): 64-key tiles stay inside a page
+# (BLOCK_M, BLOCK_N, warps, stages): 64-key tiles stay inside a page; the fastest of 6 descriptor
+# configurations on an H100 (docs/results/kernel_tma.md)
+TMA_PREFILL = (64, 64, 4, 3)
 
 
 @dataclass(frozen=True)
@@ -737,30 +738,21 @@ def check_store(case: Case, env: Env) -> dict:
     return {"exact_match": exact, **env.timer(fn)}
 
 
-def _bench_segpaged_tma(case: Case, env: Env, warp_specialize: bool):
+def bench_segpaged_tma(case: Case, env: Env):
     if env.device.type != "cuda":
         raise RuntimeError("the tensor-descriptor path is timed on CUDA only")
     if case.shape.kind != "prefill":
         raise RuntimeError("prefill only (decode does not take the tensor-descriptor path)")
     from ..kernels import segpaged
-    cfg = segpaged.KernelConfig(prefill=TMA_PREFILL, tma=True, warp_specialize=warp_specialize)
+    cfg = segpaged.KernelConfig(prefill=TMA_PREFILL, tma=True)
     args = (case.q, case.k_pages, case.v_pages, case.block_table, case.cu_q, case.seq_lens,
             case.window, case.sink, case.scale, case.shape.q_len)
     fn = lambda: segpaged.segpaged_attention(*args, config=cfg)  # noqa: E731
     t0 = time.perf_counter()
     out = fn()
     _sync(env.device)
-    return {"method": f"redknot.kernels.segpaged KernelConfig(prefill={TMA_PREFILL}, tma=True, "
-                      f"warp_specialize={warp_specialize})",
+    return {"method": f"redknot.kernels.segpaged KernelConfig(prefill={TMA_PREFILL}, tma=True)",
             "first_call_s": time.perf_counter() - t0, **env.timer(fn)}, out
-
-
-def bench_segpaged_tma(case: Case, env: Env):
-    return _bench_segpaged_tma(case, env, False)
-
-
-def bench_segpaged_tma_ws(case: Case, env: Env):
-    return _bench_segpaged_tma(case, env, True)
 
 
 def bench_fa3(case: Case, env: Env):
@@ -783,7 +775,7 @@ def bench_fa3(case: Case, env: Env):
 
 BENCH = {"fa_dense": bench_fa_dense, "fa_buckets": bench_fa_buckets,
          "sdpa_mask": bench_sdpa_mask, "flex": bench_flex, "segpaged": bench_segpaged,
-         "segpaged_tma": bench_segpaged_tma, "segpaged_tma_ws": bench_segpaged_tma_ws,
+         "segpaged_tma": bench_segpaged_tma,
          "fa3": bench_fa3}
 
 
@@ -884,10 +876,9 @@ def run_shape(shape: Shape, env: Env, rows_n: int, seed: int) -> dict:
         if seg and m != "segpaged":
             entry["speedup"][m] = ms / seg
     flex_ms = entry["methods"].get("flex", {}).get("ms")
-    for m in ("segpaged_tma", "segpaged_tma_ws"):
-        tma_ms = entry["methods"].get(m, {}).get("ms")
-        if tma_ms and flex_ms:
-            entry["speedup"][f"flex_over_{m}"] = flex_ms / tma_ms
+    tma_ms = entry["methods"].get("segpaged_tma", {}).get("ms")
+    if tma_ms and flex_ms:
+        entry["speedup"]["flex_over_segpaged_tma"] = flex_ms / tma_ms
     if dev.type == "cuda":
         entry["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     entry["wall_s"] = time.perf_counter() - t_shape
@@ -909,9 +900,8 @@ def _cell(res: dict) -> str:
     return "-"
 
 
-TABLE_COLS = ("segpaged", "fa_dense", "fa_buckets", "flex", "sdpa_mask", "fa3", "segpaged_tma",
-              "segpaged_tma_ws")
-TABLE_LABELS = {"segpaged_tma": "seg tma", "segpaged_tma_ws": "seg tma ws"}
+TABLE_COLS = ("segpaged", "fa_dense", "fa_buckets", "flex", "sdpa_mask", "fa3", "segpaged_tma")
+TABLE_LABELS = {"segpaged_tma": "seg tma"}
 TABLE_HEAD = (f"{'shape':<13}" + "".join(f"{TABLE_LABELS.get(c, c):>11}" for c in TABLE_COLS)
               + f"{'x dense':>9}{'x bucket':>9}{'x flex':>8}{'seg rate':>13}"
               + f"{'cos ref':>10}{'cos flex':>10}{'KV dense/seg':>13}")
@@ -1038,7 +1028,7 @@ def run(args) -> dict:
     methods = _select(methods_arg, METHODS, "method")
     if device.type != "cuda" and (not methods_arg or methods_arg == "all"):
         # no compile in the CPU smoke test; FA-3 and TMA need a GPU
-        methods = [m for m in methods if m not in ("flex", "fa3", "segpaged_tma", "segpaged_tma_ws")]
+        methods = [m for m in methods if m not in ("flex", "fa3", "segpaged_tma")]
     out_path = g("out", None) or os.path.join(os.environ.get("OUT", "."), "kernel.json")
 
     result = {

@@ -31,17 +31,16 @@ VARIANTS = [
     (128, 64, 4, 4, True, True),
 ]
 
-# tensor-descriptor (TMA) interior: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize);
-# BLOCK_N divides the 64-token page
+# tensor-descriptor (TMA) interior: (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_N divides the
+# 64-token page
 TMA_VARIANTS = [
-    (128, 64, 8, 2, False),
-    (128, 64, 8, 3, False),
-    (128, 64, 4, 3, False),
-    (128, 32, 4, 4, False),
-    (64, 64, 4, 3, False),
-    (128, 64, 8, 2, True),
-    (128, 64, 8, 3, True),
-    (128, 64, 4, 3, True),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 64, 4, 3),
+    (128, 32, 4, 4),
+    (64, 64, 4, 3),
+    (64, 64, 4, 4),
+    (64, 32, 4, 4),
 ]
 
 
@@ -148,13 +147,13 @@ def main(argv=None) -> int:
         work = kb.work_model(case)
         rows = kb.sample_rows(case, args.rows, seed=1)
         ref = kb.reference_rows(case, rows)
-        variants = [(bm, bn, w, st, fast, merge, False, False) for bm, bn, w, st, fast, merge in VARIANTS]
-        variants += [(bm, bn, w, st, None, None, True, ws) for bm, bn, w, st, ws in TMA_VARIANTS]
-        for bm, bn, warps, stages, fast, merge, tma, ws in variants:
+        variants = [(bm, bn, w, st, fast, merge, False) for bm, bn, w, st, fast, merge in VARIANTS]
+        variants += [(bm, bn, w, st, None, None, True) for bm, bn, w, st in TMA_VARIANTS]
+        for bm, bn, warps, stages, fast, merge, tma in variants:
             cfg = segpaged.KernelConfig(prefill=(bm, bn, warps, stages), fast_interior=fast,
-                                        merge_edges=merge, tma=tma, warp_specialize=ws)
+                                        merge_edges=merge, tma=tma)
             entry = {"shape": name, "block_m": bm, "block_n": bn, "warps": warps, "stages": stages,
-                     "fast_interior": fast, "merge_edges": merge, "tma": tma, "warp_specialize": ws}
+                     "fast_interior": fast, "merge_edges": merge, "tma": tma}
             try:
                 fn = lambda: segpaged.segpaged_attention(  # noqa: E731
                     case.q, case.k_pages, case.v_pages, case.block_table, case.cu_q, case.seq_lens,
@@ -173,7 +172,7 @@ def main(argv=None) -> int:
     print(f"\n{'shape':<13} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'fast':>5} {'merge':>5} {'interior':>8} "
           f"{'ms':>9} {'TF/s':>6} {'cos':>9}")
     for e in results:
-        interior = ("tma ws" if e["warp_specialize"] else "tma") if e["tma"] else "pointer"
+        interior = "tma" if e["tma"] else "pointer"
         head = (f"{e['shape']:<13} {e['block_m']:>4} {e['block_n']:>4} {e['warps']:>5} {e['stages']:>6} "
                 f"{str(e['fast_interior']):>5} {str(e['merge_edges']):>5} {interior:>8}")
         print(head + (f"  error: {e['error'][:60]}" if "error" in e

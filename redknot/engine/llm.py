@@ -96,12 +96,9 @@ class LLM:
         kv_offload = KVOffloadConfig.of(kv_offload)  # bad options fail before the model loads
         model, head_config, sparse_ffn = _resolve(model, head_config, sparse_ffn)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cpu":
-            cap_cpu_primitive_cache()
         self.model_dir = None if isinstance(model, ModelConfig) else Path(model)
         self.config = model if isinstance(model, ModelConfig) else ModelConfig.from_dir(model)
-        # the checkpoint's measured method for requests that name none (``redknot serve``'s auto)
-        self.recommended_method = checkpoint_method(self.model_dir)
+        self.recommended_method = checkpoint_method(self.model_dir)  # for requests naming none (serve's auto)
         self.head_config, self.sparse_ffn = head_config, sparse_ffn = _load_plans(head_config, sparse_ffn, self.config)
         if selection is None and (retrieval_heads or decode_kv_budget is not None):
             selection = SelectionOptions(retrieval_heads=retrieval_heads, decode_kv_budget=decode_kv_budget)
@@ -138,6 +135,8 @@ class LLM:
         shard = None if self.tp is None else self.tp.shard
         if self.tp is not None:
             self.device = self.tp.device
+        if self.device.type == "cpu":
+            cap_cpu_primitive_cache()  # before the first CPU kernel
         if isinstance(model, ModelConfig):
             self.model = build_model(model, resolve_dtype(dtype, model, self.device), self.device, shard=shard)
             tokenizer = tokenizer or make_tokenizer()

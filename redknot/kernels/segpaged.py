@@ -66,9 +66,9 @@ class KernelConfig:
       (built-in: BLOCK_N <= 32).
     * ``tma``: prefill reads interior key tiles through tensor descriptors (TMA on Hopper and
       later) instead of pointer loads (built-in: off until measured faster). Needs BLOCK_N to
-      divide the page and a contiguous pool.
-    * ``warp_specialize``: the interior loop of the TMA path is warp-specialised (producer warps
-      load, consumer warps compute; built-in: off).
+      divide the page and a contiguous pool. (Triton's warp specialisation of that loop was
+      measured on an H100 with Triton 3.6: no faster, 339 vs 340 TFLOP/s at 32K, and it fails to
+      compile with 4 warps; it is not offered.)
     * ``decode_fused_merge``: the decode splits merge their own partials: each split counts
       itself on a per-(sequence, KV head) semaphore after writing its partial, and the last one
       merges the group's rows, so decode is one launch instead of two (built-in: off, the
@@ -86,7 +86,6 @@ class KernelConfig:
     fast_interior: bool | None = None
     merge_edges: bool | None = None
     tma: bool | None = None
-    warp_specialize: bool | None = None
     decode_fused_merge: bool | None = None
 
 
@@ -227,11 +226,10 @@ def _attend_interior(acc, l_i, m_i, q, K, V, bt_row, stride_kp, stride_ks, t_lo,
 
 @triton.jit
 def _attend_interior_tma(acc, l_i, m_i, q, k_desc, v_desc, bt_row, t_lo, t_hi, qk_scale,
-                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-                         WARP_SPEC: tl.constexpr):
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr):
     """``_attend_interior`` with each key tile fetched through tensor descriptors: a tile sits
     inside one page (BLOCK_N divides PAGE), so it is one [BLOCK_N, D] box of the pool's rows."""
-    for t in tl.range(t_lo, t_hi, warp_specialize=WARP_SPEC):
+    for t in range(t_lo, t_hi):
         j0 = t * BLOCK_N
         phys = tl.maximum(tl.load(bt_row + j0 // PAGE), 0)
         row = phys * PAGE + j0 % PAGE
@@ -350,7 +348,7 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS,
                     HAS_SEL: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
                     UPCAST: tl.constexpr, FAST_INTERIOR: tl.constexpr,
                     MERGE_EDGES: tl.constexpr, HAS_QPOS: tl.constexpr, HAS_SINK_LOGIT: tl.constexpr,
-                    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+                    USE_TMA: tl.constexpr):
     hq = tl.program_id(0)
     # Late query blocks see the most keys: launch them first to shorten the tail.
     mb = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -410,7 +408,7 @@ def _prefill_kernel(Q, K, V, O, LSE, BT, CU, SEQ, WIN, SINK, SEL, SEL_LEN, QPOS,
         v_desc = tl.make_tensor_descriptor(V, shape=[pool_rows, HEAD_DIM], strides=[stride_ks, 1],
                                            block_shape=[BLOCK_N, HEAD_DIM])
         acc, l_i, m_i = _attend_interior_tma(acc, l_i, m_i, q, k_desc, v_desc, bt_row, f0, f1,
-                                             qk_scale, PAGE, BLOCK_N, DOT_PREC, WARP_SPEC)
+                                             qk_scale, PAGE, BLOCK_N, DOT_PREC)
     elif FAST_INTERIOR:
         acc, l_i, m_i = _attend_interior(acc, l_i, m_i, q, K, V, bt_row, stride_kp, stride_ks,
                                          f0, f1, qk_scale, HEAD_DIM, PAGE, BLOCK_N, DOT_PREC)
@@ -634,8 +632,6 @@ def _prefill_tma(cfg: KernelConfig, k_pages: torch.Tensor, v_pages: torch.Tensor
     """Whether prefill reads interior tiles through tensor descriptors; an explicit request that
     the pool cannot serve is an error, not a silent fallback, so benchmarks time what they name."""
     if not cfg.tma:
-        if cfg.warp_specialize:
-            raise ValueError("warp_specialize applies to the tensor-descriptor (tma=True) path only")
         return False
     page, d = k_pages.shape[1], k_pages.shape[2]
     problems = []
@@ -845,7 +841,7 @@ def segpaged_attention(q, k_pages, v_pages, block_tables, cu_seqlens_q, seq_lens
             SEL_N=block_n, HAS_SEL=has_sel, WRITE_LSE=return_lse, DOT_PREC=dot_prec,
             UPCAST=upcast, FAST_INTERIOR=True if cfg.fast_interior is None else cfg.fast_interior,
             MERGE_EDGES=_prefill_merge_edges(block_n, cfg), HAS_QPOS=has_qpos,
-            HAS_SINK_LOGIT=has_sink_logit, USE_TMA=use_tma, WARP_SPEC=bool(cfg.warp_specialize),
+            HAS_SINK_LOGIT=has_sink_logit, USE_TMA=use_tma,
             num_warps=warps, num_stages=stages,
         )
     return (o, lse) if return_lse else o

@@ -186,16 +186,16 @@ def test_prefill_matches_ref(name, blocks):
     close(lse, lse_r, 1e-4)
 
 
-@pytest.mark.parametrize("name,blocks,ws", [
-    ("varlen_gqa2", (16, 16, 4, 1), False),
-    ("gqa1_win1", (32, 32, 4, 1), False),   # BLOCK_N < page
-    ("gqa4_bigwin", (16, 16, 4, 1), True),
-    ("gqa8_d128", (16, 16, 4, 1), False),
-    ("mixed", (32, 16, 4, 1), True),
+@pytest.mark.parametrize("name,blocks", [
+    ("varlen_gqa2", (16, 16, 4, 1)),
+    ("gqa1_win1", (32, 32, 4, 1)),   # BLOCK_N < page
+    ("gqa4_bigwin", (16, 16, 4, 1)),
+    ("gqa8_d128", (16, 16, 4, 1)),
+    ("mixed", (32, 16, 4, 1)),
 ])
-def test_prefill_tma_matches_ref(name, blocks, ws):
+def test_prefill_tma_matches_ref(name, blocks):
     """The tensor-descriptor interior path against the reference (sinks, windows, varlen)."""
-    cfg = segpaged.KernelConfig(prefill=blocks, tma=True, warp_specialize=ws)
+    cfg = segpaged.KernelConfig(prefill=blocks, tma=True)
     c = make_case(*CASES[name], seed=4, nan_tail=True)
     o, lse = run(segpaged.segpaged_attention, c, config=cfg)
     o_r, lse_r = run(segpaged_attention_ref, c)
@@ -227,9 +227,6 @@ def test_prefill_tma_rejects_what_it_cannot_serve():
     c = make_case(*CASES["varlen_gqa2"], seed=1)
     with pytest.raises(ValueError, match="must divide the page"):
         run(segpaged.segpaged_attention, c, config=segpaged.KernelConfig(prefill=(16, 32, 4, 1), tma=True))
-    with pytest.raises(ValueError, match="tma=True"):
-        run(segpaged.segpaged_attention, c,
-            config=segpaged.KernelConfig(prefill=(16, 16, 4, 1), warp_specialize=True))
 
 
 def test_prefill_no_lse_and_scale():
