@@ -160,14 +160,20 @@ class _Soak:
                 self._count("disconnector", type(e).__name__)
             self.stop.wait(self.args.disconnect_interval_s)
 
+    def long_prompt_body(self, rng: random.Random) -> dict:
+        prompt = " ".join(rng.choice(WORDS) for _ in range(self.args.long_prompt_words))
+        return {"model": self.model, "prompt": prompt, "max_tokens": 4, "method": "dense"}
+
+    def small_documents_body(self, rng: random.Random) -> dict:
+        docs = [rng.choice(WORDS) for _ in range(self.args.small_documents)]
+        return {**self._chat(rng, documents=docs), "stream": False}
+
     def long_prompt(self, seed: int) -> None:
         rng, c = random.Random(seed), self.client()
         while not self.stop.is_set():
-            prompt = " ".join(rng.choice(WORDS) for _ in range(self.args.long_prompt_words))
             try:
                 t0 = time.time()
-                r = c.post("/v1/completions", json={"model": self.model, "prompt": prompt, "max_tokens": 4,
-                                                    "method": "dense"})
+                r = c.post("/v1/completions", json=self.long_prompt_body(rng))
                 self._count("long_prompt", r.status_code)
                 self._heavy("long_prompt", t0)
             except Exception as e:  # noqa: BLE001
@@ -178,10 +184,9 @@ class _Soak:
         rng, c = random.Random(seed), self.client()
         self.stop.wait(self.args.heavy_interval_s / 2)  # between the long prompts, not with them
         while not self.stop.is_set():
-            docs = [rng.choice(WORDS) for _ in range(self.args.small_documents)]
             try:
                 t0 = time.time()
-                r = c.post("/v1/chat/completions", json={**self._chat(rng, documents=docs), "stream": False})
+                r = c.post("/v1/chat/completions", json=self.small_documents_body(rng))
                 self._count("small_documents", r.status_code)
                 self._heavy("small_documents", t0)
             except Exception as e:  # noqa: BLE001
@@ -211,8 +216,18 @@ def _warm_documents(soak: _Soak) -> None:
         c.post("/v1/chat/completions", json=body).raise_for_status()
 
 
+def _warm_heavy(soak: _Soak) -> None:
+    """One long prompt and one many-documents request, unrecorded: the shapes a server compiles
+    (kernels, graphs) on their first use are compiled before any timing, as after a deployment's
+    first minutes."""
+    c, rng = soak.client(), random.Random(-1)
+    c.post("/v1/completions", json=soak.long_prompt_body(rng)).raise_for_status()
+    c.post("/v1/chat/completions", json=soak.small_documents_body(rng)).raise_for_status()
+
+
 def _unloaded_ttft(soak: _Soak, seconds: float) -> list[float]:
     _warm_documents(soak)
+    _warm_heavy(soak)
     soak.stop.clear()
     t = threading.Thread(target=soak.normal, args=(10_000,))
     t.start()
@@ -258,7 +273,8 @@ def run(args: argparse.Namespace) -> dict:
                                                        write_timeout=args.write_timeout))
     soak = _Soak(srv.base, "m", args, random.Random(args.seed))
     try:
-        unloaded = _unloaded_ttft(soak, max(10.0, args.minutes * 60 * 0.05))
+        # a minute at least (a p99 over a few requests is one request's time), no longer than the run
+        unloaded = _unloaded_ttft(soak, max(min(60.0, args.minutes * 60), args.minutes * 60 * 0.05))
         soak.stop.clear()
         soak.t0 = time.time()
         roles = ([soak.normal] * args.normal_clients + [soak.slow_reader, soak.trickler, soak.trickler,

@@ -83,10 +83,12 @@ SHELF: dict[str, ShelfModel] = {m.name: m for m in (
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         arch="llama, 30 layers, 9 q / 3 KV heads, head_dim 64, 8K context", license="Apache-2.0",
         # docs/results/quality_real.md: every head global, 20% of the chunk rows through the FFN with each
-        # chunk's first 16 tokens among them (0.35x dense FLOPs): top-1 0.885, answer F1 0.71, KL 0.065 on
-        # all 200 HotpotQA records against CacheBlend@0.3's 0.850 / 0.67 / 0.093 at 0.38x; on all 150
-        # MuSiQue records 0.927 / 0.77 / 0.055 at 0.31x against 0.853 / 0.73 / 0.112 at 0.37x
-        reuse={"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2, "chunk_start_tokens": 16}}),
+        # chunk's first 16 tokens among them, the rows left out moved by their chunk's K/V offset (+kc):
+        # on all 150 MuSiQue records (0.31x dense FLOPs) top-1 0.947, answer F1 0.82, KL 0.040, gold F1
+        # 1.07x dense, against CacheBlend@0.3's 0.853 / 0.73 / 0.112 at 0.37x; on 155 HotpotQA records
+        # (0.35x) 0.955 / 0.84 / 0.026, 1.07x, against 0.877 / 0.70 / 0.090 at 0.38x
+        reuse={"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2, "chunk_start_tokens": 16},
+               "method": "redknot@0.2+s16+kc"}),
     ShelfModel(
         name="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M)",
         packages=_Q05_PKGS, members=_Q05_MEMBERS, filename="Qwen2.5-Coder-0.5B-Instruct.gguf", size=491_400_064,
