@@ -241,9 +241,24 @@ def rank_descending(score: torch.Tensor) -> torch.Tensor:
     first. topk and an unstable argsort leave ties in an order that differs between devices and
     kernels, and a keep threshold can fall among ties (a row that sees no other chunk scores exactly
     0): a fixed rule keeps the same rows everywhere, and the later of two equal rows is the nearer
-    the question."""
+    the question. Scores are first put on a grid of 2**-20 of the row's largest (``tie_robust``), so
+    that scores a device's rounding tells apart, and no more, tie too."""
     n = score.shape[-1]
-    return (n - 1) - score.flip(-1).sort(dim=-1, descending=True, stable=True).indices
+    return (n - 1) - tie_robust(score).flip(-1).sort(dim=-1, descending=True, stable=True).indices
+
+
+def tie_robust(score: torch.Tensor, bits: int = 20) -> torch.Tensor:
+    """``score`` rounded to a grid of ``2**-bits`` times the largest finite magnitude along the last
+    dimension; infinities pass through. A float32 softmax gives an attention share of 0.5 as
+    0.49999997 on one CPU and 0.5 on another, and shares of 3e-7 and 2e-7 are rounding noise: on
+    the grid they are equal, and the ranking's tie rule, not the hardware, decides between them."""
+    if not score.is_floating_point() or score.numel() == 0:
+        return score
+    finite = torch.isfinite(score)
+    scale = torch.where(finite, score.abs(), torch.zeros((), dtype=score.dtype, device=score.device))
+    step = scale.amax(-1, keepdim=True) * 2.0 ** -bits
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return torch.where(finite, torch.round(score / step) * step, score)
 
 
 def _rank_of(score: torch.Tensor) -> torch.Tensor:

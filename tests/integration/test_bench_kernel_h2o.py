@@ -21,6 +21,9 @@ def test_h2o_quick_run(tmp_path):
     e = result["shapes"][0]
     sh = kh.QUICK_SHAPES["h2o-quick"]
     for m in kh.METHODS:
+        if m == "segpaged_fused":  # a launch choice of the Triton kernel: the CPU's torch reference has none
+            assert "Triton" in e["methods"][m]["skipped"], e["methods"][m]
+            continue
         assert e["methods"][m]["ms"] > 0, e["methods"][m]
     for m in ("segpaged_h2o", "dense_selected"):
         assert e["correctness"][f"{m}_vs_ref"]["cos"] >= 0.99998
