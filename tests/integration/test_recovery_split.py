@@ -223,3 +223,43 @@ def test_a_long_dense_prompt_waits_while_a_recovery_runs(path):
             assert long.num_computed == before and not long.output_token_ids
         return steps
     assert run(True) == run(False)
+
+
+def test_long_prefill_threshold_caps_a_recovery_beside_decode(path):
+    """With ``long_prefill_token_threshold``, a recovery beside a decoding request runs at most the
+    threshold's tokens through every layer per step (one layer at least); alone it runs whole. Its
+    tokens do not change."""
+    def llm_with(threshold):
+        llm = make_llm(path, 512)
+        llm.engine.cfg.long_prefill_token_threshold = threshold
+        return llm
+
+    def recover_beside_decode(llm):
+        engine, spent = llm.engine, []
+        short = llm.make_sequence("Hello there", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
+                                  method="dense")
+        engine.add_request(short)
+        while not short.output_token_ids:
+            engine.step()
+        long = llm.make_sequence(QUESTION, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
+                                 documents=DOCS * 2, method="redknot")
+        engine.add_request(long)
+        recover = engine.runner.recover
+
+        def recording(ids, prompts, rows):
+            out = recover(ids, prompts, rows)
+            spent.append(rows.budget)
+            return out
+        engine.runner.recover = recording
+        while not long.output_token_ids:
+            engine.step()
+        engine.runner.recover = recover
+        while engine.has_unfinished():
+            engine.step()
+        return long.output_token_ids, spent, len(long.token_ids)
+
+    tokens, spent, n = recover_beside_decode(llm_with(16))
+    ref_tokens, ref_spent, _ = recover_beside_decode(llm_with(None))
+    assert tokens == ref_tokens
+    assert len(ref_spent) == 1  # 512 tokens' row-layers hold the whole ~300-row recovery
+    assert len(spent) >= 4 and all(b <= 16 * 4 for b in spent if b is not None), spent  # a layer a step
