@@ -186,12 +186,8 @@ class Engine:
                                              pinned=self.executor.recovering)
         self.timings["steps"] += 1
         # recoveries take the step's token budget left by decode and prompt chunks, as row-layers
-        # (a token through every layer): a long one runs some layers per step, mixed with decode;
-        # beside other work, at most the long-prompt threshold's worth, as a long prompt's chunk
+        # (a token through every layer): a long one runs some layers per step, mixed with decode
         left = self.cfg.max_num_batched_tokens - len(decode) - sum(n for _, n in chunks)
-        cap = self.scheduler.prompt_chunk_cap(bool(decode) or bool(chunks))
-        if cap is not None:
-            left = min(left, cap)
         self.executor.row_layers = max(left, 0) * self.config.num_hidden_layers
         # those make_room did not preempt
         recoveries = self.executor.recovery_batches([s for s in recovering if s.recovery is not None])

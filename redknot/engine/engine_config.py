@@ -29,9 +29,7 @@ class EngineConfig:
     # While a step carries other work (decode, shorter prompts, recoveries, or requests waiting),
     # a prompt's chunk is at most this many tokens: a request arriving mid-step then waits for a
     # short step, not a whole budget of a long prompt (vLLM's long_prefill_token_threshold). A
-    # recovery beside decode or prompt chunks runs at most this many tokens' worth of row-layers
-    # (a token through every layer; one layer at least). Alone, either takes the whole budget.
-    # None: no cap.
+    # prompt alone still takes the whole budget. None: no cap.
     long_prefill_token_threshold: int | None = None
     # Rows one recovery forward starts with at most (every row of each prompt: recovery reads the
     # whole prompt at layer 0), beside the token budget that charges what it computes over all

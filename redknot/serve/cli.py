@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "run between the chunks of a long dense prefill")
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="while a step carries other work (decoding requests, shorter prompts, recoveries) or "
-                        "requests wait, a long prompt's chunk, and a recovery's share of the step, is at most "
-                        "this many tokens, so requests arriving meanwhile wait for a short step (default: no cap)")
+                        "requests wait, a long prompt's chunk is at most this many tokens, so requests arriving "
+                        "meanwhile wait for a short step (default: no cap)")
     p.add_argument("--max-recovery-rows", type=int, default=None,
                    help="prompt rows one recovery forward (cacheblend, redknot, ...) starts with at most "
                         "(the memory profile sizes the activations for it; default 4 x max-num-batched-tokens)")

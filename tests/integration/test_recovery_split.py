@@ -3,6 +3,7 @@ forward, and a concurrent request keeps decoding every step while a long recover
 
 import json
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -51,6 +52,32 @@ def _run(llm, method):
     return out.outputs[0].token_ids, out.first_token_logits, llm.engine.timings["steps"] - steps
 
 
+def _decoding_request(llm, max_tokens):
+    """A short dense request, run until it decodes."""
+    short = llm.make_sequence("Hello there", SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                              method="dense")
+    llm.engine.add_request(short)
+    while not short.output_token_ids:
+        llm.engine.step()
+    return short
+
+
+@contextmanager
+def _recorded_recoveries(engine):
+    """Yields a list that gets (row-layers spent, row-layers allowed) of each recovery piece run."""
+    spent, recover = [], engine.runner.recover
+
+    def recording(ids, prompts, rows):
+        out = recover(ids, prompts, rows)
+        spent.append((rows.spent, rows.budget))
+        return out
+    engine.runner.recover = recording
+    try:
+        yield spent
+    finally:
+        engine.runner.recover = recover
+
+
 @pytest.mark.parametrize("method", ["redknot", "cacheblend", "qrecompute"])
 def test_split_recovery_gives_the_unsplit_tokens(path, method):
     """A 16-token budget runs the ~150-row recovery a layer per step; the same engine without the
@@ -80,31 +107,17 @@ def test_a_decoding_request_gets_a_token_every_step_during_a_long_recovery(path)
     budget = 32
     llm = make_llm(path, budget)
     engine = llm.engine
-    short = llm.make_sequence("Hello there", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
-                              method="dense")
-    engine.add_request(short)
-    while not short.output_token_ids:
-        engine.step()
+    short = _decoding_request(llm, 40)
     long = llm.make_sequence(QUESTION, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
                              documents=DOCS * 3, method="redknot")
     engine.add_request(long)
-    spent, runner = [], engine.runner
-    recover = runner.recover
-
-    def recording(ids, prompts, rows):
-        out = recover(ids, prompts, rows)
-        spent.append((rows.spent, rows.budget))
-        return out
-    runner.recover = recording
-    try:
+    with _recorded_recoveries(engine) as spent:
         steps = 0
         while not long.finished:
             before = len(short.output_token_ids)
             engine.step()
             steps += 1
             assert len(short.output_token_ids) == before + 1  # never held back a step
-    finally:
-        runner.recover = recover
     assert steps >= 4 and len(spent) >= 4  # split over (at least) its 4 layers
     # a request arriving while a long recovery runs gets its first token within two steps
     long = llm.make_sequence(QUESTION, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
@@ -224,42 +237,3 @@ def test_a_long_dense_prompt_waits_while_a_recovery_runs(path):
         return steps
     assert run(True) == run(False)
 
-
-def test_long_prefill_threshold_caps_a_recovery_beside_decode(path):
-    """With ``long_prefill_token_threshold``, a recovery beside a decoding request runs at most the
-    threshold's tokens through every layer per step (one layer at least); alone it runs whole. Its
-    tokens do not change."""
-    def llm_with(threshold):
-        llm = make_llm(path, 512)
-        llm.engine.cfg.long_prefill_token_threshold = threshold
-        return llm
-
-    def recover_beside_decode(llm):
-        engine, spent = llm.engine, []
-        short = llm.make_sequence("Hello there", SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
-                                  method="dense")
-        engine.add_request(short)
-        while not short.output_token_ids:
-            engine.step()
-        long = llm.make_sequence(QUESTION, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True),
-                                 documents=DOCS * 2, method="redknot")
-        engine.add_request(long)
-        recover = engine.runner.recover
-
-        def recording(ids, prompts, rows):
-            out = recover(ids, prompts, rows)
-            spent.append(rows.budget)
-            return out
-        engine.runner.recover = recording
-        while not long.output_token_ids:
-            engine.step()
-        engine.runner.recover = recover
-        while engine.has_unfinished():
-            engine.step()
-        return long.output_token_ids, spent, len(long.token_ids)
-
-    tokens, spent, n = recover_beside_decode(llm_with(16))
-    ref_tokens, ref_spent, _ = recover_beside_decode(llm_with(None))
-    assert tokens == ref_tokens
-    assert len(ref_spent) == 1  # 512 tokens' row-layers hold the whole ~300-row recovery
-    assert len(spent) >= 4 and all(b <= 16 * 4 for b in spent if b is not None), spent  # a layer a step
