@@ -22,7 +22,7 @@ from ..models.tokenizer import make_tokenizer
 from ..models.fingerprint import model_fingerprint
 from ..reuse.options import ReuseOptions
 from ..reuse.prompt import ChunkedPrompt, build_prompt, is_conversation
-from ..reuse.registry import METHOD_NAMES as METHODS, get_method, parse_method
+from ..reuse.registry import METHOD_NAMES as METHODS, default_method, get_method, parse_method
 from .engine import Engine, EngineConfig
 from .host_memory import cap_cpu_primitive_cache
 from .sampling import SamplingParams
@@ -249,6 +249,12 @@ class LLM:
         method = self.check_method(method or self.method)
         params = SamplingParams(max_tokens=1, temperature=0, return_first_logits=True, ignore_eos=True)
         return self.generate(prompt, params, documents=documents, method=method)[0].first_token_logits
+
+    @property
+    def auto_method(self) -> str:
+        """The method ``auto`` stands for on this model (``reuse.registry.default_method``: the
+        checkpoint's ``reuse.json`` choice, else by its head config)."""
+        return default_method(self.head_config, self.recommended_method)
 
     def check_method(self, method: str) -> str:
         """``method`` (a registry name or alias, with any budget after "@": ``parse_method``) if the

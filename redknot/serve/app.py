@@ -41,7 +41,6 @@ from ..engine.async_engine import AsyncLLMEngine, EngineOverloaded, RequestFaile
 from ..engine.scheduler import RequestTooLarge
 from ..engine.sampling import MAX_SEED, SamplingParams
 from ..engine.structured import StructuredOutputs
-from ..reuse.registry import default_method
 from . import tools as tl
 from .metrics import ServerMetrics
 from .choices import ChatStream, Choice, TokenText, ToolMode, chat_choice, completion_choice, merge
@@ -432,7 +431,7 @@ class _Server:
     def _sequence(self, req, prompt, documents, params, salt, param):
         method = req.method
         if method == "auto":  # the best reuse method this model runs, whatever the server's default
-            method = default_method(self.llm.head_config, self.llm.recommended_method)
+            method = self.llm.auto_method
         try:
             seq = self.llm.make_sequence(prompt, params, documents, method, cache_salt=salt)
         except (ValueError, TypeError) as e:

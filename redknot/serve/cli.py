@@ -301,13 +301,8 @@ def capacity_summary(engine) -> str:
 
 
 def set_default_method(llm, method: str = "auto") -> str:
-    """The method requests that name none get (``auto``: ``reuse.registry.default_method``, with
-    the checkpoint's ``reuse.json`` choice)."""
-    from ..reuse.registry import default_method
-
-    if method == "auto":
-        method = default_method(llm.head_config, llm.recommended_method)
-    llm.method = llm.check_method(method)
+    """The method requests that name none get (``auto``: ``LLM.auto_method``)."""
+    llm.method = llm.check_method(llm.auto_method if method == "auto" else method)
     return llm.method
 
 
