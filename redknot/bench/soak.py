@@ -277,6 +277,7 @@ def run(args: argparse.Namespace) -> dict:
         unloaded = _unloaded_ttft(soak, max(min(60.0, args.minutes * 60), args.minutes * 60 * 0.05))
         soak.stop.clear()
         soak.t0 = time.time()
+        busy0 = _engine_busy(llm.engine)
         roles = ([soak.normal] * args.normal_clients + [soak.slow_reader, soak.trickler, soak.trickler,
                  soak.disconnector, soak.long_prompt, soak.small_documents, soak.health])
         threads = [threading.Thread(target=f, args=(i,), daemon=True) for i, f in enumerate(roles)]
@@ -298,6 +299,8 @@ def run(args: argparse.Namespace) -> dict:
                             "heap_trims": st["heap_trims"], "heap_trim_s": round(st["heap_trim_seconds"], 4),
                             "queue": _queue_view(llm.engine)})
         soak.stop.set()
+        busy = {k: v - busy0[k] for k, v in _engine_busy(llm.engine).items()}
+        busy["wall_s"] = time.time() - soak.t0
         for t in threads:
             t.join(timeout=args.write_timeout * 4 + 60)
         deadline = time.time() + 60
@@ -307,7 +310,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         soak.stop.set()
         srv.stop()
-    return _report(args, soak.log, unloaded, samples, pages_back)
+    return _report(args, soak.log, unloaded, samples, pages_back, busy)
 
 
 def _queue_view(engine) -> dict:
@@ -321,6 +324,20 @@ def _queue_view(engine) -> dict:
                 "committed_pages": engine.scheduler.committed}
     except Exception:  # noqa: BLE001  (a list changed size under us)
         return {}
+
+
+def _engine_busy(engine) -> dict:
+    """The engine's step count and the seconds its steps took so far (its phases' sum)."""
+    t = dict(engine.timings)
+    return {"steps": t["steps"], "busy_s": sum(v for k, v in t.items() if k != "steps")}
+
+
+def _outside_heavy(log) -> list[float]:
+    """The normal clients' first-token times whose wait overlapped no long-prompt or many-documents
+    request: what the normal traffic costs itself, apart from the heavy requests' steps."""
+    windows = [(start, start + seconds) for _, start, seconds in log["heavy"]]
+    return [t for t, at in zip(log["ttft_s"], log["ttft_at"])
+            if not any(a < at + t and at < b for a, b in windows)]
 
 
 def _loadavg() -> float:
@@ -363,7 +380,7 @@ def _environment() -> dict:
             "redknot": __version__}
 
 
-def _report(args, log, unloaded, samples, pages_back) -> dict:
+def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     fivexx = sum(n for k, n in log["status"].items() if k.split(":")[1].isdigit() and int(k.split(":")[1]) >= 500)
     tail = samples[len(samples) // 3:] or samples
     rss = [s["rss_bytes"] for s in tail]
@@ -371,6 +388,7 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     floor = [s["rss_floor_bytes"] for s in tail]
     floor_spread = max(floor) / min(floor) - 1 if floor and min(floor) else float("nan")
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
+    quiet = _outside_heavy(log)
     out = {
         "date": datetime.date.today().isoformat(), "command": _command(args),
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
@@ -385,6 +403,14 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
         "ttft_slowest": sorted(zip(log["ttft_s"], log["ttft_at"]), reverse=True)[:20],
         "heavy_requests": log["heavy"],  # [kind, start s, seconds]
         "ttft_p99_ratio": p99_loaded / p99_idle if p99_idle else float("nan"),
+        # the same requests apart from those that waited beside a heavy one: the rest of the tail
+        # is the normal traffic queueing behind itself
+        "ttft_outside_heavy_n": len(quiet), "ttft_outside_heavy_p99_s": _pct(quiet, 0.99),
+        "ttft_outside_heavy_p99_ratio": _pct(quiet, 0.99) / p99_idle if p99_idle and quiet else float("nan"),
+        # the share of the loaded run the engine spent in steps (1.0: saturated, a request always
+        # waits for a step under way), and its mean step
+        "engine_busy_share": busy["busy_s"] / busy["wall_s"] if busy["wall_s"] else float("nan"),
+        "engine_steps": busy["steps"], "engine_step_mean_ms": 1000 * busy["busy_s"] / max(busy["steps"], 1),
         "normal_requests": len(log["ttft_s"]), "pool_pages_back": pages_back,
         "rss_spread_last_two_thirds": rss_spread, "rss_floor_spread_last_two_thirds": floor_spread,
         "rss_mib_last_two_thirds": [min(rss) >> 20, max(rss) >> 20] if rss else [],
@@ -402,6 +428,9 @@ def _report(args, log, unloaded, samples, pages_back) -> dict:
     print(f"soak {args.minutes:g} min: {out['normal_requests']} normal requests, statuses {log['status']}")
     print(f"requests waiting in {out['waiting_share_of_samples']:.0%} of samples; {out['heap_trims']} heap trims, "
           f"{out['heap_trim_mean_ms']:.1f} ms each")
+    print(f"engine busy {out['engine_busy_share']:.0%} of the run ({out['engine_steps']} steps, "
+          f"{out['engine_step_mean_ms']:.1f} ms each); TTFT p99 outside heavy requests "
+          f"{out['ttft_outside_heavy_p99_ratio']:.2f}x unloaded ({out['ttft_outside_heavy_n']} requests)")
     print(f"{'check':<22} {'value':>14} {'ok':>4}")
     rows = [("5xx", fivexx, "no_5xx"), ("/health max s", f"{out['health_max_s']:.3f}", "health_under_1s"),
             ("TTFT p99 / unloaded", f"{out['ttft_p99_ratio']:.2f}", "ttft_p99_within_2x"),

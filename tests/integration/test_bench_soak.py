@@ -19,5 +19,15 @@ def test_soak_smoke(tmp_path):
     assert report["samples"] and all(s["rss_bytes"] > 0 for s in report["samples"])
     assert report["command"].startswith("redknot bench soak") and "--think-s 2.0" in report["command"]
     assert report["environment"]["torch"] and report["heap_trims"] >= 0 and "waiting_share_of_samples" in report
+    assert 0 < report["engine_busy_share"] <= 1.0 and report["engine_steps"] > 0
+    assert 0 <= report["ttft_outside_heavy_n"] <= report["normal_requests"]
     assert set(report["checks"]) == {"no_5xx", "health_under_1s", "ttft_p99_within_2x", "pages_back", "rss_flat_10pct",
                                      "rss_floor_flat_10pct"}
+
+
+def test_outside_heavy_drops_the_first_tokens_that_waited_beside_a_heavy_request():
+    from redknot.bench.soak import _outside_heavy
+
+    log = {"heavy": [["long_prompt", 10.0, 2.0]],
+           "ttft_s": [0.5, 0.5, 0.5, 0.5], "ttft_at": [5.0, 9.8, 11.0, 12.5]}
+    assert _outside_heavy(log) == [0.5, 0.5]  # 9.8-10.3 and 11.0-11.5 overlap 10-12; 5.0 and 12.5 do not
