@@ -21,10 +21,12 @@ Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, H, D], d
 @dataclass(frozen=True)
 class KVCorrection:
     """How a recovery corrects the rows it leaves out: ``rotate`` is the model's RoPE relocation;
-    ``values`` False moves the keys only (the values keep their cached version)."""
+    ``values`` False moves the keys only (the values keep their cached version); ``scale`` is the
+    share of the probes' mean offset added."""
 
     rotate: Rotate
     values: bool = True
+    scale: float = 1.0
 
 
 def chunk_offsets(new_k: torch.Tensor, old_k: torch.Tensor, new_v: torch.Tensor, old_v: torch.Tensor,
@@ -41,16 +43,16 @@ def chunk_offsets(new_k: torch.Tensor, old_k: torch.Tensor, new_v: torch.Tensor,
 
 
 def corrected(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, chunk: torch.Tensor, offsets, rotate: Rotate,
-              values: bool = True):
-    """Cached K/V [T, Hkv, D] of the tokens at ``pos`` [T] (chunks ``chunk`` [T]) plus their chunk's
-    offsets (``chunk_offsets``; the values' only if ``values``); tokens of a chunk without a probe
-    are returned as they are."""
+              values: bool = True, scale: float = 1.0):
+    """Cached K/V [T, Hkv, D] of the tokens at ``pos`` [T] (chunks ``chunk`` [T]) plus ``scale`` times
+    their chunk's offsets (``chunk_offsets``; the values' only if ``values``); tokens of a chunk
+    without a probe are returned as they are."""
     off_k, off_v, has = offsets
     keep = has[chunk][:, None, None]
-    k_new = torch.where(keep, k.float() + rotate(off_k[chunk], pos), k.float()).to(k.dtype)
+    k_new = torch.where(keep, k.float() + scale * rotate(off_k[chunk], pos), k.float()).to(k.dtype)
     if not values:
         return k_new, v
-    return k_new, torch.where(keep, v.float() + off_v[chunk], v.float()).to(v.dtype)
+    return k_new, torch.where(keep, v.float() + scale * off_v[chunk], v.float()).to(v.dtype)
 
 
 def correct_layer(new_k: torch.Tensor, new_v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor,
@@ -64,4 +66,5 @@ def correct_layer(new_k: torch.Tensor, new_v: torch.Tensor, old_k: torch.Tensor,
     offsets = chunk_offsets(new_k[probe], old_k[probe], new_v[probe], old_v[probe], p, chunk_id[p], max(n_chunks, 1),
                             correction.rotate)
     k_rest, v_rest = read(rest)
-    return corrected(k_rest, v_rest, rest, chunk_id[rest], offsets, correction.rotate, correction.values)
+    return corrected(k_rest, v_rest, rest, chunk_id[rest], offsets, correction.rotate, correction.values,
+                     correction.scale)

@@ -23,6 +23,9 @@ class ReuseOptions:
     # and KV head, measured on the recomputed tokens of that chunk (qrecompute, cacheblend, redknot; off by default)
     kv_correction: bool = False
     kv_correction_values: bool = True  # False: the keys move, the values keep their cached version
+    # The share of the mean offset added. The probes are the tokens a method chose to recompute, the
+    # ones whose K/V move most, so their mean overstates how far the others move: < 1 shrinks it.
+    kv_correction_scale: float = 1.0
     # Each chunk cached behind this many shared dummy tokens (the model's BOS) after the prefix, their
     # K/V dropped at reuse (EPIC's LegoLink-0): the chunk's own first tokens are not its attention
     # sinks. 0: cached right after the prefix (the first chunk's cache is then exact).
@@ -36,6 +39,8 @@ class ReuseOptions:
     def __post_init__(self):
         if self.shallow_window is not None and self.shallow_window < 1:
             raise ValueError(f"ReuseOptions.shallow_window={self.shallow_window!r}: use a window >= 1 or None")
+        if not 0 < self.kv_correction_scale <= 1:
+            raise ValueError(f"ReuseOptions.kv_correction_scale={self.kv_correction_scale!r}: use a share in (0, 1]")
         if self.qrecompute_layer < 0:
             raise ValueError(f"ReuseOptions.qrecompute_layer={self.qrecompute_layer!r}: use a layer >= 0")
         if not 0 <= self.qrecompute_ratio <= 1:

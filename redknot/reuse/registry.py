@@ -30,6 +30,7 @@ redknot_exact  the redknot code path with every head global, dense FFN, every ch
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Callable
@@ -143,7 +144,7 @@ def _correction(x: PolicyInputs) -> KVCorrection | None:
     """The KV correction the options ask for (``+kc``, keys only with ``+kck``), or None."""
     if not x.options.kv_correction:
         return None
-    return KVCorrection(_rope_relocation(x), values=x.options.kv_correction_values)
+    return KVCorrection(_rope_relocation(x), values=x.options.kv_correction_values, scale=x.options.kv_correction_scale)
 
 
 def _rope_relocation(x: PolicyInputs):
@@ -247,9 +248,9 @@ BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens
                 "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float),
                 "qrecompute": ("qrecompute_ratio", float)}
 REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens", "kv_correction",
-               "kv_correction_values", "dummy_prefix_tokens")
-# What may follow a budget after "+": chunk starts kept ("+s16"), KV correction ("+kc"; keys only "+kck"), chunks cached
-# behind dummy tokens ("+dp4"): the methods that take each.
+               "kv_correction_values", "kv_correction_scale", "dummy_prefix_tokens")
+# What may follow a budget after "+": chunk starts kept ("+s16"), KV correction ("+kc"; keys only "+kck"; a share of
+# the offset "+kc0.5"), chunks cached behind dummy tokens ("+dp4"): the methods that take each.
 START_TOKENS = {"redknot": "chunk_start_tokens", "redknot_paper": "chunk_start_tokens",
                 "qrecompute": "qrecompute_start_tokens"}
 KV_CORRECTED = ("cacheblend", "redknot", "qrecompute")
@@ -261,7 +262,7 @@ def parse_method(spec: str) -> tuple[str, dict]:
     ``+sN``: each chunk's first N tokens among the kept rows; without it none); a plain name ->
     (its registry name, {}); ``"qrecompute@0.3"`` -> the share recomputed (each chunk's first 16
     tokens first; ``+sN``: N of them). ``+kc`` turns KV correction on (cacheblend, redknot,
-    qrecompute; ``+kck`` the keys only), ``+dpN`` caches each chunk behind N dummy tokens (any budgeted method). Raises
+    qrecompute; ``+kck`` the keys only; ``+kc0.5`` half the offset), ``+dpN`` caches each chunk behind N dummy tokens (any budgeted method). Raises
     ValueError naming what is wrong."""
     name, at, value = spec.partition("@")
     name = canonical_name(name)
@@ -287,10 +288,17 @@ def parse_method(spec: str) -> tuple[str, dict]:
 
 def _extra_knob(spec: str, name: str, extra: str) -> dict:
     """The knob one "+" suffix of a method spec sets (``parse_method``)."""
-    if extra in ("kc", "kck"):
+    kc = re.fullmatch(r"kc(k?)((?:0|1)?\.?\d*)", extra)
+    if kc is not None:
         if name not in KV_CORRECTED:
             raise ValueError(f"method {spec!r}: KV correction ('+{extra}') is for {', '.join(KV_CORRECTED)} only")
-        return {"kv_correction": True, "kv_correction_values": extra == "kc"}
+        try:
+            scale = float(kc[2]) if kc[2] else 1.0
+        except ValueError:
+            raise ValueError(f"method {spec!r}: {kc[2]!r} is not a share of the offset ('+kc0.5')") from None
+        if not 0 < scale <= 1:
+            raise ValueError(f"method {spec!r}: the share of the offset must be in (0, 1], got {scale:g}")
+        return {"kv_correction": True, "kv_correction_values": not kc[1], "kv_correction_scale": scale}
     if extra.startswith("dp") and extra[2:].isdigit() and int(extra[2:]) > 0:
         return {"dummy_prefix_tokens": int(extra[2:])}
     if extra.startswith("s") and extra[1:].isdigit():
@@ -299,7 +307,7 @@ def _extra_knob(spec: str, name: str, extra: str) -> dict:
                              f"{', '.join(START_TOKENS)} only")
         return {START_TOKENS[name]: int(extra[1:])}
     raise ValueError(f"method {spec!r}: {extra!r} is neither a chunk-start count ('+s16'), KV correction "
-                     f"('+kc', keys only '+kck') nor a dummy prefix ('+dp4')")
+                     f"('+kc', keys only '+kck', a share '+kc0.5') nor a dummy prefix ('+dp4')")
 
 
 def with_budget(options: ReuseOptions, sparse: SparseFFNConfig, budget: dict | None):

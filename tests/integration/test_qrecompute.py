@@ -13,6 +13,7 @@ from redknot.models.config import ModelConfig
 from redknot.models.rope import RotaryEmbedding
 from redknot.reuse.correction import KVCorrection, chunk_offsets, corrected
 from redknot.reuse.flops import FlopReport
+from redknot.reuse.options import ReuseOptions
 from redknot.reuse.policies import QueryRecompute, RedKnot, query_ranked_rows
 from redknot.reuse.prompt import build_prompt
 from redknot.reuse.registry import parse_method
@@ -131,8 +132,8 @@ def test_policy_ranks_by_the_observed_mass_at_its_layer():
 
 def test_parse_method():
     assert parse_method("qrecompute@0.3") == ("qrecompute", {"qrecompute_ratio": 0.3})
-    kc, kck = {"kv_correction": True, "kv_correction_values": True}, {"kv_correction": True,
-                                                                      "kv_correction_values": False}
+    kc = {"kv_correction": True, "kv_correction_values": True, "kv_correction_scale": 1.0}
+    kck = {**kc, "kv_correction_values": False}
     assert parse_method("qrecompute@0.2+s8+kc") == ("qrecompute", {"qrecompute_ratio": 0.2,
                                                                    "qrecompute_start_tokens": 8, **kc})
     assert parse_method("cacheblend@0.15+kc") == ("cacheblend", {"cacheblend_ratio": 0.15, **kc})
@@ -140,11 +141,18 @@ def test_parse_method():
     assert parse_method("redknot_kv@0.2+s16+kc") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16, **kc})
     assert parse_method("qrecompute@0.25+kc+dp4") == ("qrecompute", {"qrecompute_ratio": 0.25, **kc,
                                                                      "dummy_prefix_tokens": 4})
+    assert parse_method("cacheblend@0.15+kc0.5") == ("cacheblend", {"cacheblend_ratio": 0.15, **kc,
+                                                                     "kv_correction_scale": 0.5})
+    assert parse_method("redknot@0.2+s16+kck.25") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16,
+                                                                  **kck, "kv_correction_scale": 0.25})
     assert parse_method("epic@16+dp2") == ("epic", {"epic_tokens": 16, "dummy_prefix_tokens": 2})
     for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "epic@16+kc", "epic@16+kck", "redknot_paper@0.3+kc", "cacheblend@0.3+s16",
-                "cacheblend@0.3+dp0", "cacheblend@0.3+dp"):
+                "cacheblend@0.3+dp0", "cacheblend@0.3+dp", "cacheblend@0.3+kc0", "cacheblend@0.3+kc1.5",
+                "cacheblend@0.3+kc.", "cacheblend@0.3+kcx", "epic@16+kc0.5"):
         with pytest.raises(ValueError):
             parse_method(bad)
+    with pytest.raises(ValueError, match="kv_correction_scale"):
+        ReuseOptions(kv_correction_scale=0.0)
 
 
 def _rope():
@@ -174,6 +182,10 @@ def test_correction_recovers_a_constant_unrotated_shift():
     torch.testing.assert_close(v_fix, new_v[rest], rtol=1e-5, atol=1e-5)
     k_only, v_kept = corrected(old_k[rest], v[rest], pos[rest], chunk[rest], off, rope.relocate, values=False)
     assert torch.equal(k_only, k_fix) and torch.equal(v_kept, v[rest])  # keys only: values as cached
+    # a share of the offset: half way from the cache to the recomputed K/V (RoPE is linear)
+    k_half, v_half = corrected(old_k[rest], v[rest], pos[rest], chunk[rest], off, rope.relocate, scale=0.5)
+    torch.testing.assert_close(k_half, (old_k[rest] + new_k[rest]) / 2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_half, (v[rest] + new_v[rest]) / 2, rtol=1e-5, atol=1e-5)
     # probes = every token: each token's own offset is its chunk's mean only when the shift is constant;
     # a chunk without a probe is left as it is
     off = chunk_offsets(new_k[:6], old_k[:6], new_v[:6], v[:6], pos[:6], chunk[:6], 2, rope.relocate)
