@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--write-timeout", type=float, default=5.0, help="the server's --write-timeout")
     p.add_argument("--read-timeout", type=float, default=5.0, help="the server's --read-timeout")
     p.add_argument("--limit-concurrency", type=int, default=32)
+    p.add_argument("--unloaded-requests", type=int, default=100,
+                   help="requests the unloaded run times at least (a p99 needs 100), within the run's length "
+                        "and 10 minutes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
 
@@ -225,13 +228,18 @@ def _warm_heavy(soak: _Soak) -> None:
     c.post("/v1/chat/completions", json=soak.small_documents_body(rng)).raise_for_status()
 
 
-def _unloaded_ttft(soak: _Soak, seconds: float) -> list[float]:
+def _unloaded_ttft(soak: _Soak, seconds: float, min_requests: int, max_seconds: float) -> list[float]:
+    """One normal client alone for ``seconds`` and until it has timed ``min_requests`` requests
+    (``max_seconds`` at most): the first-token times the loaded run's are set against."""
     _warm_documents(soak)
     _warm_heavy(soak)
     soak.stop.clear()
     t = threading.Thread(target=soak.normal, args=(10_000,))
     t.start()
-    time.sleep(seconds)
+    start = time.time()
+    while time.time() - start < max_seconds and (
+            time.time() - start < seconds or len(soak.log["ttft_s"]) < min_requests):
+        time.sleep(0.1)
     soak.stop.set()
     t.join()
     ttft = list(soak.log["ttft_s"])
@@ -273,8 +281,11 @@ def run(args: argparse.Namespace) -> dict:
                                                        write_timeout=args.write_timeout))
     soak = _Soak(srv.base, "m", args, random.Random(args.seed))
     try:
-        # a minute at least (a p99 over a few requests is one request's time), no longer than the run
-        unloaded = _unloaded_ttft(soak, max(min(60.0, args.minutes * 60), args.minutes * 60 * 0.05))
+        # a minute and --unloaded-requests at least (a p99 over a few requests is one request's
+        # time), no longer than the run or 10 minutes
+        run_s = args.minutes * 60
+        unloaded = _unloaded_ttft(soak, max(min(60.0, run_s), run_s * 0.05), args.unloaded_requests,
+                                  max(min(60.0, run_s), min(600.0, run_s)))
         soak.stop.clear()
         soak.t0 = time.time()
         busy0 = _engine_busy(llm.engine)
