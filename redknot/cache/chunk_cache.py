@@ -34,6 +34,7 @@ import torch
 from .chunk_kv import ChunkKV
 from .events import block_hash, block_removed, block_stored
 from .pool import PagePool, PoolExhausted
+from .page_refs import PageRefs
 from .recency import tick
 from .tiers import KVEntry, Layout, TierStack, plan_digest, tier_key
 from .tiers.entry import dtype_name, stack_kv
@@ -71,6 +72,7 @@ class ChunkCache:
         self._entries: OrderedDict[str, ChunkPages] = OrderedDict()
         self._used: dict[str, int] = {}  # key -> last use (recency.tick), shared with the prefix cache
         self._pages = 0
+        self.page_refs = PageRefs(pool.num_pages)  # which pages the entries reference
         self.hits = self.misses = self.evictions = 0
         self.tiers = tiers
         self.events = events if events is not None and getattr(events, "documents", False) else None
@@ -97,9 +99,8 @@ class ChunkCache:
         return self._pages
 
     def page_ids(self) -> np.ndarray:
-        """Every page id the cache references, once."""
-        ids = [e.pages.ravel() for e in self._entries.values()]
-        return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int32)
+        """Every page id the cache references, sorted, once each."""
+        return self.page_refs.ids()
 
     def stats(self) -> dict:
         out = {"entries": len(self._entries), "pages": self._pages, "bytes": self._pages * self.pool.bytes_per_page,
@@ -160,6 +161,7 @@ class ChunkCache:
         self._entries[key] = entry
         self._used[key] = tick()
         self._pages += entry.pages.size
+        self.page_refs.add(entry.pages)
         if self.events is not None:
             self.events.record(block_stored([block_hash(key)], None, entry.token_ids, entry.num_tokens))
 
@@ -189,6 +191,7 @@ class ChunkCache:
         if self.events is not None:
             self.events.record(block_removed([block_hash(key)]))
         self.pool.release(entry.pages)
+        self.page_refs.remove(entry.pages)
         self._pages -= entry.pages.size
         self.evictions += 1
 

@@ -21,6 +21,7 @@ import numpy as np
 from ..visibility import kept_page_mask
 from .events import all_blocks_cleared, block_hash, block_removed, block_stored
 from .pool import PagePool
+from .page_refs import PageRefs
 from .recency import tick
 
 
@@ -41,6 +42,7 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()  # key -> int32 [L, Hkv] pages
         self._used: dict[bytes, int] = {}  # key -> last use (recency.tick), shared with the chunk cache
         self._pages = 0  # page references the blocks hold
+        self.page_refs = PageRefs(pool.num_pages)  # which pages the blocks reference
         self.hits = self.queries = 0  # prompt tokens served from the cache / looked up
 
     def __len__(self) -> int:
@@ -92,6 +94,7 @@ class PrefixCache:
             if (pages < 0).all():
                 continue
             self.pool.retain(pages)
+            self.page_refs.add(pages)
             self._blocks[k] = pages
             self._used[k] = tick()
             self._pages += int((pages >= 0).sum())
@@ -154,12 +157,12 @@ class PrefixCache:
 
     def _drop(self, pages: np.ndarray) -> None:
         self.pool.release(pages)
+        self.page_refs.remove(pages)
         self._pages -= int((pages >= 0).sum())
 
     def page_ids(self) -> np.ndarray:
-        """Every page id the cache references (with repeats where blocks share none: unique)."""
-        ids = [p[p >= 0] for p in list(self._blocks.values())]
-        return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int32)
+        """Every page id the cache references, sorted, once each."""
+        return self.page_refs.ids()
 
     def num_pages(self) -> int:
         """Page references the cached blocks hold."""

@@ -76,8 +76,10 @@ def clear_caches(engine) -> None:
 
 def held_pages(engine) -> int:
     """Pages held beyond what the caches reference: by requests and by leases (0 when idle)."""
-    ids = [engine.chunk_cache.page_ids()] + ([engine.prefix_cache.page_ids()] if engine.prefix_cache else [])
-    cached = np.unique(np.concatenate(ids)).size
+    cached = engine.chunk_cache.page_refs.mask()
+    if engine.prefix_cache is not None:
+        cached |= engine.prefix_cache.page_refs.mask()
+    cached = int(np.count_nonzero(cached))
     return engine.pool.num_pages - engine.pool.num_free_pages - cached
 
 

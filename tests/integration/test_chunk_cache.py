@@ -254,3 +254,30 @@ def test_small_documents_share_pages_on_a_default_pool():
         assert again.outputs[0].token_ids == first.outputs[0].token_ids
         assert again.metrics["cached_tokens"] > 0
     assert not llm.engine.has_unfinished() and llm.engine.idle()
+
+
+def test_the_caches_page_sets_follow_their_entries(tiny_checkpoint):
+    """Each cache's counted page set equals the union of its entries' pages through inserts,
+    hits, LRU evictions and a clear; the engine's held pages come back to 0 when idle."""
+    llm = LLM(model=tiny_checkpoint("llama", num_hidden_layers=2), device="cpu", page_size=16, kv_pages=360)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    chunks, prefixes = llm.chunk_cache, llm.engine.prefix_cache
+
+    def walked(arrays):
+        ids = [np.asarray(a).ravel() for a in arrays]
+        ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)
+        return np.unique(ids[ids >= 0])
+
+    def check():
+        assert np.array_equal(chunks.page_ids(), walked(e.pages for e in chunks._entries.values()))
+        assert np.array_equal(prefixes.page_ids(), walked(prefixes._blocks.values()))
+    for round_ in range(3):  # later rounds evict earlier documents and prefixes (a small pool)
+        docs = [f"round {round_} document {i}: " + "the river delta maps drawn by surveyors " * 6 for i in range(3)]
+        llm.generate("Q?", params, documents=docs, method="full_reuse")
+        llm.generate(f"Round {round_}: " + "the ledgers of the salt trade " * 8, params, method="dense")
+        check()
+    assert chunks.evictions > 0 and llm.engine.idle()
+    chunks.clear()
+    prefixes.clear()
+    check()
+    assert chunks.page_ids().size == 0 and prefixes.page_ids().size == 0
