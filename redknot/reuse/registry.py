@@ -141,7 +141,8 @@ _PLAIN_ROPE = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "
 
 
 def _correction(x: PolicyInputs) -> KVCorrection | None:
-    """The KV correction the options ask for (``+kc``, keys only with ``+kck``), or None."""
+    """The KV correction the options ask for (``+kc``, keys only with ``+kck``, a share of the offset with
+    ``+kc0.5``), or None."""
     if not x.options.kv_correction:
         return None
     return KVCorrection(_rope_relocation(x), values=x.options.kv_correction_values, scale=x.options.kv_correction_scale)
