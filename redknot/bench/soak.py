@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> dict:
         # time), no longer than the run or 10 minutes
         run_s = args.minutes * 60
         unloaded = _unloaded_ttft(soak, max(min(60.0, run_s), run_s * 0.05), args.unloaded_requests,
-                                  max(min(60.0, run_s), min(600.0, run_s)))
+                                  min(600.0, run_s))
         soak.stop.clear()
         soak.t0 = time.time()
         busy0 = _engine_busy(llm.engine)
@@ -400,6 +400,7 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     floor_spread = max(floor) / min(floor) - 1 if floor and min(floor) else float("nan")
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     quiet = _outside_heavy(log)
+    p99_quiet = _pct(quiet, 0.99)
     out = {
         "date": datetime.date.today().isoformat(), "command": _command(args),
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
@@ -416,8 +417,8 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
         "ttft_p99_ratio": p99_loaded / p99_idle if p99_idle else float("nan"),
         # the same requests apart from those that waited beside a heavy one: the rest of the tail
         # is the normal traffic queueing behind itself
-        "ttft_outside_heavy_n": len(quiet), "ttft_outside_heavy_p99_s": _pct(quiet, 0.99),
-        "ttft_outside_heavy_p99_ratio": _pct(quiet, 0.99) / p99_idle if p99_idle and quiet else float("nan"),
+        "ttft_outside_heavy_n": len(quiet), "ttft_outside_heavy_p99_s": p99_quiet,
+        "ttft_outside_heavy_p99_ratio": p99_quiet / p99_idle if p99_idle and quiet else float("nan"),
         # the share of the loaded run the engine spent in steps (1.0: saturated, a request always
         # waits for a step under way), and its mean step
         "engine_busy_share": busy["busy_s"] / busy["wall_s"] if busy["wall_s"] else float("nan"),

@@ -33,8 +33,8 @@ import torch
 
 from .chunk_kv import ChunkKV
 from .events import block_hash, block_removed, block_stored
-from .pool import PagePool, PoolExhausted
 from .page_refs import PageRefs
+from .pool import PagePool, PoolExhausted
 from .recency import tick
 from .tiers import KVEntry, Layout, TierStack, plan_digest, tier_key
 from .tiers.entry import dtype_name, stack_kv

@@ -20,8 +20,8 @@ import numpy as np
 
 from ..visibility import kept_page_mask
 from .events import all_blocks_cleared, block_hash, block_removed, block_stored
-from .pool import PagePool
 from .page_refs import PageRefs
+from .pool import PagePool
 from .recency import tick
 
 
