@@ -4,6 +4,7 @@ import os
 import sys
 
 import pytest
+import torch
 
 from redknot.engine.host_memory import release_free_heap, resident_bytes
 
@@ -93,3 +94,61 @@ def test_cpu_primitive_cache_is_capped_unless_the_user_set_it(monkeypatch):
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "512")
     cap_cpu_primitive_cache()
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "512"
+
+
+def test_cpu_primitive_cache_caps_both_shape_caches(monkeypatch):
+    from redknot.engine.host_memory import CPU_SHAPE_CACHE_VARIABLES, cap_cpu_primitive_cache
+
+    for name in CPU_SHAPE_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    cap_cpu_primitive_cache(16)
+    assert [os.environ[n] for n in CPU_SHAPE_CACHE_VARIABLES] == ["16", "16"]
+
+
+_SHAPE_GROWTH = """
+import ctypes, sys
+if sys.argv[1] == "capped":
+    from redknot.engine.host_memory import cap_cpu_primitive_cache
+    cap_cpu_primitive_cache()
+import torch
+from redknot.models.linear import linear, pack
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+def live():  # bytes malloc has handed out and not had back
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+w = torch.randn(256, 128)
+packed = pack(w)
+for m in range(1, 41):
+    linear(torch.randn(m, 128), w, None, packed)
+before = live()
+for m in range(41, 401):  # a new row count each call, as recoveries give
+    linear(torch.randn(m, 128), w, None, packed)
+print((live() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallinfo2")
+def test_new_gemm_shapes_do_not_grow_live_memory_once_capped(tmp_path):
+    """Each new row count through a prepacked CPU linear caches a computation; capped, 360 new
+    shapes keep live native memory flat (uncapped they hold ~200 MiB)."""
+    import subprocess
+
+    from redknot.models.linear import pack
+
+    if pack(torch.zeros(2, 2)) is None:
+        pytest.skip("no oneDNN on this torch build")
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    script = tmp_path / "shapes.py"
+    script.write_text(_SHAPE_GROWTH)
+    grown = {mode: float(subprocess.run([sys.executable, str(script), mode], env=env, check=True,
+                                        capture_output=True, text=True).stdout.strip().splitlines()[-1])
+             for mode in ("capped", "default")}
+    assert grown["capped"] < 32, grown
+    assert grown["default"] > 2 * grown["capped"] + 32, grown  # the measurement sees the growth
