@@ -391,13 +391,31 @@ def _environment() -> dict:
             "redknot": __version__}
 
 
+def _spread(xs) -> float:
+    """Largest over smallest, less one."""
+    return max(xs) / min(xs) - 1 if xs and min(xs) else float("nan")
+
+
+def _band(xs) -> float:
+    """Half the range over its middle: every value lies within this share of the middle."""
+    return (max(xs) - min(xs)) / (max(xs) + min(xs)) if xs and max(xs) else float("nan")
+
+
+def _growth(xs) -> float:
+    """The last third's median over the middle third's, less one (a creep, apart from swings)."""
+    n = len(xs) // 3
+    if n == 0:
+        return float("nan")
+    middle, last = sorted(xs[n:2 * n]), sorted(xs[2 * n:])
+    return last[len(last) // 2] / middle[len(middle) // 2] - 1
+
+
 def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     fivexx = sum(n for k, n in log["status"].items() if k.split(":")[1].isdigit() and int(k.split(":")[1]) >= 500)
     tail = samples[len(samples) // 3:] or samples
     rss = [s["rss_bytes"] for s in tail]
-    rss_spread = max(rss) / min(rss) - 1 if rss and min(rss) else float("nan")
     floor = [s["rss_floor_bytes"] for s in tail]
-    floor_spread = max(floor) / min(floor) - 1 if floor and min(floor) else float("nan")
+    rss_spread, floor_spread = _spread(rss), _spread(floor)
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     quiet = _outside_heavy(log)
     p99_quiet = _pct(quiet, 0.99)
@@ -425,6 +443,10 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
         "engine_steps": busy["steps"], "engine_step_mean_ms": 1000 * busy["busy_s"] / max(busy["steps"], 1),
         "normal_requests": len(log["ttft_s"]), "pool_pages_back": pages_back,
         "rss_spread_last_two_thirds": rss_spread, "rss_floor_spread_last_two_thirds": floor_spread,
+        # "flat (±10%)": every sample within 10% of the middle of its range; the creep: the last
+        # third's median over the middle third's
+        "rss_band_last_two_thirds": _band(rss), "rss_floor_band_last_two_thirds": _band(floor),
+        "rss_growth_last_third": _growth([s["rss_bytes"] for s in samples]),
         "rss_mib_last_two_thirds": [min(rss) >> 20, max(rss) >> 20] if rss else [],
         "rss_floor_mib_last_two_thirds": [min(floor) >> 20, max(floor) >> 20] if floor else [],
         "waiting_share_of_samples": sum(s["waiting"] > 0 for s in samples) / max(len(samples), 1),
@@ -436,10 +458,12 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     }
     out["checks"] = {"no_5xx": fivexx == 0, "health_under_1s": out["health_max_s"] < 1.0,
                      "ttft_p99_within_2x": out["ttft_p99_ratio"] <= 2.0, "pages_back": pages_back,
-                     "rss_flat_10pct": rss_spread <= 0.10, "rss_floor_flat_10pct": floor_spread <= 0.10}
+                     "rss_flat_10pct": _band(rss) <= 0.10, "rss_floor_flat_10pct": _band(floor) <= 0.10}
     print(f"soak {args.minutes:g} min: {out['normal_requests']} normal requests, statuses {log['status']}")
     print(f"requests waiting in {out['waiting_share_of_samples']:.0%} of samples; {out['heap_trims']} heap trims, "
           f"{out['heap_trim_mean_ms']:.1f} ms each")
+    print(f"resident memory, last two thirds: {out['rss_mib_last_two_thirds']} MiB (largest over smallest "
+          f"{rss_spread:.1%}); last third's median {out['rss_growth_last_third']:+.1%} over the middle third's")
     print(f"engine busy {out['engine_busy_share']:.0%} of the run ({out['engine_steps']} steps, "
           f"{out['engine_step_mean_ms']:.1f} ms each); TTFT p99 outside heavy requests "
           f"{out['ttft_outside_heavy_p99_ratio']:.2f}x unloaded ({out['ttft_outside_heavy_n']} requests)")
@@ -447,8 +471,8 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     rows = [("5xx", fivexx, "no_5xx"), ("/health max s", f"{out['health_max_s']:.3f}", "health_under_1s"),
             ("TTFT p99 / unloaded", f"{out['ttft_p99_ratio']:.2f}", "ttft_p99_within_2x"),
             ("pool pages back", pages_back, "pages_back"),
-            ("RSS spread (last 2/3)", f"{rss_spread:.1%}", "rss_flat_10pct"),
-            ("RSS floor spread", f"{floor_spread:.1%}", "rss_floor_flat_10pct")]
+            ("RSS band (last 2/3)", f"±{_band(rss):.1%}", "rss_flat_10pct"),
+            ("RSS floor band", f"±{_band(floor):.1%}", "rss_floor_flat_10pct")]
     for name, value, check in rows:
         print(f"{name:<22} {str(value):>14} {'yes' if out['checks'][check] else 'NO':>4}")
     if args.out:

@@ -21,6 +21,8 @@ def test_soak_smoke(tmp_path):
     assert report["environment"]["torch"] and report["heap_trims"] >= 0 and "waiting_share_of_samples" in report
     assert 0 < report["engine_busy_share"] <= 1.0 and report["engine_steps"] > 0
     assert 0 <= report["ttft_outside_heavy_n"] <= report["normal_requests"]
+    assert 0 <= report["rss_band_last_two_thirds"] <= report["rss_spread_last_two_thirds"]
+    assert "rss_growth_last_third" in report
     assert set(report["checks"]) == {"no_5xx", "health_under_1s", "ttft_p99_within_2x", "pages_back", "rss_flat_10pct",
                                      "rss_floor_flat_10pct"}
 
@@ -31,3 +33,13 @@ def test_outside_heavy_drops_the_first_tokens_that_waited_beside_a_heavy_request
     log = {"heavy": [["long_prompt", 10.0, 2.0]],
            "ttft_s": [0.5, 0.5, 0.5, 0.5], "ttft_at": [5.0, 9.8, 11.0, 12.5]}
     assert _outside_heavy(log) == [0.5, 0.5]  # 9.8-10.3 and 11.0-11.5 overlap 10-12; 5.0 and 12.5 do not
+
+
+def test_rss_band_is_the_half_range_over_its_middle_and_growth_compares_thirds():
+    from redknot.bench.soak import _band, _growth, _spread
+
+    swings = [1000, 1130, 1010, 1140, 1000, 1150]  # trims and forwards: no creep
+    assert abs(_band(swings) - 150 / 2150) < 1e-12 and abs(_spread(swings) - 0.15) < 1e-12
+    assert abs(_growth(swings)) < 0.02
+    creep = [1000, 1010, 1100, 1110, 1200, 1210]
+    assert abs(_growth(creep) - (1210 / 1110 - 1)) < 1e-12
