@@ -85,8 +85,8 @@ SHELF: dict[str, ShelfModel] = {m.name: m for m in (
         # docs/results/quality_real.md: every head global, 20% of the chunk rows through the FFN with each
         # chunk's first 16 tokens among them, the rows left out moved by their chunk's K/V offset (+kc):
         # on all 150 MuSiQue records (0.31x dense FLOPs) top-1 0.947, answer F1 0.82, KL 0.040, gold F1
-        # 1.07x dense, against CacheBlend@0.3's 0.853 / 0.73 / 0.112 at 0.37x; on 155 HotpotQA records
-        # (0.35x) 0.955 / 0.84 / 0.026, 1.07x, against 0.877 / 0.70 / 0.090 at 0.38x
+        # 1.07x dense, against CacheBlend@0.3's 0.853 / 0.73 / 0.112 at 0.37x; on all 200 HotpotQA
+        # records (0.35x) 0.940 / 0.81 / 0.026, 1.08x, against 0.850 / 0.67 / 0.093 at 0.38x
         reuse={"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2, "chunk_start_tokens": 16},
                "method": "redknot@0.2+s16+kc"}),
     ShelfModel(
