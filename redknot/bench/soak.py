@@ -416,6 +416,7 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     rss = [s["rss_bytes"] for s in tail]
     floor = [s["rss_floor_bytes"] for s in tail]
     rss_spread, floor_spread = _spread(rss), _spread(floor)
+    rss_band, floor_band = _band(rss), _band(floor)
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     quiet = _outside_heavy(log)
     p99_quiet = _pct(quiet, 0.99)
@@ -445,7 +446,7 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
         "rss_spread_last_two_thirds": rss_spread, "rss_floor_spread_last_two_thirds": floor_spread,
         # "flat (±10%)": every sample within 10% of the middle of its range; the creep: the last
         # third's median over the middle third's
-        "rss_band_last_two_thirds": _band(rss), "rss_floor_band_last_two_thirds": _band(floor),
+        "rss_band_last_two_thirds": rss_band, "rss_floor_band_last_two_thirds": floor_band,
         "rss_growth_last_third": _growth([s["rss_bytes"] for s in samples]),
         "rss_mib_last_two_thirds": [min(rss) >> 20, max(rss) >> 20] if rss else [],
         "rss_floor_mib_last_two_thirds": [min(floor) >> 20, max(floor) >> 20] if floor else [],
@@ -458,7 +459,7 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     }
     out["checks"] = {"no_5xx": fivexx == 0, "health_under_1s": out["health_max_s"] < 1.0,
                      "ttft_p99_within_2x": out["ttft_p99_ratio"] <= 2.0, "pages_back": pages_back,
-                     "rss_flat_10pct": _band(rss) <= 0.10, "rss_floor_flat_10pct": _band(floor) <= 0.10}
+                     "rss_flat_10pct": rss_band <= 0.10, "rss_floor_flat_10pct": floor_band <= 0.10}
     print(f"soak {args.minutes:g} min: {out['normal_requests']} normal requests, statuses {log['status']}")
     print(f"requests waiting in {out['waiting_share_of_samples']:.0%} of samples; {out['heap_trims']} heap trims, "
           f"{out['heap_trim_mean_ms']:.1f} ms each")
@@ -471,8 +472,8 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     rows = [("5xx", fivexx, "no_5xx"), ("/health max s", f"{out['health_max_s']:.3f}", "health_under_1s"),
             ("TTFT p99 / unloaded", f"{out['ttft_p99_ratio']:.2f}", "ttft_p99_within_2x"),
             ("pool pages back", pages_back, "pages_back"),
-            ("RSS band (last 2/3)", f"±{_band(rss):.1%}", "rss_flat_10pct"),
-            ("RSS floor band", f"±{_band(floor):.1%}", "rss_floor_flat_10pct")]
+            ("RSS band (last 2/3)", f"±{rss_band:.1%}", "rss_flat_10pct"),
+            ("RSS floor band", f"±{floor_band:.1%}", "rss_floor_flat_10pct")]
     for name, value, check in rows:
         print(f"{name:<22} {str(value):>14} {'yes' if out['checks'][check] else 'NO':>4}")
     if args.out:
