@@ -7,8 +7,6 @@ does what starting a request takes: its documents computed or found and copied i
 
 from __future__ import annotations
 
-import math
-
 from ..cache import PoolExhausted
 from . import handoff, kv_loading
 from .output import StepOutput
@@ -61,7 +59,7 @@ def admit(engine, budget: int, prefill: list[Sequence], outputs: list) -> int:
                 continue
             if seq.recovery is not None:
                 recovery_rows += len(seq.token_ids)
-                budget -= math.ceil(engine.recovery_share.get(seq.method, 1.0) * len(seq.token_ids))
+                budget -= engine.executor.recovery_charge(seq)
                 prefill.append(seq)
                 continue
         elif engine.prefix_cache is not None and seq.num_computed == 0:

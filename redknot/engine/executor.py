@@ -8,6 +8,7 @@ engine's postprocess.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -49,11 +50,19 @@ class Executor:
             self._jobs.pop(s.seq_id, None)
         return job[0]
 
+    def recovery_charge(self, seq: Sequence) -> int:
+        """Tokens of a step's budget a new recovery is charged: the share of a dense prefill's row
+        work its method's last recoveries computed (every row until one is measured)."""
+        return math.ceil(self.recovery_share.get(seq.method, 1.0) * len(seq.token_ids))
+
     def recovery_batches(self, seqs: list[Sequence]) -> list[list[Sequence]]:
-        """The step's recovery batches (those under way, and the new requests by method, one batch
-        each), the least work left first: the step's budget goes to a short recovery before a long
-        one (a new batch's work: its rows through every layer)."""
-        out, new, seen = [], {}, set()
+        """The step's recovery batches, the least work left first, so the step's budget
+        (``row_layers``) goes to a short recovery before a long one: those under way, then the
+        new requests of each method, shortest first, in one batch while their charges fit the
+        budget the recoveries under way leave; the rest, in a second batch, after every other. A request arriving beside
+        others then gets its first token this step instead of waiting for a batch the budget
+        spreads over two (a new batch's work: its rows through every layer)."""
+        out, rest, new, seen = [], [], {}, set()
         for s in seqs:
             job = self._jobs.get(s.seq_id)
             if job is None:
@@ -62,8 +71,19 @@ class Executor:
                 seen.update(x.seq_id for x in job[0])
                 out.append((job[1].remaining(), job[0]))
         layers = self.config.num_hidden_layers
-        out += [(sum(s.num_prompt for s in batch) * layers, batch) for batch in new.values()]
-        return [batch for _, batch in sorted(out, key=lambda x: x[0])]
+        free = None if self.row_layers is None else self.row_layers // layers - self.reserved_tokens()
+        for batch in new.values():
+            batch.sort(key=lambda s: s.num_prompt)
+            fit, charged = [], 0
+            for s in batch:
+                charged += self.recovery_charge(s)
+                if fit and free is not None and 0 < free < charged:  # (nothing fits: one batch, as far as it runs)
+                    break
+                fit.append(s)
+            out.append((sum(s.num_prompt for s in fit) * layers, fit))
+            if len(fit) < len(batch):
+                rest.append(batch[len(fit):])
+        return [batch for _, batch in sorted(out, key=lambda x: x[0])] + rest
 
     def recover(self, seqs: list[Sequence]) -> tuple[list[Sequence], torch.Tensor | None]:
         """Run a recovery batch (requests of one method, their chunks already in their pages) for

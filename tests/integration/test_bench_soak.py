@@ -18,6 +18,8 @@ def test_soak_smoke(tmp_path):
     assert report["health_max_s"] < 5
     assert report["samples"] and all(s["rss_bytes"] > 0 for s in report["samples"])
     assert report["command"].startswith("redknot bench soak") and "--think-s 2.0" in report["command"]
+    assert "--only-normal" not in report["command"] and not report["only_normal"]
+    assert 0 < report["normal_load_share"] < 1
     assert report["environment"]["torch"] and report["heap_trims"] >= 0 and "waiting_share_of_samples" in report
     assert 0 < report["engine_busy_share"] <= 1.0 and report["engine_steps"] > 0
     assert 0 <= report["ttft_outside_heavy_n"] <= report["normal_requests"]
@@ -25,6 +27,16 @@ def test_soak_smoke(tmp_path):
     assert "rss_growth_last_third" in report
     assert set(report["checks"]) == {"no_5xx", "health_under_1s", "ttft_p99_within_2x", "pages_back", "rss_flat_10pct",
                                      "rss_floor_flat_10pct"}
+
+
+def test_soak_only_normal_runs_the_normal_clients_alone(tmp_path):
+    out = tmp_path / "soak.json"
+    assert main(["bench", "soak", "--minutes", "0.1", "--normal-clients", "2", "--only-normal",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {k.split(":")[0] for k in report["statuses"]} == {"normal", "health"}
+    assert report["only_normal"] and " --only-normal" in report["command"] and report["server_errors_5xx"] == 0
+    assert report["normal_requests"] > 0 and report["pool_pages_back"] is True
 
 
 def test_outside_heavy_drops_the_first_tokens_that_waited_beside_a_heavy_request():

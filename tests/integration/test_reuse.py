@@ -178,12 +178,34 @@ def test_recovery_admission_charges_the_rows_a_recovery_computes(tiny_checkpoint
     assert 0 < share < 0.75
     sizes.clear()
     out = fresh.generate([QUESTION] * 6, params, documents=[DOCS] * 6, method="cacheblend")
-    expected = -(-budget // math.ceil(share * n)) if cap is None else cap
+    # one forward takes the recoveries whose charges fit the budget (one admitted past it starts
+    # in a batch of its own)
+    expected = min(budget // math.ceil(share * n), cap or 6)
     assert sizes[0] == expected and max(sizes) == expected and sum(sizes) == 6
-    assert cap is not None or expected > 2
+    assert expected >= 2 > budget // n
     for o in out:  # batching does not change what each recovery computes
         torch.testing.assert_close(o.first_token_logits, ref, rtol=1e-4, atol=1e-4)
     assert fresh.engine.request_kv_bytes() == 0
+
+
+def test_a_recovery_that_fits_the_step_is_not_held_by_one_admitted_beside_it(tiny_checkpoint):
+    """Two recoveries admitted in one step whose charges exceed its budget together run as two
+    batches: the first samples its token in that step, the second in the next (one batch would
+    spread both over the two steps)."""
+    fresh = make_llm(tiny_checkpoint("llama", num_hidden_layers=3))
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    fresh.generate(QUESTION, params, documents=DOCS, method="cacheblend")  # measures the method's share
+    eng = fresh.engine
+    charge = eng.executor.recovery_charge(fresh.make_sequence(QUESTION, params, documents=DOCS, method="cacheblend"))
+    eng.cfg.max_num_batched_tokens = charge * 3 // 2  # one fits, two do not
+    seqs = [fresh.make_sequence(QUESTION, params, documents=DOCS, method="cacheblend") for _ in range(2)]
+    for s in seqs:
+        eng.add_request(s)
+    first = {o.seq.seq_id for o in eng.step() if o.new_token_ids}
+    assert first == {seqs[0].seq_id}
+    second = {o.seq.seq_id for o in eng.step() if o.new_token_ids}
+    assert second == {seqs[1].seq_id}
+    assert not eng.has_unfinished()
 
 
 def test_documents_reused_in_another_order_are_relocated(llm):
