@@ -313,6 +313,8 @@ def run(args: argparse.Namespace) -> dict:
                             "rss_peak_bytes": max(window), "loadavg_1m": _loadavg(),
                             "pool_pages": st["pool_pages"], "running": st["running"], "waiting": st["waiting"],
                             "heap_trims": st["heap_trims"], "heap_trim_s": round(st["heap_trim_seconds"], 4),
+                            # document lookups so far: a miss after the warm-up is a document evicted
+                            "chunk_cache": {k: st["chunk_cache"][k] for k in ("entries", "hits", "misses", "evictions")},
                             "queue": _queue_view(llm.engine)})
         soak.stop.set()
         busy = {k: v - busy0[k] for k, v in _engine_busy(llm.engine).items()}
