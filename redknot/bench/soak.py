@@ -453,8 +453,7 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
         "engine_steps": busy["steps"], "engine_step_mean_ms": 1000 * busy["busy_s"] / max(busy["steps"], 1),
         # the share of the run the normal requests' own work takes (their count times the unloaded
         # median first token, over the run): a request arriving while another's recovery runs waits
-        # for it, so the tail grows with this share whatever else the server carries (first come,
-        # first served with a fixed service time s: p99 about 2.0 s at 0.1, 2.4 s at 0.2, 2.9 s at 0.3)
+        # for it, so the tail grows with this share whatever else the server carries
         "normal_load_share": len(log["ttft_s"]) * _pct(unloaded, 0.5) / busy["wall_s"] if busy["wall_s"] else float("nan"),
         "only_normal": bool(args.only_normal),
         "normal_requests": len(log["ttft_s"]), "pool_pages_back": pages_back,

@@ -59,9 +59,9 @@ class Executor:
         """The step's recovery batches, the least work left first, so the step's budget
         (``row_layers``) goes to a short recovery before a long one: those under way, then the
         new requests of each method, shortest first, in one batch while their charges fit the
-        budget the recoveries under way leave; the rest, in a second batch, after every other. A request arriving beside
-        others then gets its first token this step instead of waiting for a batch the budget
-        spreads over two (a new batch's work: its rows through every layer)."""
+        budget the recoveries under way leave; the rest in a second batch, after every other.
+        A request arriving beside others then gets its first token this step instead of waiting
+        for a batch the budget spreads over two (a new batch's work: its rows through every layer)."""
         out, rest, new, seen = [], [], {}, set()
         for s in seqs:
             job = self._jobs.get(s.seq_id)
