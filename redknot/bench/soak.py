@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="the engine's token budget per step (the server's flag): a smaller one bounds how long "
                         "a long prompt's chunk holds a step")
+    p.add_argument("--kv-pages", type=int, default=None,
+                   help="the server's flag: KV pool pages (default: sized by the engine, 256 MiB on the CPU)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=None,
                    help="the server's flag: a long prompt's chunk at most this many tokens while other work runs")
     p.add_argument("--normal-clients", type=int, default=4)
@@ -258,7 +260,7 @@ def _llm(args):
 
     if args.arch is None:
         return LLM(model=args.model, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
-                   long_prefill_token_threshold=args.long_prefill_token_threshold)
+                   long_prefill_token_threshold=args.long_prefill_token_threshold, kv_pages=args.kv_pages)
     import torch
 
     from ..models import ModelConfig
@@ -266,7 +268,7 @@ def _llm(args):
 
     cfg = ModelConfig.from_dict(dict(ARCHS[args.arch]))
     dev = torch.device(args.device or "cuda")
-    return LLM(model=cfg, device=str(dev),
+    return LLM(model=cfg, device=str(dev), kv_pages=args.kv_pages,
                max_num_batched_tokens=args.max_num_batched_tokens,
                long_prefill_token_threshold=args.long_prefill_token_threshold)
 
@@ -434,6 +436,7 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "long_prefill_token_threshold": args.long_prefill_token_threshold, "method": args.method,
+        "kv_pages": samples[-1]["pool_pages"]["total"] if samples else None,
         "statuses": log["status"], "server_errors_5xx": fivexx,
         "health_max_s": max(log["health_s"], default=float("nan")),
         "ttft_unloaded_p50_s": _pct(unloaded, 0.5), "ttft_unloaded_p99_s": p99_idle,

@@ -31,12 +31,12 @@ def test_soak_smoke(tmp_path):
 
 def test_soak_only_normal_runs_the_normal_clients_alone(tmp_path):
     out = tmp_path / "soak.json"
-    assert main(["bench", "soak", "--minutes", "0.1", "--normal-clients", "2", "--only-normal",
+    assert main(["bench", "soak", "--minutes", "0.1", "--normal-clients", "2", "--only-normal", "--kv-pages", "6144",
                  "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert {k.split(":")[0] for k in report["statuses"]} == {"normal", "health"}
     assert report["only_normal"] and " --only-normal" in report["command"] and report["server_errors_5xx"] == 0
-    assert report["normal_requests"] > 0 and report["pool_pages_back"] is True
+    assert report["normal_requests"] > 0 and report["pool_pages_back"] is True and report["kv_pages"] == 6144
 
 
 def test_outside_heavy_drops_the_first_tokens_that_waited_beside_a_heavy_request():
