@@ -333,6 +333,25 @@ class ChunkCache:
 
         return read(self.pool.k_pages), read(self.pool.v_pages)
 
+    def gather_many(self, entries: list[ChunkPages]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of several entries, their tokens one after another, as [L, sum of n_tokens,
+        Hkv, D]: one read of just their tokens' rows, whatever their number (a request naming a
+        hundred short documents places them in one copy, not a hundred; short entries share pages,
+        so reading whole pages would read each page once per entry)."""
+        if len(entries) == 1:
+            return self.gather(entries[0])
+        ps, d = self.pool.page_size, self.pool.head_dim
+        rows = []
+        for e in entries:  # [L, Hkv, n]: each token's row in the pool, page * page_size + slot
+            slot = np.arange(e.offset, e.offset + e.num_tokens)
+            rows.append(e.pages[:, :, slot // ps].astype(np.int64) * ps + slot % ps)
+        idx = torch.from_numpy(np.concatenate(rows, axis=2)).to(self.pool.device)
+
+        def read(pool_pages: torch.Tensor) -> torch.Tensor:
+            return pool_pages.view(-1, d)[idx].transpose(1, 2)
+
+        return read(self.pool.k_pages), read(self.pool.v_pages)
+
     # ------------------------------------------------------------------ dense ChunkKV in and out
 
     def contains(self, key: str) -> bool:

@@ -87,10 +87,11 @@ class PagedAttention:
         return o
 
     def store(self, k: torch.Tensor, v: torch.Tensor, block_tables: torch.Tensor, cu_seqlens: torch.Tensor,
-              seq_lens: torch.Tensor) -> None:
-        """Write K/V [T, Hkv, D] of packed rows (row b: the tokens ending at ``seq_lens[b]``) into
-        the pages of ``block_tables`` [B, Hkv, pages]; -1 pages are skipped."""
-        self._store(k, v, self.pool.k_pages, self.pool.v_pages, block_tables, cu_seqlens, seq_lens)
+              seq_lens: torch.Tensor, q_pos: torch.Tensor | None = None) -> None:
+        """Write K/V [T, Hkv, D] of packed rows (row b: the tokens ending at ``seq_lens[b]``, or at
+        the positions ``q_pos`` [T] names) into the pages of ``block_tables`` [B, Hkv, pages]; -1
+        pages are skipped."""
+        self._store(k, v, self.pool.k_pages, self.pool.v_pages, block_tables, cu_seqlens, seq_lens, q_pos)
 
     def _decode_gathered(self, layer, q, k, v, ctx, sink_logits=None):
         raise NotImplementedError

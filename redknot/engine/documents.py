@@ -33,6 +33,9 @@ LINEAR_CHUNK_SLOTS = 4
 # twice a sequence's recurrent state: 150 MB on Qwen3-Next-80B); least recently used go first. The
 # memory profile sets them aside before sizing the page pool.
 LINEAR_CHUNK_BYTES = 2 << 30
+# Tokens of cached pieces placed by one read, rotation and store (bounds the temporaries: K and V
+# of this many tokens in every layer).
+COPY_GROUP_TOKENS = 4096
 
 
 def dummy_token(config) -> int:
@@ -303,20 +306,42 @@ class DocumentKV:
             return compose(pieces, threshold, self.linear_spec.conv_kernel)
 
     def _copy_in(self, seq: Sequence, entries: dict) -> None:
+        """Copy the pieces' cached K/V into the request's pages in groups of up to
+        ``COPY_GROUP_TOKENS`` tokens (a longer piece alone): per group one read of its pages, one
+        rotation (each token by its piece's move) and one store, so a hundred short documents cost
+        about what one long one does."""
         cp = seq.chunked_prompt
         self.pool.sync_device_tables()
         slot = torch.tensor([self.pool.slot(seq.seq_id)], device=self.device)
         tables = self.pool.device_tables.index_select(1, slot)[:, 0]
-        L = self.pool.num_layers  # layers with K/V pages (a hybrid's full-attention layers)
         positions = [0] * bool(cp.prefix) + list(cp.chunk_starts)
+        group, size = [], 0
         with torch.inference_mode():
             for (key, _, start), pos in zip(self.specs(seq), positions):
                 entry = entries[key]
-                k, v = self.chunk_cache.gather(entry)
-                n = entry.num_tokens
-                if pos != start:
-                    k = self.adapter.relocate_layers(k, pos - start)
-                cu = torch.arange(0, (L + 1) * n, n, dtype=torch.int32, device=self.device)
-                lens = torch.full((L,), pos + n, dtype=torch.int32, device=self.device)
-                self.runner.attn.store(k.reshape(L * n, *k.shape[2:]), v.reshape(L * n, *v.shape[2:]),
-                                       tables, cu, lens)
+                if group and size + entry.num_tokens > COPY_GROUP_TOKENS:
+                    self._store_group(group, tables)
+                    group, size = [], 0
+                group.append((entry, pos - start, pos))
+                size += entry.num_tokens
+            if group:
+                self._store_group(group, tables)
+
+    def _store_group(self, group: list[tuple[ChunkPages, int, int]], tables: torch.Tensor) -> None:
+        """Store (entry, move, position) pieces into the pages of ``tables`` [L, Hkv, pages]."""
+        L = self.pool.num_layers  # layers with K/V pages (a hybrid's full-attention layers)
+        k, v = self.chunk_cache.gather_many([e for e, _, _ in group])
+        n = k.shape[1]
+        counts = torch.tensor([e.num_tokens for e, _, _ in group], device=self.device)
+        moves = [m for _, m, _ in group]
+        if any(moves):
+            delta = moves[0] if len(set(moves)) == 1 else torch.repeat_interleave(
+                torch.tensor(moves, device=self.device), counts)
+            k = self.adapter.relocate_layers(k, delta)
+        starts = torch.tensor([p for _, _, p in group], device=self.device)
+        first = torch.cumsum(counts, 0) - counts  # each piece's first row in the group
+        q_pos = (torch.arange(n, device=self.device) + torch.repeat_interleave(starts - first, counts)).repeat(L)
+        cu = torch.arange(0, (L + 1) * n, n, dtype=torch.int32, device=self.device)
+        lens = torch.full((L,), int(starts.max()) + n, dtype=torch.int32, device=self.device)
+        self.runner.attn.store(k.reshape(L * n, *k.shape[2:]), v.reshape(L * n, *v.shape[2:]),
+                               tables, cu, lens, q_pos=q_pos)

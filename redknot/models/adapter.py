@@ -88,11 +88,11 @@ class ModelAdapter:
         (``layer`` None: keys of any layer, where every layer rotates alike)."""
         raise NotImplementedError
 
-    def relocate_layers(self, k: torch.Tensor, delta: int) -> torch.Tensor:
-        """Keys [L, N, Hkv, D] of every layer (a cached chunk) computed at positions p, as computed
-        at p + delta: one rotation for all layers where they rotate alike."""
-        L, n, h, d = k.shape
-        return self.relocate(k.reshape(L * n, h, d), delta).view(L, n, h, d)
+    def relocate_layers(self, k: torch.Tensor, delta) -> torch.Tensor:
+        """Keys [L, N, Hkv, D] of every layer (cached chunks) computed at positions p, as computed
+        at p + delta (an int, or an int tensor [N]: each token its own move, the same in every
+        layer): one rotation for all layers where they rotate alike."""
+        return self.relocate(k, delta)  # the rotation broadcasts over the leading layer dimension
 
     # ---- SELECTVISIBLESTATE
     def visible_state(self, head_config: HeadConfig | None) -> dict:

@@ -218,5 +218,5 @@ class Gemma3Adapter(LlamaAdapter):
                 continue
             sel = torch.tensor(idx, dtype=torch.long, device=k.device)
             part = k.index_select(0, sel)
-            out.index_copy_(0, sel, rope.relocate(part.reshape(-1, *k.shape[2:]), delta).view_as(part))
+            out.index_copy_(0, sel, rope.relocate(part, delta))
         return out

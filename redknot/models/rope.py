@@ -107,7 +107,8 @@ class RotaryEmbedding(torch.nn.Module):
     def relocate(self, k: torch.Tensor, delta) -> torch.Tensor:
         """Move keys rotated at positions p to p + delta: one fp32 rotation by delta, one rounding.
 
-        k: [T, H, D]; delta: an int or an int tensor [T]. Yarn's cos/sin scaling is already in the
+        k: [..., T, H, D] (leading dimensions broadcast, e.g. layers); delta: an int or an int
+        tensor [T]. Yarn's cos/sin scaling is already in the
         keys, so the delta rotation is a pure rotation (unscaled)."""
         delta = torch.as_tensor(delta, device=k.device)
         # one shared delta (a whole chunk moving): one row of cos/sin, broadcast over the tokens

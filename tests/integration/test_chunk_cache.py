@@ -61,6 +61,30 @@ def test_insert_keeps_a_sequence_pages_from_an_offset():
     torch.testing.assert_close(v, kv[1][:, 5:], rtol=0, atol=0)
 
 
+def test_gather_many_reads_entries_one_after_another():
+    """Several entries (whole pages and spans from an offset, sharing a page) read at once equal
+    their reads one by one, concatenated along the tokens."""
+    pool = make_pool()
+    cache = ChunkCache(pool, "fp")
+    for key, n, seed in (("a", 10, 0), ("b", 3, 1), ("c", 1, 2)):
+        assert cache.put(key, chunk(n, seed=seed))
+    pool.add_sequence(1)
+    pool.ensure(1, 11)
+    table = pool.table(1)
+    g = torch.Generator().manual_seed(3)
+    for name in ("k_pages", "v_pages"):
+        idx = torch.from_numpy(table.astype(np.int64))
+        getattr(pool, name)[idx] = torch.randn(L, H, 3, PS, D, generator=g)
+    assert cache.insert("d", tuple(range(2)), 5, table[:, :, 1:2], 1)  # two tokens from slot 1 of a page
+    assert cache.insert("e", tuple(range(3)), 7, table[:, :, 1:3], 3)  # the same page's last slot on
+    entries = [cache.lookup(key) for key in ("b", "d", "a", "e", "c")]
+    k, v = cache.gather_many(entries)
+    one_by_one = [cache.gather(e) for e in entries]
+    torch.testing.assert_close(k, torch.cat([x for x, _ in one_by_one], 1), rtol=0, atol=0)
+    torch.testing.assert_close(v, torch.cat([y for _, y in one_by_one], 1), rtol=0, atol=0)
+    assert k.shape == (L, 3 + 2 + 10 + 3 + 1, H, D)
+
+
 def test_lru_eviction_and_the_byte_cap_return_pages():
     pool = make_pool(pages=L * H * 3 * 2)  # room for two 3-page chunks
     cache = ChunkCache(pool, "fp")

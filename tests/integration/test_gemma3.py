@@ -169,6 +169,10 @@ def test_relocated_keys_equal_keys_computed_there_per_layer(reuse_llm):
         there = torch.stack([adapter.layer_qkv(l, hidden, pos + delta)[1] for l in range(cfg.num_hidden_layers)])
         moved = adapter.relocate_layers(at_p, delta)
         torch.testing.assert_close(moved, there, atol=1e-5, rtol=1e-5)
+        # each token its own move (pieces placed together): keys computed at p + its delta
+        deltas = torch.tensor([delta] * 10 + [-3] * 14)
+        there_each = torch.stack([adapter.layer_qkv(l, hidden, pos + deltas)[1] for l in range(cfg.num_hidden_layers)])
+        torch.testing.assert_close(adapter.relocate_layers(at_p, deltas), there_each, atol=1e-5, rtol=1e-5)
         for l in (0, 5):
             torch.testing.assert_close(adapter.relocate(at_p[l], delta, layer=l), there[l], atol=1e-5, rtol=1e-5)
         # the other layer kind's rotation is wrong here: the test can tell the bases apart

@@ -38,3 +38,16 @@ def test_relocation_per_token_deltas_and_back():
     deltas = torch.arange(20) * 7
     there = rot.relocate(k, deltas)
     torch.testing.assert_close(rot.relocate(there, -deltas), k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_relocation_broadcasts_over_leading_layers(partial):
+    """Keys of every layer [L, T, H, D] moved at once, each token by its own delta, equal each
+    layer moved alone (the pieces of a prompt placed in one rotation)."""
+    rot = RotaryEmbedding(config("yarn", partial))
+    k = torch.randn(4, 20, 2, 32, generator=torch.Generator().manual_seed(0))
+    deltas = torch.tensor([5] * 8 + [-2] * 12)
+    moved = rot.relocate(k, deltas)
+    for layer in range(4):
+        torch.testing.assert_close(moved[layer], rot.relocate(k[layer], deltas), atol=0, rtol=0)
+    torch.testing.assert_close(rot.relocate(k, 5)[1], rot.relocate(k[1], 5), atol=0, rtol=0)
