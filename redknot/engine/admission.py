@@ -8,6 +8,7 @@ does what starting a request takes: its documents computed or found and copied i
 from __future__ import annotations
 
 from ..cache import PoolExhausted
+from ..reuse.registry import get_method
 from . import handoff, kv_loading
 from .output import StepOutput
 from .scheduler import RequestTooLarge
@@ -18,6 +19,7 @@ def admit(engine, budget: int, prefill: list[Sequence], outputs: list) -> int:
     """Start waiting requests while the scheduler admits them; returns the token budget left."""
     recovery_rows = 0  # rows the step's recovery forwards start with
     kv_loading.poll(engine)
+    engine.scheduler.order_arrivals(lambda s: start_work(engine, s))
     while True:
         if kv_loading.park_head(engine):  # its documents load from a tier: the next one may start
             continue
@@ -68,6 +70,16 @@ def admit(engine, budget: int, prefill: list[Sequence], outputs: list) -> int:
             seq.prefill_start = seq.num_computed
         prefill.append(seq)
     return budget
+
+
+def start_work(engine, seq: Sequence) -> int:
+    """Tokens of a step's budget starting the request takes: a recovery's charge, a placed
+    request's question, else the prompt left to compute."""
+    if seq.needs_documents:
+        if get_method(seq.method).recovers:
+            return engine.executor.recovery_charge(seq)
+        return len(seq.token_ids) - seq.chunked_prompt.suffix_start
+    return seq.num_pending
 
 
 def _fail_if_stuck(engine, outputs: list) -> None:

@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []  # parked while their documents load from the tiers (no pages of their own)
+        self._arrivals: set[int] = set()  # ids of requests added since the last admission (order_arrivals)
         self.committed = 0  # pages promised to the running requests (their full lengths)
         self.num_preemptions = 0
         L, hkv = pool.window.shape
@@ -166,6 +167,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._arrivals.add(seq.seq_id)
+
+    def order_arrivals(self, work) -> None:
+        """Queue the requests that arrived since the last admission behind those waiting from
+        before, the least ``work(seq)`` first (arrival order among equals): a short request that
+        arrives beside a heavy one starts first, and the heavy one waits one admission at most for
+        it (the next admission's arrivals queue behind it)."""
+        if len(self._arrivals) > 1:
+            new = [s for s in self.waiting if s.seq_id in self._arrivals]
+            old = [s for s in self.waiting if s.seq_id not in self._arrivals]
+            self.waiting = deque(old + sorted(new, key=work))
+        self._arrivals.clear()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)

@@ -208,6 +208,53 @@ def test_a_recovery_that_fits_the_step_is_not_held_by_one_admitted_beside_it(tin
     assert not eng.has_unfinished()
 
 
+def test_a_short_request_arriving_beside_a_heavy_one_starts_first(tiny_checkpoint):
+    """Requests arriving in one step are admitted with the least work first: a two-document
+    request added after a many-document one samples in the first step, the heavy one after it.
+    A request already waiting from an earlier step keeps its place ahead of new arrivals."""
+    fresh = make_llm(tiny_checkpoint("llama", num_hidden_layers=3))
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    many = [f"Note {i}: the {w} is by the {w}." for i, w in enumerate(["mill", "barn", "gate", "pond"] * 6)]
+    fresh.generate(QUESTION, params, documents=many, method="cacheblend")  # caches them, measures the share
+    fresh.generate(QUESTION, params, documents=DOCS, method="cacheblend")
+    eng = fresh.engine
+    heavy = fresh.make_sequence(QUESTION, params, documents=many, method="cacheblend")
+    short = fresh.make_sequence(QUESTION, params, documents=DOCS, method="cacheblend")
+    assert eng.executor.recovery_charge(short) < eng.executor.recovery_charge(heavy)
+    eng.cfg.max_num_batched_tokens = eng.executor.recovery_charge(heavy) + 1
+    eng.cfg.max_recovery_rows = len(heavy.token_ids) + 1  # one of the two starts a step
+    eng.add_request(heavy)
+    eng.add_request(short)
+    assert {o.seq.seq_id for o in eng.step() if o.new_token_ids} == {short.seq_id}
+    while eng.has_unfinished():
+        eng.step()
+    assert heavy.output_token_ids
+
+    # waiting from before: the heavy request stays ahead of a short one arriving after it
+    heavy2 = fresh.make_sequence(QUESTION, params, documents=many, method="cacheblend")
+    eng.add_request(heavy2)
+    eng.scheduler.order_arrivals(lambda s: 0)  # an admission took place (nothing started)
+    short2 = fresh.make_sequence(QUESTION, params, documents=DOCS, method="cacheblend")
+    eng.add_request(short2)
+    eng.scheduler.order_arrivals(lambda s: eng.executor.recovery_charge(s))
+    assert list(eng.scheduler.waiting) == [heavy2, short2]
+    while eng.has_unfinished():
+        eng.step()
+
+
+def test_many_documents_placed_in_groups_equal_one_by_one(llm, monkeypatch):
+    """Pieces placed by one read, rotation and store per group give the logits of placing each
+    alone (groups of one token: every piece its own group)."""
+    from redknot.engine import documents
+
+    swapped = [DOCS[2], DOCS[0], DOCS[1]]
+    llm.first_token_logits(QUESTION, documents=DOCS, method="full_reuse")  # cached at their first places
+    grouped = llm.first_token_logits(QUESTION, documents=swapped, method="full_reuse")
+    monkeypatch.setattr(documents, "COPY_GROUP_TOKENS", 1)
+    alone = llm.first_token_logits(QUESTION, documents=swapped, method="full_reuse")
+    torch.testing.assert_close(grouped, alone, rtol=0, atol=0)
+
+
 def test_documents_reused_in_another_order_are_relocated(llm):
     llm.first_token_logits(QUESTION, documents=DOCS, method="full_reuse")
     hits = llm.chunk_cache.stats()["hits"]
