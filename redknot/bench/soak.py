@@ -1,7 +1,7 @@
 """`redknot bench soak`: a server under mixed, partly hostile clients for minutes on end.
 
 Starts ``redknot serve``'s app on loopback (the bundled model on the CPU unless ``--model``/``--arch``
-say otherwise), times normal clients alone first, then runs for ``--minutes`` with, at once:
+say otherwise) and the clients in a process of their own, times normal clients alone first, then runs for ``--minutes`` with, at once:
 normal streaming clients (chat with two documents from a shared pool of 16, each document sent
 once before any timing, so both runs time cached documents), slow readers (a long
 stream they stop reading), body tricklers (half a body, then silence), disconnectors (leave after
@@ -273,7 +273,43 @@ def _llm(args):
                long_prefill_token_threshold=args.long_prefill_token_threshold)
 
 
+def _clients(base: str, model: str, args, conn) -> None:
+    """The clients' process: the unloaded run (its first tokens sent back), then every client from
+    "go" to "stop", then what they saw (the log)."""
+    soak = _Soak(base, model, args, random.Random(args.seed))
+    run_s = args.minutes * 60
+    # a minute and --unloaded-requests at least (a p99 over a few requests is one request's time),
+    # no longer than the run or 10 minutes
+    conn.send(_unloaded_ttft(soak, max(min(60.0, run_s), run_s * 0.05), args.unloaded_requests, min(600.0, run_s)))
+    conn.recv()
+    soak.stop.clear()
+    soak.t0 = time.time()
+    hostile = [soak.slow_reader, soak.trickler, soak.trickler, soak.disconnector, soak.long_prompt,
+               soak.small_documents]
+    roles = [soak.normal] * args.normal_clients + ([] if args.only_normal else hostile) + [soak.health]
+    threads = [threading.Thread(target=f, args=(i,), daemon=True) for i, f in enumerate(roles)]
+    for t in threads:
+        t.start()
+    conn.recv()
+    soak.stop.set()
+    for t in threads:
+        t.join(timeout=args.write_timeout * 4 + 60)
+    conn.send(soak.log)
+
+
+def _receive(conn, proc, timeout: float):
+    """The clients' next message; raises when their process has died or does not answer in time."""
+    end = time.time() + timeout
+    while not conn.poll(1.0):
+        if not proc.is_alive() or time.time() > end:
+            raise RuntimeError(f"the soak's client process {'died' if not proc.is_alive() else 'did not answer'} "
+                               f"(exit code {proc.exitcode})")
+    return conn.recv()
+
+
 def run(args: argparse.Namespace) -> dict:
+    import multiprocessing
+
     from ..engine.async_engine import AsyncLLMEngine
     from ..engine.host_memory import resident_bytes
     from ..serve.background import BackgroundServer
@@ -285,23 +321,19 @@ def run(args: argparse.Namespace) -> dict:
     srv = BackgroundServer(engine, "m", server_kw=dict(limit_concurrency=args.limit_concurrency,
                                                        read_timeout=args.read_timeout,
                                                        write_timeout=args.write_timeout))
-    soak = _Soak(srv.base, "m", args, random.Random(args.seed))
+    # the clients run in a process of their own, as a deployment's do: their threads never hold
+    # the server's interpreter lock while it schedules a step
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    plain = argparse.Namespace(**{k: v for k, v in vars(args).items() if not callable(v)})  # picklable
+    proc = ctx.Process(target=_clients, args=(srv.base, "m", plain, child), daemon=True)
+    proc.start()
     try:
-        # a minute and --unloaded-requests at least (a p99 over a few requests is one request's
-        # time), no longer than the run or 10 minutes
-        run_s = args.minutes * 60
-        unloaded = _unloaded_ttft(soak, max(min(60.0, run_s), run_s * 0.05), args.unloaded_requests,
-                                  min(600.0, run_s))
-        soak.stop.clear()
-        soak.t0 = time.time()
+        unloaded = _receive(conn, proc, 900.0)
+        conn.send("go")
+        t0 = time.time()
         busy0 = _engine_busy(llm.engine)
-        hostile = [soak.slow_reader, soak.trickler, soak.trickler, soak.disconnector, soak.long_prompt,
-                   soak.small_documents]
-        roles = [soak.normal] * args.normal_clients + ([] if args.only_normal else hostile) + [soak.health]
-        threads = [threading.Thread(target=f, args=(i,), daemon=True) for i, f in enumerate(roles)]
-        for t in threads:
-            t.start()
-        samples, t0 = [], time.time()
+        samples = []
         while time.time() - t0 < args.minutes * 60:
             # resident memory every 0.25 s: each sample keeps the window's floor and peak beside the
             # instant (the floor is what the process holds between forwards, the peak adds a
@@ -318,19 +350,20 @@ def run(args: argparse.Namespace) -> dict:
                             # document lookups so far: a miss after the warm-up is a document evicted
                             "chunk_cache": {k: st["chunk_cache"][k] for k in ("entries", "hits", "misses", "evictions")},
                             "queue": _queue_view(llm.engine)})
-        soak.stop.set()
+        conn.send("stop")
         busy = {k: v - busy0[k] for k, v in _engine_busy(llm.engine).items()}
-        busy["wall_s"] = time.time() - soak.t0
-        for t in threads:
-            t.join(timeout=args.write_timeout * 4 + 60)
+        busy["wall_s"] = time.time() - t0
+        log = _receive(conn, proc, args.write_timeout * 4 * 8 + 120)
+        proc.join(timeout=30)
         deadline = time.time() + 60
         while not llm.engine.idle() and time.time() < deadline:
             time.sleep(0.1)
         pages_back = llm.engine.idle()
     finally:
-        soak.stop.set()
+        if proc.is_alive():
+            proc.terminate()
         srv.stop()
-    return _report(args, soak.log, unloaded, samples, pages_back, busy)
+    return _report(args, log, unloaded, samples, pages_back, busy)
 
 
 def _queue_view(engine) -> dict:
