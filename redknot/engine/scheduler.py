@@ -177,7 +177,8 @@ class Scheduler:
         if len(self._arrivals) > 1:
             new = [s for s in self.waiting if s.seq_id in self._arrivals]
             old = [s for s in self.waiting if s.seq_id not in self._arrivals]
-            self.waiting = deque(old + sorted(new, key=work))
+            self.waiting.clear()
+            self.waiting.extend(old + sorted(new, key=work))
         self._arrivals.clear()
 
     def has_unfinished(self) -> bool:
