@@ -420,6 +420,8 @@ def run(args) -> dict:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(format_table(result))
         return result
+    # results name the model as given (a shelf name stays one, not this machine's converted copy)
+    args.model_name = str(args.model) if args.model else None
     args.model = _checkpoint_dir(args.model)
     if args.head_config is None and (args.model / "heads.json").is_file():
         args.head_config = args.model / "heads.json"
@@ -453,7 +455,7 @@ def run(args) -> dict:
                    for r in records for m in methods)
     llm.engine.resize_pool(kv_pages)
     meta = {
-        "benchmark": "quality", "model": str(args.model), "data": str(args.data), "reference": REFERENCE,
+        "benchmark": "quality", "model": args.model_name or str(args.model), "data": str(args.data), "reference": REFERENCE,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."), "torch": torch.__version__,
@@ -489,6 +491,8 @@ def _resumable(path: Path, args, methods: list[str]) -> list[dict]:
         raise ValueError(f"--resume: {path} is not a results JSON of `redknot bench quality` ({e})") from e
     for key, theirs in (("model", old.get("model")), ("head_config", old.get("head_config"))):
         mine = None if getattr(args, key) is None else str(getattr(args, key))
+        if key == "model" and theirs is not None and theirs == getattr(args, "model_name", None):
+            continue  # the name it was given (a file before names were kept records the path)
         if mine != theirs:
             raise ValueError(f"--resume: {path} was made with {key}={theirs!r}, this run has {mine!r}")
     for key in ("data", "sparse_ffn", "shallow_window", "max_tokens",

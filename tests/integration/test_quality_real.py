@@ -134,6 +134,7 @@ def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
     quality.run(_args(**common, limit=1))
     first = json.loads(out.read_text())
     assert first["prompt_template"] is None and first["args"]["prompt"] == "plain"  # jsonl: the testbed's path
+    assert first["model"] == str(model)  # the model as given (a shelf name stays a name)
     result = quality.run(_args(**common, resume=True))
     saved = json.loads(out.read_text())
     assert saved["complete"] and [r["id"] for r in saved["records"]] == ["a", "b", "c"]
@@ -159,6 +160,11 @@ def test_a_run_with_budgets_scores_agreement_and_resumes(setup):
     assert kept["records"][2]["predictions"]["redknot@0.25"]["text"] == saved["records"][2]["predictions"]["redknot@0.25"]["text"]
     with pytest.raises(ValueError, match="max_tokens"):
         quality.run(_args(**{**common, "max_tokens": 4}, resume=True))
+    # the model named another way (a shelf name on another machine): the name given is what matches
+    renamed = tmp / "renamed.json"
+    renamed.write_text(json.dumps({**saved, "model": "some-shelf-model"}))
+    with pytest.raises(ValueError, match="model="):
+        quality.run(_args(**{**common, "out": renamed}, resume=True))
     with pytest.raises(ValueError, match="page_size=64"):  # budgets keep whole pages: another measurement
         quality.run(_args(**common, page_size=16, resume=True))
     with pytest.raises(ValueError, match="decode_kv_window=128"):
