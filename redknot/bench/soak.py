@@ -1,8 +1,8 @@
 """`redknot bench soak`: a server under mixed, partly hostile clients for minutes on end.
 
 Starts ``redknot serve``'s app on loopback (the bundled model on the CPU unless ``--model``/``--arch``
-say otherwise) and the clients in a process of their own, times normal clients alone first, then runs for ``--minutes`` with, at once:
-normal streaming clients (chat with two documents from a shared pool of 16, each document sent
+say otherwise) and the clients in a process of their own, times normal clients alone first, then
+runs for ``--minutes`` with, at once: normal streaming clients (chat with two documents from a shared pool of 16, each document sent
 once before any timing, so both runs time cached documents), slow readers (a long
 stream they stop reading), body tricklers (half a body, then silence), disconnectors (leave after
 the first chunk), long prompts, and requests of many small documents; a prober hits ``/health``

@@ -332,15 +332,16 @@ class DocumentKV:
         L = self.pool.num_layers  # layers with K/V pages (a hybrid's full-attention layers)
         k, v = self.chunk_cache.gather_many([e for e, _, _ in group])
         n = k.shape[1]
-        counts = torch.tensor([e.num_tokens for e, _, _ in group], device=self.device)
-        moves = [m for _, m, _ in group]
-        if any(moves):
-            delta = moves[0] if len(set(moves)) == 1 else torch.repeat_interleave(
-                torch.tensor(moves, device=self.device), counts)
+        # positions and moves on the host (no device sync), one copy each to the device
+        counts = np.array([e.num_tokens for e, _, _ in group])
+        moves = np.array([m for _, m, _ in group])
+        starts = np.array([p for _, _, p in group])
+        if moves.any():
+            delta = int(moves[0]) if (moves == moves[0]).all() else torch.from_numpy(
+                np.repeat(moves, counts)).to(self.device)
             k = self.adapter.relocate_layers(k, delta)
-        starts = torch.tensor([p for _, _, p in group], device=self.device)
-        first = torch.cumsum(counts, 0) - counts  # each piece's first row in the group
-        q_pos = (torch.arange(n, device=self.device) + torch.repeat_interleave(starts - first, counts)).repeat(L)
+        first = np.cumsum(counts) - counts  # each piece's first row in the group
+        q_pos = torch.from_numpy(np.tile(np.arange(n) + np.repeat(starts - first, counts), L)).to(self.device)
         cu = torch.arange(0, (L + 1) * n, n, dtype=torch.int32, device=self.device)
         lens = torch.full((L,), int(starts.max()) + n, dtype=torch.int32, device=self.device)
         self.runner.attn.store(k.reshape(L * n, *k.shape[2:]), v.reshape(L * n, *v.shape[2:]),
