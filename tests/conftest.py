@@ -2,6 +2,7 @@ import os
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 # Triton kernels run on CPU through its interpreter.
 if os.environ.get("REDKNOT_TEST_DEVICE", "cpu") == "cpu":
@@ -40,7 +41,6 @@ def anchor_head_config():
 def redis_server(tmp_path_factory):
     """A redis-server of the tests' own on a free loopback port: its URL (skips without the binary)."""
     import shutil
-    import socket
     import subprocess
     import time
 
@@ -48,9 +48,7 @@ def redis_server(tmp_path_factory):
     if binary is None:
         pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
     redis = pytest.importorskip("redis")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     workdir = tmp_path_factory.mktemp("redis")
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir), "--protected-mode", "no"],
@@ -76,9 +74,5 @@ def redis_server(tmp_path_factory):
 @pytest.fixture
 def dead_redis_url():
     """A Redis URL on a loopback port nothing listens on (connections are refused at once)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return f"redis://127.0.0.1:{port}/0"

@@ -1,23 +1,17 @@
 """KV events in vLLM's wire format from the engine: a ZeroMQ subscriber follows the prefix cache's
 blocks and the chunk cache's documents; the replay socket returns what it missed."""
 
-import socket
 import time
 
 import msgpack
 import pytest
+from ports import free_port
 
 from redknot import LLM, SamplingParams
 from redknot.cache.events import KVEventsConfig, block_hash
 from redknot.cache.prefix_cache import block_keys
 
 zmq = pytest.importorskip("zmq")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def receive(sub, until, timeout_s=10.0) -> list:

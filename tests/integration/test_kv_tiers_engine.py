@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 from redknot import LLM, SamplingParams
 from redknot.serve.metrics import ServerMetrics
@@ -140,9 +140,7 @@ def test_redis_killed_mid_run_fails_no_request(requests, cold, tmp_path):
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (Debian: apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir",
                                str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from ports import free_port
 
 ROUTER = shutil.which("vllm-router") or shutil.which("vllm-router", path=os.path.dirname(sys.executable))
 MODEL = "redknot-testbed"
@@ -27,12 +27,6 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 LONG = " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(300))
 DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120 beside the river. " * 6,
         "The old mill at the river's bend grinds barley every spring for the city. " * 6]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:

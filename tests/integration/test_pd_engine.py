@@ -3,11 +3,11 @@ over TCP and the same engine adopts it as a new request. Selected sets and decod
 mass travel with the pages; a corrupted payload or a dead prefill fails the pull (fast), and every
 page comes back."""
 
-import socket
 import time
 import uuid
 
 import pytest
+from ports import free_port
 
 from redknot import LLM, HeadConfig, SamplingParams
 from redknot.engine import handoff
@@ -92,9 +92,7 @@ def test_corrupt_payload_is_rejected(llm, monkeypatch):
 
 
 def test_dead_prefill_fails_the_pull_at_once(llm):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(TransferFailed, match="unreachable|went away"):
         KVClient(timeout_s=20).pull({"remote_host": "127.0.0.1", "remote_port": port, "remote_request_id": "x"},

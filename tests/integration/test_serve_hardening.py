@@ -7,6 +7,7 @@ import time
 
 import httpx
 import pytest
+from ports import free_port
 
 pytest.importorskip("uvicorn")
 
@@ -161,19 +162,13 @@ def test_a_client_that_stops_reading_is_cut_off_and_its_pages_come_back(llm, mon
         srv.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_with_a_client_that_never_reads_exits_within_the_shutdown_timeout(tiny_checkpoint):
     import os
     import signal
     import subprocess
     import sys
 
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen([sys.executable, "-m", "redknot.cli", "serve", "--model", str(tiny_checkpoint("llama")),
                              "--device", "cpu", "--kv-pages", "512", "--page-size", "16", "--method", "dense",
