@@ -15,7 +15,8 @@ The mix is a load the server should carry, not an overload: normal clients pause
 and the running/waiting counts are sampled so an overloaded run shows as one (waiting > 0 throughout).
 
 What it checks (the server-hardening targets): no 5xx, ``/health`` under a second, the normal
-clients' TTFT p99 within 2x the unloaded run, every pool page back to free or cached once the
+clients' TTFT p99 within 2x the unloaded run (beside the queueing floor: the p99 an ideal server
+would reach at the normal load, ``queue_floor``), every pool page back to free or cached once the
 clients stop, and resident memory flat (every sample within 10% of the middle of its range) over
 the last two thirds of the run:
 sampled at an instant every 5 s, and as each 5-s window's floor (a leak or creep raises the floor;
@@ -32,6 +33,8 @@ import random
 import socket
 import threading
 import time
+
+from .queue_floor import closed_loop_fifo
 
 WORDS = ("amber river city founded merchant salt trade north harbour tower bridge market guild winter "
          "summer record ledger captain ship coast island valley mill stone road king queen council").split()
@@ -464,6 +467,10 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     quiet = _outside_heavy(log)
     p99_quiet = _pct(quiet, 0.99)
+    # the p99 a server running the normal requests one at a time, with nothing else and no
+    # overhead, would reach at this load (queue_floor): what the 2x target is set against
+    ideal = closed_loop_fifo(unloaded, args.normal_clients, args.think_s, seed=args.seed) if unloaded else []
+    p99_floor = _pct(ideal, 0.99)
     out = {
         "date": datetime.date.today().isoformat(), "command": _command(args),
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
@@ -475,6 +482,8 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
         "ttft_unloaded_p50_s": _pct(unloaded, 0.5), "ttft_unloaded_p99_s": p99_idle,
         "ttft_loaded_p50_s": _pct(log["ttft_s"], 0.5), "ttft_loaded_p90_s": _pct(log["ttft_s"], 0.9),
         "ttft_loaded_p99_s": p99_loaded, "ttft_unloaded_n": len(unloaded),
+        "ttft_unloaded_s": [round(x, 4) for x in unloaded],
+        "ttft_floor_p99_s": p99_floor, "ttft_floor_p99_ratio": p99_floor / p99_idle if p99_idle else float("nan"),
         # the slowest first tokens and when (s into the loaded run) their requests started
         "ttft_slowest": sorted(zip(log["ttft_s"], log["ttft_at"]), reverse=True)[:20],
         "heavy_requests": log["heavy"],  # [kind, start s, seconds]
@@ -519,6 +528,8 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
           f"{out['engine_step_mean_ms']:.1f} ms each); TTFT p99 outside heavy requests "
           f"{out['ttft_outside_heavy_p99_ratio']:.2f}x unloaded ({out['ttft_outside_heavy_n']} requests); "
           f"the normal requests' own work {out['normal_load_share']:.0%} of the run")
+    print(f"queueing floor: the normal requests one at a time with no other work would reach TTFT p99 "
+          f"{p99_floor:.3f} s, {out['ttft_floor_p99_ratio']:.2f}x unloaded (measured {out['ttft_p99_ratio']:.2f}x)")
     print(f"{'check':<22} {'value':>14} {'ok':>4}")
     rows = [("5xx", fivexx, "no_5xx"), ("/health max s", f"{out['health_max_s']:.3f}", "health_under_1s"),
             ("TTFT p99 / unloaded", f"{out['ttft_p99_ratio']:.2f}", "ttft_p99_within_2x"),
