@@ -15,12 +15,12 @@ The mix is a load the server should carry, not an overload: normal clients pause
 and the running/waiting counts are sampled so an overloaded run shows as one (waiting > 0 throughout).
 
 What it checks (the server-hardening targets): no 5xx, ``/health`` under a second, the normal
-clients' TTFT p99 within 2x the unloaded run (beside the queueing floor: the p99 an ideal server
-would reach at the normal load, ``queue_floor``), every pool page back to free or cached once the
-clients stop, and resident memory flat (every sample within 10% of the middle of its range) over
-the last two thirds of the run:
-sampled at an instant every 5 s, and as each 5-s window's floor (a leak or creep raises the floor;
-the instant also catches a forward's live activations).
+clients' TTFT p99 within 2x the unloaded run (reported beside the queueing floor: the p99 an ideal
+server would reach at the run's load of two-document requests, ``queue_floor``), every pool page
+back to free or cached once the clients stop, and resident memory flat (every sample within 10% of
+the middle of its range) over the last two thirds of the run: sampled at an instant every 5 s,
+and as each 5-s window's floor (a leak or creep raises the floor; the instant also catches a
+forward's live activations).
 Prints a table and writes JSON (``--out``).
 """
 
@@ -34,7 +34,7 @@ import socket
 import threading
 import time
 
-from .queue_floor import closed_loop_fifo
+from .queue_floor import Client, floor_p99
 
 WORDS = ("amber river city founded merchant salt trade north harbour tower bridge market guild winter "
          "summer record ledger captain ship coast island valley mill stone road king queen council").split()
@@ -457,6 +457,17 @@ def _growth(xs) -> float:
     return last[len(last) // 2] / middle[len(middle) // 2] - 1
 
 
+def _floor_clients(args) -> list[Client]:
+    """The clients whose requests are a normal one's shape (two documents), for the queueing floor:
+    the normal clients (timed), and unless ``--only-normal`` the disconnector (a fixed pause after
+    its first chunk) and the slow reader (a new request every three write timeouts)."""
+    normal = [Client(args.think_s)] * args.normal_clients
+    if args.only_normal:
+        return normal
+    return normal + [Client(args.disconnect_interval_s, exponential=False),
+                     Client(args.write_timeout * 3, exponential=False)]
+
+
 def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     fivexx = sum(n for k, n in log["status"].items() if k.split(":")[1].isdigit() and int(k.split(":")[1]) >= 500)
     tail = samples[len(samples) // 3:] or samples
@@ -467,10 +478,7 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     quiet = _outside_heavy(log)
     p99_quiet = _pct(quiet, 0.99)
-    # the p99 a server running the normal requests one at a time, with nothing else and no
-    # overhead, would reach at this load (queue_floor): what the 2x target is set against
-    ideal = closed_loop_fifo(unloaded, args.normal_clients, args.think_s, seed=args.seed) if unloaded else []
-    p99_floor = _pct(ideal, 0.99)
+    p99_floor = floor_p99(unloaded, _floor_clients(args), args.normal_clients, seed=args.seed) if unloaded else float("nan")
     out = {
         "date": datetime.date.today().isoformat(), "command": _command(args),
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
@@ -528,7 +536,7 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
           f"{out['engine_step_mean_ms']:.1f} ms each); TTFT p99 outside heavy requests "
           f"{out['ttft_outside_heavy_p99_ratio']:.2f}x unloaded ({out['ttft_outside_heavy_n']} requests); "
           f"the normal requests' own work {out['normal_load_share']:.0%} of the run")
-    print(f"queueing floor: the normal requests one at a time with no other work would reach TTFT p99 "
+    print(f"queueing floor: the two-document requests one at a time with no other work would reach TTFT p99 "
           f"{p99_floor:.3f} s, {out['ttft_floor_p99_ratio']:.2f}x unloaded (measured {out['ttft_p99_ratio']:.2f}x)")
     print(f"{'check':<22} {'value':>14} {'ok':>4}")
     rows = [("5xx", fivexx, "no_5xx"), ("/health max s", f"{out['health_max_s']:.3f}", "health_under_1s"),
