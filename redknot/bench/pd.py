@@ -36,6 +36,8 @@ import uuid
 
 import torch
 
+from .percentile import percentile
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="mistral-7b", help="random-weight architecture (bench/common.py ARCHS)")
@@ -236,10 +238,7 @@ def _request(base: str, decode: str | None, ids: list[int], n: int) -> tuple[lis
 
 
 def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    return percentile(xs, q) if xs else None  # JSON null when nothing was timed
 
 
 def _load(args, prefill: str, decode: str | None, vocab: int) -> dict:

@@ -16,6 +16,8 @@ import heapq
 import random
 from dataclasses import dataclass
 
+from .percentile import percentile
+
 
 @dataclass(frozen=True)
 class Client:
@@ -57,5 +59,4 @@ def closed_loop_fifo(service_s: list[float], clients: list[Client], requests: in
 
 def floor_p99(service_s: list[float], clients: list[Client], timed: int, seed: int = 0) -> float:
     """The p99 response time of the first ``timed`` clients (the others are load only)."""
-    times = sorted(r for c, r in closed_loop_fifo(service_s, clients, seed=seed) if c < timed)
-    return times[min(len(times) - 1, int(0.99 * len(times)))]
+    return percentile([r for c, r in closed_loop_fifo(service_s, clients, seed=seed) if c < timed], 0.99)

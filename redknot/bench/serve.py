@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from .percentile import percentile as _pct
+
 WORDS = ("amber river city founded merchant salt trade north harbour tower bridge market guild winter "
          "summer record ledger captain ship coast island valley mill stone road king queen council").split()
 
@@ -122,11 +124,6 @@ def _serve_load(llm, args, method, per_client):
         return asyncio.run(_load(server.base, "bench", method, per_client, args.max_tokens))
     finally:
         server.stop()
-
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 def run(args) -> dict:

@@ -34,6 +34,7 @@ import socket
 import threading
 import time
 
+from .percentile import percentile as _pct
 from .queue_floor import Client, floor_p99
 
 WORDS = ("amber river city founded merchant salt trade north harbour tower bridge market guild winter "
@@ -72,11 +73,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the control a loaded run's tail is read against)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
-
-
-def _pct(xs, q):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
 class _Soak:

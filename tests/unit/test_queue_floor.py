@@ -39,3 +39,12 @@ def test_no_service_times_or_clients_is_an_error():
         closed_loop_fifo([], [Client(1.0)])
     with pytest.raises(ValueError, match="at least one client"):
         closed_loop_fifo([0.1], [])
+
+
+def test_percentile_is_the_nearest_rank():
+    from redknot.bench.percentile import percentile
+
+    xs = list(range(100, 0, -1))  # 1..100, unsorted
+    assert percentile(xs, 0.99) == 99 and percentile(xs, 0.5) == 50 and percentile(xs, 1.0) == 100
+    assert percentile([7.0], 0.99) == 7.0 and percentile([1, 2, 3], 0.01) == 1
+    assert percentile([], 0.5) != percentile([], 0.5)  # NaN
