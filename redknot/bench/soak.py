@@ -474,7 +474,9 @@ def _report(args, log, unloaded, samples, pages_back, busy) -> dict:
     p99_loaded, p99_idle = _pct(log["ttft_s"], 0.99), _pct(unloaded, 0.99)
     quiet = _outside_heavy(log)
     p99_quiet = _pct(quiet, 0.99)
-    p99_floor = floor_p99(unloaded, _floor_clients(args), args.normal_clients, seed=args.seed) if unloaded else float("nan")
+    p99_floor = float("nan")
+    if unloaded and args.normal_clients > 0:
+        p99_floor = floor_p99(unloaded, _floor_clients(args), args.normal_clients, seed=args.seed)
     out = {
         "date": datetime.date.today().isoformat(), "command": _command(args),
         "environment": _environment(), "minutes": args.minutes, "model": args.model or args.arch or "bundled",
