@@ -93,8 +93,9 @@ class Executor:
         job = self._jobs.get(seqs[0].seq_id)
         if job is None:
             prompts = [s.token_ids[:s.num_prompt] for s in seqs]
+            scored = self._scoring_pass(seqs, prompts)
             rows = RecoveryRows(self.config, [s.recovery[0] for s in seqs], [len(p) for p in prompts],
-                                [s.recovery[1] for s in seqs], self.pool.device, self.tp)
+                                [s.recovery[1] for s in seqs], self.pool.device, self.tp, scored)
         else:
             seqs, rows = job
             prompts = [s.token_ids[:s.num_prompt] for s in seqs]
@@ -122,6 +123,23 @@ class Executor:
             s.flops = report.totals()
             self.pool.trim(s.seq_id)
         return seqs, logits
+
+    def _scoring_pass(self, seqs: list[Sequence], prompts: list[list[int]]) -> RecoveryRows | None:
+        """Run the batch's scoring pass whole where its method has one (``Policy.scoring_pass``: the
+        question alone over the placed K/V), before its rows are chosen; its row-layers come out of
+        the step's budget. Returns its rows (their FLOPs join the recovery's), or None."""
+        scorers = [s.recovery[0].scoring_pass() for s in seqs]
+        if all(p is None for p in scorers):
+            return None
+        if any(p is None for p in scorers):
+            raise ValueError("a recovery batch mixes policies with and without a scoring pass")
+        rows = RecoveryRows(self.config, scorers, [len(p) for p in prompts], [s.recovery[1] for s in seqs],
+                            self.pool.device, self.tp)
+        with phase(self.timings, "recover"):
+            self.runner.recover([s.seq_id for s in seqs], prompts, rows)
+        if self.row_layers is not None:
+            self.row_layers = max(self.row_layers - rows.spent, 0)
+        return rows
 
     def forward(self, plan: str, items: list[tuple[Sequence, int]]) -> tuple[list[Sequence], torch.Tensor]:
         """One forward of a plan's batch ((request, new tokens) each). Returns the requests whose

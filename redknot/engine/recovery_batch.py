@@ -46,8 +46,9 @@ class RecoveryRows:
     visibility for all of them)."""
 
     def __init__(self, cfg: ModelConfig, policies: list[Policy], lengths: list[int], cached: list[torch.Tensor],
-                 device: torch.device, tp=None):
+                 device: torch.device, tp=None, scored: "RecoveryRows | None" = None):
         self.cfg, self.device = cfg, device
+        self.scored = scored  # the batch's scoring pass, run before (its FLOPs and row work are the requests' too)
         self.tp = tp  # the tensor-parallel group whose ranks hold the other heads (scores sum over them), or None
         self.group = cfg.num_attention_heads // cfg.num_key_value_heads
         self.scale = cfg.attention_scale
@@ -355,16 +356,20 @@ class RecoveryRows:
         attn = c.attention_flops()[0] // 2
         # multiply-adds per row of each layer's FFN: (skipped by a sparse FFN, run on every row)
         ffn = [tuple(f // 2 for f in c.ffn_flops_per_row(l)) for l in range(c.num_hidden_layers)]
+        before = self.scored.flops() if self.scored is not None else [None] * len(self.requests)
         i = 0
-        for r in self.requests:
+        for r, pre, pre_r in zip(self.requests, before, self.scored.requests if self.scored else before):
             for t, _, n_ffn in r.layers:
                 r.flops.add_layer(self.cfg, t, counts[i] * self.group, n_ffn)
                 i += 1
             work = sum(t * attn + n_ffn * ffn[l][0] + t * ffn[l][1] for l, (t, _, n_ffn) in enumerate(r.layers))
             full = sum(attn + ffn[l][0] + ffn[l][1] for l in range(len(r.layers)))
-            r.row_share = work / max(r.n * full, 1)
+            r.row_share = work / max(r.n * full, 1) + (pre_r.row_share if pre is not None else 0.0)
             r.layers = []
             r.flops.add_lm_head(self.cfg)
+            if pre is not None:
+                r.flops = pre.merge(r.flops)
+        self.scored = None  # counted once
         return [r.flops for r in self.requests]
 
 

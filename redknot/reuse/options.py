@@ -19,6 +19,9 @@ class ReuseOptions:
     qrecompute_ratio: float = 0.3
     qrecompute_layer: int = 2  # first-token KL on 4 HotpotQA records (SmolLM2): layer 2 best per FLOP
     qrecompute_start_tokens: int = 16  # each chunk's first tokens rank first among the recomputed ones
+    # qrecompute's ranking from a question pass instead: the whole question runs alone over the placed
+    # K/V first and its attention, summed over every layer, ranks the rows; those chosen run from layer 0
+    qrecompute_question_pass: bool = False
     # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
     # and KV head, measured on the recomputed tokens of that chunk (qrecompute, cacheblend, redknot; off by default)
     kv_correction: bool = False

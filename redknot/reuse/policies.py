@@ -58,24 +58,66 @@ class CacheBlend(FixedSet):
         return torch.cat([top, rest]).sort().values
 
 
+class QuestionScores(FixedSet):
+    """The scoring pass of a question-guided recovery: only the question's rows run, over the
+    placed (relocated, not recomputed) K/V, through every layer. At each layer the attention its
+    ``observe`` last queries give every key, as a share of what they give the chunk tokens, adds
+    to ``score`` [N]: every layer has the same say, whatever its sinks take."""
+
+    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, observe: int):
+        super().__init__(positions, window, sink)
+        self.is_chunk, self.n_obs = is_chunk, observe
+        self.score: torch.Tensor | None = None
+
+    def observe(self, layer):
+        return self.n_obs
+
+    def keep_rows(self, layer, cur, info):
+        mass = info["mass"].float()
+        is_chunk = self.is_chunk.to(mass.device)
+        share = mass / mass[is_chunk].sum().clamp_min(torch.finfo(torch.float32).tiny)
+        self.score = share if self.score is None else self.score + share
+        return None
+
+
 class QueryRecompute(FixedSet):
-    """Query-guided recomputation (ProphetKV, FusionRAG's query-guided selection, A³): every row runs
-    up to ``score_layer``; there the attention the question's last ``observe`` queries give the
-    chunk tokens ranks them, and the ``ratio`` of chunk rows ranked highest (each chunk's first
-    ``start_tokens`` first of all) go on through every later layer with the question; the rest keep
-    their cached, relocated K/V from the next layer on. The rows up to ``score_layer`` are the
-    scoring pass: they are executed, so their FLOPs are in the method's count.
+    """Query-guided recomputation (ProphetKV, FusionRAG's query-guided selection, A³): the attention
+    the question gives the chunk tokens ranks them, and the ``ratio`` of chunk rows ranked highest
+    (each chunk's first ``start_tokens`` first of all) are recomputed with the question; the rest
+    keep their cached, relocated K/V. Where the ranking comes from:
+
+    - ``scorer`` None: every row runs up to ``score_layer``, where the question's last ``observe``
+      queries rank them; the rows chosen go on through every later layer.
+    - ``scorer`` a ``QuestionScores``: a first forward runs the question alone over the placed K/V
+      and sums its attention over every layer (``scoring_pass``); the rows chosen then run from
+      layer 0 through every layer.
+
+    Either way the scoring work is executed, so its FLOPs are in the method's count.
 
     ``correction`` (a ``reuse.correction.KVCorrection``) turns on KV correction: at every
     later layer the cached K/V of the tokens left out move by their chunk's mean offset over its
     recomputed tokens (those past its first ``start_tokens``, whose cache-time context differs most)."""
 
     def __init__(self, positions, window, sink, is_chunk: torch.Tensor, chunk_id: torch.Tensor, ratio: float,
-                 score_layer: int, observe: int, start_tokens: int, correction=None):
+                 score_layer: int, observe: int, start_tokens: int, correction=None,
+                 scorer: QuestionScores | None = None):
         super().__init__(positions, window, sink)
         self.is_chunk, self.chunk_id, self.ratio = is_chunk, chunk_id, ratio
-        self.score_layer, self.n_obs, self.correction = score_layer, observe, correction
+        self.score_layer, self.n_obs, self.correction = (-1 if scorer else score_layer), observe, correction
         self.chunk_start = chunk_start_rows(chunk_id, start_tokens)
+        self.scorer = scorer
+
+    def scoring_pass(self):
+        return self.scorer
+
+    def initial(self):
+        if self.scorer is None:
+            return self.positions
+        if self.scorer.score is None:
+            raise ValueError("qrecompute: the scoring pass has not run")
+        pos = self.positions
+        score = self.scorer.score.to(pos.device)
+        return pos[query_ranked_rows(score[pos], self.is_chunk[pos], self.chunk_start[pos], self.ratio)]
 
     def observe(self, layer):
         return self.n_obs if layer == self.score_layer else 0
@@ -86,7 +128,8 @@ class QueryRecompute(FixedSet):
         return query_ranked_rows(info["mass"][cur], self.is_chunk[cur], self.chunk_start[cur], self.ratio)
 
     def kv_correction(self, layer, cur):
-        if self.correction is None or layer <= self.score_layer:
+        # layer 0's K/V are the token's own projections: cached and recomputed agree there
+        if self.correction is None or layer <= max(self.score_layer, 0):
             return None
         return self.chunk_id, self.is_chunk[cur] & ~self.chunk_start[cur], self.correction
 

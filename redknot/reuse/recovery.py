@@ -38,6 +38,11 @@ class Policy:
         """Positions computed at layer 0 (sorted)."""
         raise NotImplementedError
 
+    def scoring_pass(self) -> "Policy | None":
+        """A policy whose forward runs first, over the same cached K/V, to observe what decides
+        this one's rows (``initial`` reads it after that forward); None: a single forward."""
+        return None
+
     def visibility(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(window, sink) int64 [Hkv] for this layer's queries."""
         raise NotImplementedError
@@ -98,6 +103,10 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
     computed must be cached. The buffers are written in place and returned as the result."""
     if kernel not in ("auto", "triton", "torch"):
         raise ValueError(f"kernel={kernel!r}: use 'auto', 'triton' or 'torch'")
+    scorer = policy.scoring_pass()
+    # the scoring pass writes only rows the policy computes again (the question), so the caches stay
+    # those of the placed chunks; its FLOPs are the method's too
+    scored = None if scorer is None else recover(model, token_ids, scorer, cache_k, cache_v, cached, kernel).flops
     cfg = model.config
     dev = token_ids.device
     n = token_ids.numel()
@@ -191,7 +200,7 @@ def recover(model: torch.nn.Module, token_ids: torch.Tensor, policy: Policy,
     logits = model.logits(body.norm(h[-1:]))[0]
     flops.add_lm_head(cfg)
     # Layers after a drop hold cached K/V for dropped positions: already in `keys` via clone.
-    return Recovered(logits, out_k, out_v, flops)
+    return Recovered(logits, out_k, out_v, flops if scored is None else scored.merge(flops))
 
 
 def _correct(policy: Policy, layer: int, cur, cached, k, v, keys, values) -> None:

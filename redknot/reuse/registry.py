@@ -23,7 +23,9 @@ qrecompute     query-guided recomputation: every chunk token up to ``qrecompute_
                layer (each chunk's first ``qrecompute_start_tokens`` first); ``kv_correction`` moves
                the cached K/V of the rest by their chunk's mean recomputed-minus-cached offset
                (``kv_correction``, ``+kc``, also moves the left-out rows of cacheblend and redknot;
-               ``dummy_prefix_tokens``, ``+dpN``, caches every chunk behind N dummy tokens)
+               ``dummy_prefix_tokens``, ``+dpN``, caches every chunk behind N dummy tokens). With
+               ``qrecompute_question_pass`` (``+qp``) the question first runs alone over the placed
+               KV and its attention over every layer ranks the tokens, which then run from layer 0
 redknot_exact  the redknot code path with every head global, dense FFN, every chunk recomputed:
                equals dense (the correctness gate)
 """
@@ -40,7 +42,7 @@ import torch
 from ..config import DEFAULT_SINK, HeadConfig, SparseFFNConfig
 from ..models.config import ModelConfig
 from .options import ReuseOptions
-from .policies import CacheBlend, QueryRecompute, RedKnot
+from .policies import CacheBlend, QueryRecompute, QuestionScores, RedKnot
 from .correction import KVCorrection
 from .prompt import ChunkedPrompt
 from .recovery import Policy
@@ -131,9 +133,14 @@ def _qrecompute(x: PolicyInputs) -> Policy:
     p, o = x.prompt, x.options
     body = torch.arange(_first_recovered(x), len(p), device=x.device)
     is_chunk, chunk_id = x.chunk_layout()
+    scorer = None
+    if o.qrecompute_question_pass:
+        question = torch.arange(p.suffix_start, len(p), device=x.device)
+        scorer = QuestionScores(question, *x.global_visibility(), is_chunk, max(1, len(p.suffix)))
     return QueryRecompute(body, *x.global_visibility(), is_chunk, chunk_id, o.qrecompute_ratio,
                           min(o.qrecompute_layer, x.config.num_hidden_layers - 1),
-                          max(1, min(o.observation_tokens, len(p.suffix))), o.qrecompute_start_tokens, _correction(x))
+                          max(1, min(o.observation_tokens, len(p.suffix))), o.qrecompute_start_tokens, _correction(x),
+                          scorer)
 
 
 # Architectures whose keys carry one plain RoPE in every layer (what KV correction un-rotates)
@@ -248,8 +255,9 @@ def default_method(head_config, recommended: str | None = None) -> str:
 BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens", int),
                 "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float),
                 "qrecompute": ("qrecompute_ratio", float)}
-REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens", "kv_correction",
-               "kv_correction_values", "kv_correction_scale", "dummy_prefix_tokens")
+REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens",
+               "qrecompute_question_pass", "kv_correction", "kv_correction_values", "kv_correction_scale",
+               "dummy_prefix_tokens")
 # What may follow a budget after "+": chunk starts kept ("+s16"), KV correction ("+kc"; keys only "+kck"; a share of
 # the offset "+kc0.5"), chunks cached behind dummy tokens ("+dp4"): the methods that take each.
 START_TOKENS = {"redknot": "chunk_start_tokens", "redknot_paper": "chunk_start_tokens",
@@ -263,7 +271,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
     ``+sN``: each chunk's first N tokens among the kept rows; without it none); a plain name ->
     (its registry name, {}); ``"qrecompute@0.3"`` -> the share recomputed (each chunk's first 16
     tokens first; ``+sN``: N of them). ``+kc`` turns KV correction on (cacheblend, redknot,
-    qrecompute; ``+kck`` the keys only; ``+kc0.5`` half the offset), ``+dpN`` caches each chunk behind N dummy tokens (any budgeted method). Raises
+    qrecompute; ``+kck`` the keys only; ``+kc0.5`` half the offset), ``+dpN`` caches each chunk behind N
+    dummy tokens (any budgeted method), ``+qp`` ranks qrecompute's rows by a question pass. Raises
     ValueError naming what is wrong."""
     name, at, value = spec.partition("@")
     name = canonical_name(name)
@@ -300,6 +309,10 @@ def _extra_knob(spec: str, name: str, extra: str) -> dict:
         if not 0 < scale <= 1:
             raise ValueError(f"method {spec!r}: the share of the offset must be in (0, 1], got {scale:g}")
         return {"kv_correction": True, "kv_correction_values": not kc[1], "kv_correction_scale": scale}
+    if extra == "qp":
+        if name != "qrecompute":
+            raise ValueError(f"method {spec!r}: a question pass ('+qp') is for qrecompute only")
+        return {"qrecompute_question_pass": True}
     if extra.startswith("dp") and extra[2:].isdigit() and int(extra[2:]) > 0:
         return {"dummy_prefix_tokens": int(extra[2:])}
     if extra.startswith("s") and extra[1:].isdigit():
@@ -308,7 +321,8 @@ def _extra_knob(spec: str, name: str, extra: str) -> dict:
                              f"{', '.join(START_TOKENS)} only")
         return {START_TOKENS[name]: int(extra[1:])}
     raise ValueError(f"method {spec!r}: {extra!r} is neither a chunk-start count ('+s16'), KV correction "
-                     f"('+kc', keys only '+kck', a share '+kc0.5') nor a dummy prefix ('+dp4')")
+                     f"('+kc', keys only '+kck', a share '+kc0.5'), a dummy prefix ('+dp4') nor a question "
+                     f"pass ('+qp')")
 
 
 def with_budget(options: ReuseOptions, sparse: SparseFFNConfig, budget: dict | None):

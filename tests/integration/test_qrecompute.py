@@ -14,7 +14,7 @@ from redknot.models.rope import RotaryEmbedding
 from redknot.reuse.correction import KVCorrection, chunk_offsets, corrected
 from redknot.reuse.flops import FlopReport
 from redknot.reuse.options import ReuseOptions
-from redknot.reuse.policies import QueryRecompute, RedKnot, query_ranked_rows
+from redknot.reuse.policies import QueryRecompute, QuestionScores, RedKnot, query_ranked_rows
 from redknot.reuse.prompt import build_prompt
 from redknot.reuse.registry import parse_method
 from redknot.visibility import visible_pairs
@@ -44,7 +44,7 @@ def _first(llm, question, docs, method):
     return llm.generate(question, params, documents=docs, method=method)[0]
 
 
-@pytest.mark.parametrize("spec", ["qrecompute@1.0", "qrecompute@1.0+kc"])
+@pytest.mark.parametrize("spec", ["qrecompute@1.0", "qrecompute@1.0+kc", "qrecompute@1.0+qp+kc"])
 def test_full_budget_equals_dense(llm, spec):
     dense = llm.first_token_logits(QUESTION, documents=DOCS, method="dense")
     out = llm.first_token_logits(QUESTION, documents=DOCS, method=spec)
@@ -77,6 +77,61 @@ def test_engine_batch_equals_the_reference_forward(llm, correct):
             assert not torch.allclose(plain.logits, outs[0].first_token_logits, atol=1e-5)
     finally:
         llm.engine.documents.options = saved
+
+
+@pytest.mark.parametrize("correct", [False, True])
+def test_question_pass_in_the_engine_equals_the_reference_forward(llm, correct):
+    """``+qp``: the batch's scoring pass (the questions alone over the placed K/V), then the rows it
+    ranks from layer 0: the engine gives the reference forward's logits and FLOPs, and the rows
+    differ from those ranked at a layer (the logits move)."""
+    saved = _options(llm, qrecompute_ratio=0.3, qrecompute_start_tokens=2, qrecompute_question_pass=True,
+                     kv_correction=correct)
+    try:
+        outs = _batch_equals_the_oracle(llm, "qrecompute")
+        _options(llm, qrecompute_question_pass=False)
+        at_layer = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, QUESTION, DOCS), "qrecompute").recovered
+        assert not torch.allclose(at_layer.logits, outs[0].first_token_logits, atol=1e-5)
+    finally:
+        llm.engine.documents.options = saved
+
+
+def test_question_pass_flops_and_rows(llm):
+    """The question pass's FLOPs: the question's rows through every layer and its q·k over every key
+    at every layer; then the chosen rows (the ratio of the recovered chunk rows, and the question)
+    through every layer. The rows chosen are those the pass's summed shares rank highest."""
+    saved = _options(llm, qrecompute_ratio=0.25, qrecompute_start_tokens=0, qrecompute_question_pass=True)
+    try:
+        prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
+        oracle = reuse_oracle(llm)
+        flops = oracle.prefill(prompt, "qrecompute").recovered.flops
+        policy, _ = oracle.policy(prompt, "qrecompute")
+    finally:
+        llm.engine.documents.options = saved
+    cfg, L = llm.config, llm.config.num_hidden_layers
+    n_q = len(prompt.suffix)
+    n_kept = round(0.25 * sum(len(c) for c in prompt.chunks[1:])) + n_q
+    assert flops.tokens == [n_q + n_kept] * L  # the pass's question rows and the recovery's rows, per layer
+    assert flops.scoring == L * 2 * n_q * len(prompt) * cfg.num_attention_heads * cfg.head_dim
+    assert flops.lm_head == 2 * 2 * cfg.hidden_size * cfg.vocab_size  # each forward's last row
+    scorer = policy.scoring_pass()
+    assert scorer.positions.tolist() == list(range(prompt.suffix_start, len(prompt)))
+    assert policy.scoring_pass() is scorer and scorer.score is None  # a fresh policy: no pass run yet
+    with pytest.raises(ValueError, match="scoring pass"):
+        policy.initial()
+
+
+def test_question_scores_give_every_layer_the_same_say():
+    is_chunk = torch.tensor([False, True, True, True, False])
+    vis = torch.full((2, 1), 64), torch.zeros(2, 1, dtype=torch.long)
+    s = QuestionScores(torch.tensor([4]), *vis, is_chunk, 1)
+    assert s.observe(0) == s.observe(1) == 1
+    cur = torch.tensor([4])
+    assert s.keep_rows(0, cur, {"mass": torch.tensor([10.0, 1, 1, 2, 0])}) is None  # shares of the chunk mass
+    s.keep_rows(1, cur, {"mass": torch.tensor([0.0, 0.3, 0.0, 0.0, 0.7])})
+    torch.testing.assert_close(s.score, torch.tensor([2.5, 0.25, 0.25, 0.5, 0.0]) + torch.tensor([0.0, 1, 0, 0, 7 / 3]))
+    p = QueryRecompute(torch.arange(1, 5), *vis, is_chunk, torch.where(is_chunk, 0, -1), 1 / 3, 0, 1, 0, scorer=s)
+    assert p.initial().tolist() == [1, 4]  # the chunk row ranked highest, and the question
+    assert p.observe(0) == 0 and p.keep_rows(0, torch.arange(1, 5), {}) is None
 
 
 def test_flops_count_the_scoring_pass(llm):
@@ -146,6 +201,11 @@ def test_parse_method():
     assert parse_method("redknot@0.2+s16+kck.25") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16,
                                                                   **kck, "kv_correction_scale": 0.25})
     assert parse_method("epic@16+dp2") == ("epic", {"epic_tokens": 16, "dummy_prefix_tokens": 2})
+    assert parse_method("qrecompute@0.25+qp+kc0.5") == ("qrecompute", {"qrecompute_ratio": 0.25,
+                                                                       "qrecompute_question_pass": True,
+                                                                       **kc, "kv_correction_scale": 0.5})
+    with pytest.raises(ValueError, match="qrecompute only"):
+        parse_method("cacheblend@0.3+qp")
     for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "epic@16+kc", "epic@16+kck", "redknot_paper@0.3+kc", "cacheblend@0.3+s16",
                 "cacheblend@0.3+dp0", "cacheblend@0.3+dp", "cacheblend@0.3+kc0", "cacheblend@0.3+kc1.5",
                 "cacheblend@0.3+kc.", "cacheblend@0.3+kcx", "epic@16+kc0.5"):
