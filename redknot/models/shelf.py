@@ -82,35 +82,37 @@ SHELF: dict[str, ShelfModel] = {m.name: m for m in (
         filename="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         arch="llama, 30 layers, 9 q / 3 KV heads, head_dim 64, 8K context", license="Apache-2.0",
-        # docs/results/quality_real.md: every head global, 20% of the chunk rows through the FFN with each
-        # chunk's first 16 tokens among them, the rows left out moved by their chunk's K/V offset (+kc):
-        # on all 150 MuSiQue records (0.31x dense FLOPs) top-1 0.947, answer F1 0.82, KL 0.040, gold F1
-        # 1.07x dense, against CacheBlend@0.3's 0.853 / 0.73 / 0.112 at 0.37x; on all 200 HotpotQA
-        # records (0.35x) 0.940 / 0.81 / 0.026, 1.08x, against 0.850 / 0.67 / 0.093 at 0.38x
+        # docs/results/quality_real.md: 25% of the chunk rows recomputed, ranked by a question pass over
+        # the placed KV (each chunk's first 16 tokens first), the rows left out moved by their chunk's K/V
+        # offset (+kc): on all 200 HotpotQA records (0.32x dense FLOPs) answer F1 0.82, top-1 0.935, KL
+        # 0.018, gold F1 0.95x dense, against CacheBlend@0.3's 0.67 / 0.850 / 0.093 at 0.38x; on all 150
+        # MuSiQue records (0.32x) 0.82 / 0.933 / 0.016, 1.09x, against 0.73 / 0.853 / 0.112 at 0.37x.
+        # The sparse FFN below is what a request for `redknot` gets.
         reuse={"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2, "chunk_start_tokens": 16},
-               "method": "redknot@0.2+s16+kc"}),
+               "method": "qrecompute@0.25+qp+kc"}),
     ShelfModel(
         name="qwen2.5-coder-0.5b", title="Qwen2.5-Coder-0.5B-Instruct (AWQ, Q4_K_M)",
         packages=_Q05_PKGS, members=_Q05_MEMBERS, filename="Qwen2.5-Coder-0.5B-Instruct.gguf", size=491_400_064,
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         arch="qwen2, 24 layers, 14 q / 2 KV heads, head_dim 64, 32K context", license="Apache-2.0",
-        # docs/results/quality_real.md: every head global, 20% of the chunk rows through the FFN with each
-        # chunk's first 16 tokens among them, the rows left out moved by half their chunk's K/V offset
-        # (+kc0.5; the whole offset overshoots on this model): over all 200 HotpotQA records (0.36x dense
-        # FLOPs) answer F1 0.62 / KL 0.32 against CacheBlend@0.3's 0.61 / 0.38 at 0.38x; over all 150
-        # MuSiQue records (0.32x) 0.48 / 0.41 against 0.48 / 0.40 at 0.37x
+        # docs/results/quality_real.md: 30% of the chunk rows recomputed, ranked by a question pass over
+        # the placed KV, the rows left out moved by half their chunk's K/V offset (+kc0.5; the whole offset
+        # overshoots on this model): over all 200 HotpotQA records (0.33x dense FLOPs) answer F1 0.74,
+        # top-1 0.79, KL 0.11 against CacheBlend@0.3's 0.61 / 0.69 / 0.38 at 0.38x; over all 150 MuSiQue
+        # records (0.31x) 0.68 / 0.77 / 0.11 against 0.48 / 0.60 / 0.40 at 0.37x
         reuse={"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2, "chunk_start_tokens": 16},
-               "method": "redknot@0.2+s16+kc0.5"}),
+               "method": "qrecompute@0.3+qp+kc0.5"}),
     ShelfModel(
         name="qwen2.5-coder-1.5b", title="Qwen2.5-Coder-1.5B-Instruct",
         packages=_Q15_PKGS, members=_Q15_MEMBERS, filename="Qwen2.5-Coder-1.5B-Instruct.gguf", size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         arch="qwen2, 28 layers, 12 q / 2 KV heads, head_dim 128, 32K context", license="Apache-2.0",
-        # docs/results/quality_real.md: the 0.5B's setting; over all 200 HotpotQA records (0.34x dense
-        # FLOPs) answer F1 0.69 / top-1 0.73 / KL 0.46 against CacheBlend@0.3's 0.67 / 0.71 / 0.48 at
-        # 0.36x and CacheBlend@0.15's 0.64 / 0.68 / 0.74 at 0.23x; the whole offset (+kc) is behind
+        # docs/results/quality_real.md: the 0.5B's setting; over the first 115 HotpotQA records (0.33x
+        # dense FLOPs) answer F1 0.80 / top-1 0.87 / KL 0.13 against CacheBlend@0.3's 0.62 / 0.67 / 0.49
+        # at 0.36x; over the first 47 MuSiQue records (0.29x) 0.77 / 0.81 / 0.09 against 0.60 / 0.68 /
+        # 0.52 at 0.36x
         reuse={"heads": "all_global", "sparse_ffn": {"keep_fraction": 0.2, "chunk_start_tokens": 16},
-               "method": "redknot@0.2+s16+kc0.5"}),
+               "method": "qrecompute@0.3+qp+kc0.5"}),
     ShelfModel(
         name="gemma3-270m", title="Gemma 3 270M (base, Q4_K_M)",
         packages=_G3_PKGS, members=_G3_MEMBERS, filename="gemma-3-270m-q4_k_m.gguf", size=253_113_024,

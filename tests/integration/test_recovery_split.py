@@ -78,7 +78,7 @@ def _recorded_recoveries(engine):
         engine.runner.recover = recover
 
 
-@pytest.mark.parametrize("method", ["redknot", "cacheblend", "qrecompute"])
+@pytest.mark.parametrize("method", ["redknot", "cacheblend", "qrecompute", "qrecompute@0.3+qp+kc0.5"])
 def test_split_recovery_gives_the_unsplit_tokens(path, method):
     """A 16-token budget runs the ~150-row recovery a layer per step; the same engine without the
     split runs it in one forward. Every layer runs whole and in order: same logits bit for bit,

@@ -18,7 +18,7 @@ DOCS = ["The merchant Ilsa Torv founded the city of Varna in 1120, on the delta 
         "Attention heads differ: some look far back over the context, most look at recent tokens only. " * 2,
         "The quick brown fox jumps over the lazy dog near the old mill, where the miller keeps geese. " * 2]
 QUESTIONS = ["Question: who founded the city of Varna? Answer:", "Question: what does the miller keep? Answer:"]
-METHODS = ["dense", "headsparse", "full_reuse", "cacheblend", "redknot"]
+METHODS = ["dense", "headsparse", "full_reuse", "cacheblend", "redknot", "qrecompute@0.3+qp+kc0.5"]
 # heads 0 and 1 of every layer global: unbalanced, both on rank 0 in checkpoint order
 PLAN = HeadConfig.from_global_mask([[True, True, False, False]] * 2, window=16, sink=4)
 SPARSE = SparseFFNConfig(dense_until=1, keep_fraction=0.4, importance="cross", recent_n=8, min_keep=4)
