@@ -22,6 +22,7 @@ class ReuseOptions:
     # qrecompute's ranking from a question pass instead: the whole question runs alone over the placed
     # K/V first and its attention, summed over every layer, ranks the rows; those chosen run from layer 0
     qrecompute_question_pass: bool = False
+    qrecompute_question_from: int = 0  # the first layer whose attention counts in the question pass
     # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
     # and KV head, measured on the recomputed tokens of that chunk (qrecompute, cacheblend, redknot; off by default)
     kv_correction: bool = False
@@ -44,6 +45,9 @@ class ReuseOptions:
             raise ValueError(f"ReuseOptions.shallow_window={self.shallow_window!r}: use a window >= 1 or None")
         if not 0 < self.kv_correction_scale <= 1:
             raise ValueError(f"ReuseOptions.kv_correction_scale={self.kv_correction_scale!r}: use a share in (0, 1]")
+        if self.qrecompute_question_from < 0:
+            raise ValueError(f"ReuseOptions.qrecompute_question_from={self.qrecompute_question_from!r}: use a "
+                             f"layer >= 0")
         if self.qrecompute_layer < 0:
             raise ValueError(f"ReuseOptions.qrecompute_layer={self.qrecompute_layer!r}: use a layer >= 0")
         if not 0 <= self.qrecompute_ratio <= 1:

@@ -60,19 +60,21 @@ class CacheBlend(FixedSet):
 
 class QuestionScores(FixedSet):
     """The scoring pass of a question-guided recovery: only the question's rows run, over the
-    placed (relocated, not recomputed) K/V, through every layer. At each layer the attention its
-    ``observe`` last queries give every key, as a share of what they give the chunk tokens, adds
-    to ``score`` [N]: every layer has the same say, whatever its sinks take."""
+    placed (relocated, not recomputed) K/V, through every layer. At each layer from ``from_layer``
+    on, the attention its ``observe`` last queries give every key, as a share of what they give the
+    chunk tokens, adds to ``score`` [N]: those layers have the same say, whatever their sinks take."""
 
-    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, observe: int):
+    def __init__(self, positions, window, sink, is_chunk: torch.Tensor, observe: int, from_layer: int = 0):
         super().__init__(positions, window, sink)
-        self.is_chunk, self.n_obs = is_chunk, observe
+        self.is_chunk, self.n_obs, self.from_layer = is_chunk, observe, from_layer
         self.score: torch.Tensor | None = None
 
     def observe(self, layer):
-        return self.n_obs
+        return self.n_obs if layer >= self.from_layer else 0
 
     def keep_rows(self, layer, cur, info):
+        if layer < self.from_layer:
+            return None
         mass = info["mass"].float()
         is_chunk = self.is_chunk.to(mass.device)
         share = mass / mass[is_chunk].sum().clamp_min(torch.finfo(torch.float32).tiny)

@@ -136,7 +136,8 @@ def _qrecompute(x: PolicyInputs) -> Policy:
     scorer = None
     if o.qrecompute_question_pass:
         question = torch.arange(p.suffix_start, len(p), device=x.device)
-        scorer = QuestionScores(question, *x.global_visibility(), is_chunk, max(1, len(p.suffix)))
+        scorer = QuestionScores(question, *x.global_visibility(), is_chunk, max(1, len(p.suffix)),
+                                min(o.qrecompute_question_from, x.config.num_hidden_layers - 1))
     return QueryRecompute(body, *x.global_visibility(), is_chunk, chunk_id, o.qrecompute_ratio,
                           min(o.qrecompute_layer, x.config.num_hidden_layers - 1),
                           max(1, min(o.observation_tokens, len(p.suffix))), o.qrecompute_start_tokens, _correction(x),
@@ -256,8 +257,8 @@ BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens
                 "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float),
                 "qrecompute": ("qrecompute_ratio", float)}
 REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens",
-               "qrecompute_question_pass", "kv_correction", "kv_correction_values", "kv_correction_scale",
-               "dummy_prefix_tokens")
+               "qrecompute_question_pass", "qrecompute_question_from", "kv_correction", "kv_correction_values",
+               "kv_correction_scale", "dummy_prefix_tokens")
 # What may follow a budget after "+": chunk starts kept ("+s16"), KV correction ("+kc"; keys only "+kck"; a share of
 # the offset "+kc0.5"), chunks cached behind dummy tokens ("+dp4"): the methods that take each.
 START_TOKENS = {"redknot": "chunk_start_tokens", "redknot_paper": "chunk_start_tokens",
@@ -272,7 +273,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
     (its registry name, {}); ``"qrecompute@0.3"`` -> the share recomputed (each chunk's first 16
     tokens first; ``+sN``: N of them). ``+kc`` turns KV correction on (cacheblend, redknot,
     qrecompute; ``+kck`` the keys only; ``+kc0.5`` half the offset), ``+dpN`` caches each chunk behind N
-    dummy tokens (any budgeted method), ``+qp`` ranks qrecompute's rows by a question pass. Raises
+    dummy tokens (any budgeted method), ``+qp`` ranks qrecompute's rows by a question pass (``+qp6``: its
+    attention from layer 6 on). Raises
     ValueError naming what is wrong."""
     name, at, value = spec.partition("@")
     name = canonical_name(name)
@@ -309,10 +311,10 @@ def _extra_knob(spec: str, name: str, extra: str) -> dict:
         if not 0 < scale <= 1:
             raise ValueError(f"method {spec!r}: the share of the offset must be in (0, 1], got {scale:g}")
         return {"kv_correction": True, "kv_correction_values": not kc[1], "kv_correction_scale": scale}
-    if extra == "qp":
+    if extra.startswith("qp") and (extra == "qp" or extra[2:].isdigit()):
         if name != "qrecompute":
             raise ValueError(f"method {spec!r}: a question pass ('+qp') is for qrecompute only")
-        return {"qrecompute_question_pass": True}
+        return {"qrecompute_question_pass": True, "qrecompute_question_from": int(extra[2:] or 0)}
     if extra.startswith("dp") and extra[2:].isdigit() and int(extra[2:]) > 0:
         return {"dummy_prefix_tokens": int(extra[2:])}
     if extra.startswith("s") and extra[1:].isdigit():
@@ -322,7 +324,7 @@ def _extra_knob(spec: str, name: str, extra: str) -> dict:
         return {START_TOKENS[name]: int(extra[1:])}
     raise ValueError(f"method {spec!r}: {extra!r} is neither a chunk-start count ('+s16'), KV correction "
                      f"('+kc', keys only '+kck', a share '+kc0.5'), a dummy prefix ('+dp4') nor a question "
-                     f"pass ('+qp')")
+                     f"pass ('+qp', from layer 6 '+qp6')")
 
 
 def with_budget(options: ReuseOptions, sparse: SparseFFNConfig, budget: dict | None):

@@ -115,6 +115,15 @@ def test_question_pass_flops_and_rows(llm):
     assert flops.lm_head == 2 * 2 * cfg.hidden_size * cfg.vocab_size  # each forward's last row
     scorer = policy.scoring_pass()
     assert scorer.positions.tolist() == list(range(prompt.suffix_start, len(prompt)))
+    # from layer 2 on: the lower layers' attention is neither computed nor counted
+    saved = _options(llm, qrecompute_ratio=0.25, qrecompute_start_tokens=0, qrecompute_question_pass=True,
+                     qrecompute_question_from=2)
+    try:
+        late = reuse_oracle(llm).prefill(prompt, "qrecompute").recovered.flops
+    finally:
+        llm.engine.documents.options = saved
+    assert late.scoring == (L - 2) * 2 * n_q * len(prompt) * cfg.num_attention_heads * cfg.head_dim
+    assert late.tokens == flops.tokens
     assert policy.scoring_pass() is scorer and scorer.score is None  # a fresh policy: no pass run yet
     with pytest.raises(ValueError, match="scoring pass"):
         policy.initial()
@@ -132,6 +141,11 @@ def test_question_scores_give_every_layer_the_same_say():
     p = QueryRecompute(torch.arange(1, 5), *vis, is_chunk, torch.where(is_chunk, 0, -1), 1 / 3, 0, 1, 0, scorer=s)
     assert p.initial().tolist() == [1, 4]  # the chunk row ranked highest, and the question
     assert p.observe(0) == 0 and p.keep_rows(0, torch.arange(1, 5), {}) is None
+    late = QuestionScores(torch.tensor([4]), *vis, is_chunk, 1, from_layer=1)
+    assert (late.observe(0), late.observe(1)) == (0, 1)
+    assert late.keep_rows(0, cur, {"mass": None}) is None and late.score is None  # layer 0 does not count
+    late.keep_rows(1, cur, {"mass": torch.tensor([0.0, 0.3, 0.0, 0.0, 0.7])})
+    torch.testing.assert_close(late.score, torch.tensor([0.0, 1, 0, 0, 7 / 3]))
 
 
 def test_flops_count_the_scoring_pass(llm):
@@ -201,9 +215,14 @@ def test_parse_method():
     assert parse_method("redknot@0.2+s16+kck.25") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16,
                                                                   **kck, "kv_correction_scale": 0.25})
     assert parse_method("epic@16+dp2") == ("epic", {"epic_tokens": 16, "dummy_prefix_tokens": 2})
-    assert parse_method("qrecompute@0.25+qp+kc0.5") == ("qrecompute", {"qrecompute_ratio": 0.25,
-                                                                       "qrecompute_question_pass": True,
+    qp = {"qrecompute_question_pass": True, "qrecompute_question_from": 0}
+    assert parse_method("qrecompute@0.25+qp+kc0.5") == ("qrecompute", {"qrecompute_ratio": 0.25, **qp,
                                                                        **kc, "kv_correction_scale": 0.5})
+    assert parse_method("qrecompute@0.3+qp6") == ("qrecompute", {"qrecompute_ratio": 0.3, **qp,
+                                                                 "qrecompute_question_from": 6})
+    for bad in ("qrecompute@0.3+qpx", "qrecompute@0.3+qp-1"):
+        with pytest.raises(ValueError, match="question pass"):
+            parse_method(bad)
     with pytest.raises(ValueError, match="qrecompute only"):
         parse_method("cacheblend@0.3+qp")
     for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "epic@16+kc", "epic@16+kck", "redknot_paper@0.3+kc", "cacheblend@0.3+s16",
