@@ -356,20 +356,21 @@ class RecoveryRows:
         attn = c.attention_flops()[0] // 2
         # multiply-adds per row of each layer's FFN: (skipped by a sparse FFN, run on every row)
         ffn = [tuple(f // 2 for f in c.ffn_flops_per_row(l)) for l in range(c.num_hidden_layers)]
-        before = self.scored.flops() if self.scored is not None else [None] * len(self.requests)
+        scored, self.scored = self.scored, None  # counted once
+        before = scored.flops() if scored is not None else None
         i = 0
-        for r, pre, pre_r in zip(self.requests, before, self.scored.requests if self.scored else before):
+        for k, r in enumerate(self.requests):
             for t, _, n_ffn in r.layers:
                 r.flops.add_layer(self.cfg, t, counts[i] * self.group, n_ffn)
                 i += 1
             work = sum(t * attn + n_ffn * ffn[l][0] + t * ffn[l][1] for l, (t, _, n_ffn) in enumerate(r.layers))
             full = sum(attn + ffn[l][0] + ffn[l][1] for l in range(len(r.layers)))
-            r.row_share = work / max(r.n * full, 1) + (pre_r.row_share if pre is not None else 0.0)
+            r.row_share = work / max(r.n * full, 1)
             r.layers = []
             r.flops.add_lm_head(self.cfg)
-            if pre is not None:
-                r.flops = pre.merge(r.flops)
-        self.scored = None  # counted once
+            if scored is not None:  # the scoring pass's work is this request's too
+                r.row_share += scored.requests[k].row_share
+                r.flops = before[k].merge(r.flops)
         return [r.flops for r in self.requests]
 
 

@@ -78,7 +78,8 @@ class QuestionScores(FixedSet):
         mass = info["mass"].float()
         is_chunk = self.is_chunk.to(mass.device)
         share = mass / mass[is_chunk].sum().clamp_min(torch.finfo(torch.float32).tiny)
-        self.score = share if self.score is None else self.score + share
+        # the first layer counted starts the sum: a pass run again (a preempted recovery) scores afresh
+        self.score = share if layer == self.from_layer else self.score + share
         return None
 
 

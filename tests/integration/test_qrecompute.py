@@ -141,6 +141,8 @@ def test_question_scores_give_every_layer_the_same_say():
     p = QueryRecompute(torch.arange(1, 5), *vis, is_chunk, torch.where(is_chunk, 0, -1), 1 / 3, 0, 1, 0, scorer=s)
     assert p.initial().tolist() == [1, 4]  # the chunk row ranked highest, and the question
     assert p.observe(0) == 0 and p.keep_rows(0, torch.arange(1, 5), {}) is None
+    s.keep_rows(0, cur, {"mass": torch.tensor([10.0, 1, 1, 2, 0])})  # the pass again (a preempted recovery)
+    torch.testing.assert_close(s.score, torch.tensor([2.5, 0.25, 0.25, 0.5, 0.0]))  # scored afresh
     late = QuestionScores(torch.tensor([4]), *vis, is_chunk, 1, from_layer=1)
     assert (late.observe(0), late.observe(1)) == (0, 1)
     assert late.keep_rows(0, cur, {"mass": None}) is None and late.score is None  # layer 0 does not count
