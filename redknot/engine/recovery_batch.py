@@ -282,7 +282,8 @@ class RecoveryRows:
             for i, r in enumerate(self.requests):
                 r.layers.append((lens[i], pairs[i], lens[i]))
             return None
-        mass = torch.nn.utils.rnn.pad_sequence([r.info["mass"] for r in self.requests], batch_first=True)
+        mass = torch.nn.utils.rnn.pad_sequence([r.policy.row_score(r.info).to(self.device) for r in self.requests],
+                                               batch_first=True)
         score = mass.gather(1, self._cur)
         keep = RedKnot.rows_batch(policies, layer, self._lens, score, self._is_chunk.gather(1, self._cur),
                                   self._chunk_start.gather(1, self._cur))

@@ -19,10 +19,11 @@ class ReuseOptions:
     qrecompute_ratio: float = 0.3
     qrecompute_layer: int = 2  # first-token KL on 4 HotpotQA records (SmolLM2): layer 2 best per FLOP
     qrecompute_start_tokens: int = 16  # each chunk's first tokens rank first among the recomputed ones
-    # qrecompute's ranking from a question pass instead: the whole question runs alone over the placed
-    # K/V first and its attention, summed over every layer, ranks the rows; those chosen run from layer 0
-    qrecompute_question_pass: bool = False
-    qrecompute_question_from: int = 0  # the first layer whose attention counts in the question pass
+    # A question pass ranks the rows instead (qrecompute, redknot): the whole question runs alone over the
+    # placed K/V first, and its attention summed over the layers from ``question_pass_from`` on ranks the
+    # chunk tokens. qrecompute's chosen rows then run from layer 0; redknot's through its sparse FFN.
+    question_pass: bool = False
+    question_pass_from: int = 0
     # KV correction: a token left out adds its chunk's mean (recomputed - cached) K/V offset per layer
     # and KV head, measured on the recomputed tokens of that chunk (qrecompute, cacheblend, redknot; off by default)
     kv_correction: bool = False
@@ -45,9 +46,8 @@ class ReuseOptions:
             raise ValueError(f"ReuseOptions.shallow_window={self.shallow_window!r}: use a window >= 1 or None")
         if not 0 < self.kv_correction_scale <= 1:
             raise ValueError(f"ReuseOptions.kv_correction_scale={self.kv_correction_scale!r}: use a share in (0, 1]")
-        if self.qrecompute_question_from < 0:
-            raise ValueError(f"ReuseOptions.qrecompute_question_from={self.qrecompute_question_from!r}: use a "
-                             f"layer >= 0")
+        if self.question_pass_from < 0:
+            raise ValueError(f"ReuseOptions.question_pass_from={self.question_pass_from!r}: use a layer >= 0")
         if self.qrecompute_layer < 0:
             raise ValueError(f"ReuseOptions.qrecompute_layer={self.qrecompute_layer!r}: use a layer >= 0")
         if not 0 <= self.qrecompute_ratio <= 1:

@@ -150,8 +150,14 @@ def query_ranked_rows(score: torch.Tensor, is_chunk: torch.Tensor, first: torch.
 class RedKnot(FixedSet):
     def __init__(self, positions, window, sink, shallow_window, shallow_sink, is_chunk: torch.Tensor,
                  sparse: SparseFFNConfig, observe: int, keep_cached: bool, chunk_id: torch.Tensor | None = None,
-                 correction=None):
+                 correction=None, scorer: QuestionScores | None = None):
         super().__init__(positions, window, sink)
+        if scorer is not None and sparse.importance != "attention":
+            raise ValueError(f"a question pass ranks by attention: it needs the sparse FFN's importance "
+                             f"'attention', not {sparse.importance!r}")
+        # a question pass (``QuestionScores``) ranks the FFN rows in place of the attention the
+        # question's last queries give at the sparse layer itself
+        self.scorer = scorer
         if correction is not None and not keep_cached:
             raise ValueError("kv_correction needs the rows left out to keep their cached K/V (redknot, not "
                              "redknot_paper)")
@@ -168,9 +174,17 @@ class RedKnot(FixedSet):
             return self.shallow[0][layer], self.shallow[1][layer]
         return super().visibility(layer)
 
+    def scoring_pass(self):
+        return self.scorer
+
     def observe(self, layer):
         sparse = self.sparse.threshold(layer) is not None and self.sparse.importance == "attention"
-        return self.n_obs if sparse and not self._selected else 0
+        return self.n_obs if sparse and not self._selected and self.scorer is None else 0
+
+    def row_score(self, info: dict) -> torch.Tensor | None:
+        """What ranks the rows for the sparse FFN under attention importance, per position [N]: the
+        question pass's score, else the mass the question's last queries gave at this layer."""
+        return self.scorer.score if self.scorer is not None else info["mass"]
 
     def needs_deviation(self, layer):
         return (self.sparse.importance == "deviation" and self.sparse.threshold(layer) is not None
@@ -202,7 +216,10 @@ class RedKnot(FixedSet):
             self._rows = None
             return None
         imp = self.sparse.importance
-        score = info["mass"][cur] if imp == "attention" else info.get("v_deviation" if imp == "deviation" else "cross")
+        if imp == "attention":
+            score = self.row_score(info)[cur]
+        else:
+            score = info.get("v_deviation" if imp == "deviation" else "cross")
         if imp == "chunk" and score is not None:
             score = chunk_ranked(score, self.chunk_id[cur])
         if score is None:  # keep_fraction 1: nothing to rank, every candidate is kept

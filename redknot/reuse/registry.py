@@ -24,8 +24,9 @@ qrecompute     query-guided recomputation: every chunk token up to ``qrecompute_
                the cached K/V of the rest by their chunk's mean recomputed-minus-cached offset
                (``kv_correction``, ``+kc``, also moves the left-out rows of cacheblend and redknot;
                ``dummy_prefix_tokens``, ``+dpN``, caches every chunk behind N dummy tokens). With
-               ``qrecompute_question_pass`` (``+qp``) the question first runs alone over the placed
-               KV and its attention over every layer ranks the tokens, which then run from layer 0
+               ``question_pass`` (``+qp``; also redknot's sparse-FFN ranking) the question first runs
+               alone over the placed KV and its attention over every layer ranks the tokens, which
+               then run from layer 0
 redknot_exact  the redknot code path with every head global, dense FFN, every chunk recomputed:
                equals dense (the correctness gate)
 """
@@ -133,15 +134,21 @@ def _qrecompute(x: PolicyInputs) -> Policy:
     p, o = x.prompt, x.options
     body = torch.arange(_first_recovered(x), len(p), device=x.device)
     is_chunk, chunk_id = x.chunk_layout()
-    scorer = None
-    if o.qrecompute_question_pass:
-        question = torch.arange(p.suffix_start, len(p), device=x.device)
-        scorer = QuestionScores(question, *x.global_visibility(), is_chunk, max(1, len(p.suffix)),
-                                min(o.qrecompute_question_from, x.config.num_hidden_layers - 1))
     return QueryRecompute(body, *x.global_visibility(), is_chunk, chunk_id, o.qrecompute_ratio,
                           min(o.qrecompute_layer, x.config.num_hidden_layers - 1),
                           max(1, min(o.observation_tokens, len(p.suffix))), o.qrecompute_start_tokens, _correction(x),
-                          scorer)
+                          _question_scores(x, *x.global_visibility()))
+
+
+def _question_scores(x: PolicyInputs, window: torch.Tensor, sink: torch.Tensor) -> QuestionScores | None:
+    """The question pass the options ask for (``+qp``): the question's rows under (window, sink), every
+    question token observed from ``question_pass_from`` on; None without one."""
+    if not x.options.question_pass:
+        return None
+    p = x.prompt
+    is_chunk, _ = x.chunk_layout()
+    return QuestionScores(torch.arange(p.suffix_start, len(p), device=x.device), window, sink, is_chunk,
+                          max(1, len(p.suffix)), min(x.options.question_pass_from, x.config.num_hidden_layers - 1))
 
 
 # Architectures whose keys carry one plain RoPE in every layer (what KV correction un-rotates)
@@ -183,7 +190,7 @@ def _redknot(keep_cached: bool) -> Callable[[PolicyInputs], Policy]:
         is_chunk, chunk_id = x.chunk_layout()
         return RedKnot(body, window, sink, shallow_w, shallow_s, is_chunk, x.sparse,
                        min(x.options.observation_tokens, len(p.suffix)), keep_cached=keep_cached, chunk_id=chunk_id,
-                       correction=_correction(x))
+                       correction=_correction(x), scorer=_question_scores(x, window, sink))
     return build
 
 
@@ -257,13 +264,14 @@ BUDGET_KNOBS = {"cacheblend": ("cacheblend_ratio", float), "epic": ("epic_tokens
                 "redknot": ("keep_fraction", float), "redknot_paper": ("keep_fraction", float),
                 "qrecompute": ("qrecompute_ratio", float)}
 REUSE_KNOBS = ("cacheblend_ratio", "epic_tokens", "qrecompute_ratio", "qrecompute_start_tokens",
-               "qrecompute_question_pass", "qrecompute_question_from", "kv_correction", "kv_correction_values",
+               "question_pass", "question_pass_from", "kv_correction", "kv_correction_values",
                "kv_correction_scale", "dummy_prefix_tokens")
 # What may follow a budget after "+": chunk starts kept ("+s16"), KV correction ("+kc"; keys only "+kck"; a share of
 # the offset "+kc0.5"), chunks cached behind dummy tokens ("+dp4"): the methods that take each.
 START_TOKENS = {"redknot": "chunk_start_tokens", "redknot_paper": "chunk_start_tokens",
                 "qrecompute": "qrecompute_start_tokens"}
 KV_CORRECTED = ("cacheblend", "redknot", "qrecompute")
+QUESTION_PASS = ("qrecompute", "redknot", "redknot_paper")
 
 
 def parse_method(spec: str) -> tuple[str, dict]:
@@ -273,8 +281,8 @@ def parse_method(spec: str) -> tuple[str, dict]:
     (its registry name, {}); ``"qrecompute@0.3"`` -> the share recomputed (each chunk's first 16
     tokens first; ``+sN``: N of them). ``+kc`` turns KV correction on (cacheblend, redknot,
     qrecompute; ``+kck`` the keys only; ``+kc0.5`` half the offset), ``+dpN`` caches each chunk behind N
-    dummy tokens (any budgeted method), ``+qp`` ranks qrecompute's rows by a question pass (``+qp6``: its
-    attention from layer 6 on). Raises
+    dummy tokens (any budgeted method), ``+qp`` ranks the rows by a question pass (qrecompute, redknot,
+    redknot_paper; ``+qp6``: its attention from layer 6 on). Raises
     ValueError naming what is wrong."""
     name, at, value = spec.partition("@")
     name = canonical_name(name)
@@ -312,9 +320,9 @@ def _extra_knob(spec: str, name: str, extra: str) -> dict:
             raise ValueError(f"method {spec!r}: the share of the offset must be in (0, 1], got {scale:g}")
         return {"kv_correction": True, "kv_correction_values": not kc[1], "kv_correction_scale": scale}
     if extra.startswith("qp") and (extra == "qp" or extra[2:].isdigit()):
-        if name != "qrecompute":
-            raise ValueError(f"method {spec!r}: a question pass ('+qp') is for qrecompute only")
-        return {"qrecompute_question_pass": True, "qrecompute_question_from": int(extra[2:] or 0)}
+        if name not in QUESTION_PASS:
+            raise ValueError(f"method {spec!r}: a question pass ('+qp') is for {', '.join(QUESTION_PASS)} only")
+        return {"question_pass": True, "question_pass_from": int(extra[2:] or 0)}
     if extra.startswith("dp") and extra[2:].isdigit() and int(extra[2:]) > 0:
         return {"dummy_prefix_tokens": int(extra[2:])}
     if extra.startswith("s") and extra[1:].isdigit():

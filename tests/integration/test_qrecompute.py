@@ -84,11 +84,11 @@ def test_question_pass_in_the_engine_equals_the_reference_forward(llm, correct):
     """``+qp``: the batch's scoring pass (the questions alone over the placed K/V), then the rows it
     ranks from layer 0: the engine gives the reference forward's logits and FLOPs, and the rows
     differ from those ranked at a layer (the logits move)."""
-    saved = _options(llm, qrecompute_ratio=0.3, qrecompute_start_tokens=2, qrecompute_question_pass=True,
+    saved = _options(llm, qrecompute_ratio=0.3, qrecompute_start_tokens=2, question_pass=True,
                      kv_correction=correct)
     try:
         outs = _batch_equals_the_oracle(llm, "qrecompute")
-        _options(llm, qrecompute_question_pass=False)
+        _options(llm, question_pass=False)
         at_layer = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, QUESTION, DOCS), "qrecompute").recovered
         assert not torch.allclose(at_layer.logits, outs[0].first_token_logits, atol=1e-5)
     finally:
@@ -99,7 +99,7 @@ def test_question_pass_flops_and_rows(llm):
     """The question pass's FLOPs: the question's rows through every layer and its q·k over every key
     at every layer; then the chosen rows (the ratio of the recovered chunk rows, and the question)
     through every layer. The rows chosen are those the pass's summed shares rank highest."""
-    saved = _options(llm, qrecompute_ratio=0.25, qrecompute_start_tokens=0, qrecompute_question_pass=True)
+    saved = _options(llm, qrecompute_ratio=0.25, qrecompute_start_tokens=0, question_pass=True)
     try:
         prompt = build_prompt(llm.tokenizer, QUESTION, DOCS)
         oracle = reuse_oracle(llm)
@@ -116,8 +116,8 @@ def test_question_pass_flops_and_rows(llm):
     scorer = policy.scoring_pass()
     assert scorer.positions.tolist() == list(range(prompt.suffix_start, len(prompt)))
     # from layer 2 on: the lower layers' attention is neither computed nor counted
-    saved = _options(llm, qrecompute_ratio=0.25, qrecompute_start_tokens=0, qrecompute_question_pass=True,
-                     qrecompute_question_from=2)
+    saved = _options(llm, qrecompute_ratio=0.25, qrecompute_start_tokens=0, question_pass=True,
+                     question_pass_from=2)
     try:
         late = reuse_oracle(llm).prefill(prompt, "qrecompute").recovered.flops
     finally:
@@ -217,15 +217,16 @@ def test_parse_method():
     assert parse_method("redknot@0.2+s16+kck.25") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16,
                                                                   **kck, "kv_correction_scale": 0.25})
     assert parse_method("epic@16+dp2") == ("epic", {"epic_tokens": 16, "dummy_prefix_tokens": 2})
-    qp = {"qrecompute_question_pass": True, "qrecompute_question_from": 0}
+    qp = {"question_pass": True, "question_pass_from": 0}
     assert parse_method("qrecompute@0.25+qp+kc0.5") == ("qrecompute", {"qrecompute_ratio": 0.25, **qp,
                                                                        **kc, "kv_correction_scale": 0.5})
     assert parse_method("qrecompute@0.3+qp6") == ("qrecompute", {"qrecompute_ratio": 0.3, **qp,
-                                                                 "qrecompute_question_from": 6})
+                                                                 "question_pass_from": 6})
     for bad in ("qrecompute@0.3+qpx", "qrecompute@0.3+qp-1"):
         with pytest.raises(ValueError, match="question pass"):
             parse_method(bad)
-    with pytest.raises(ValueError, match="qrecompute only"):
+    assert parse_method("redknot@0.2+s16+qp") == ("redknot", {"keep_fraction": 0.2, "chunk_start_tokens": 16, **qp})
+    with pytest.raises(ValueError, match="question pass"):
         parse_method("cacheblend@0.3+qp")
     for bad in ("qrecompute@1.5", "qrecompute@0.3+x", "epic@16+kc", "epic@16+kck", "redknot_paper@0.3+kc", "cacheblend@0.3+s16",
                 "cacheblend@0.3+dp0", "cacheblend@0.3+dp", "cacheblend@0.3+kc0", "cacheblend@0.3+kc1.5",
@@ -348,6 +349,31 @@ def test_kv_correction_of_cacheblend_and_redknot_equals_the_reference_and_moves_
         assert not torch.allclose(plain.logits, outs[0].first_token_logits, atol=1e-5)
     finally:
         _restore(llm, saved)
+
+
+@pytest.mark.parametrize("correct", [False, True])
+def test_question_pass_ranks_redknots_ffn_rows_in_the_engine_as_in_the_reference(llm, correct):
+    """``redknot@...+qp``: the question pass's score ranks the sparse FFN's rows (the engine's batched
+    selection and the reference forward alike); the rows, and so the logits, differ from those the
+    question's last queries rank at the sparse layer."""
+    saved = _with(llm, KEEP, question_pass=True, kv_correction=correct)
+    try:
+        outs = _batch_equals_the_oracle(llm, "redknot")
+        assert outs[0].metrics["flops"]["scoring"] > 0
+        _with(llm, question_pass=False)
+        at_layer = reuse_oracle(llm).prefill(build_prompt(llm.tokenizer, QUESTION, DOCS), "redknot").recovered
+        assert not torch.allclose(at_layer.logits, outs[0].first_token_logits, atol=1e-5)
+    finally:
+        _restore(llm, saved)
+
+
+def test_question_pass_needs_attention_importance():
+    vis = torch.full((2, 1), 64), torch.zeros(2, 1, dtype=torch.long)
+    is_chunk = torch.tensor([False, True, True, False])
+    scorer = QuestionScores(torch.tensor([3]), *vis, is_chunk, 1)
+    with pytest.raises(ValueError, match="importance"):
+        RedKnot(torch.arange(4), *vis, *vis, is_chunk, dataclasses.replace(KEEP, importance="cross"), 1,
+                keep_cached=True, scorer=scorer)
 
 
 def test_kv_correction_at_a_full_cacheblend_budget_equals_dense(llm):
