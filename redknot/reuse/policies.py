@@ -76,8 +76,9 @@ class QuestionScores(FixedSet):
         if layer < self.from_layer:
             return None
         mass = info["mass"].float()
-        is_chunk = self.is_chunk.to(mass.device)
-        share = mass / mass[is_chunk].sum().clamp_min(torch.finfo(torch.float32).tiny)
+        # a masked sum, not mass[is_chunk]: boolean indexing would wait on the device at every layer
+        chunk_mass = torch.where(self.is_chunk.to(mass.device), mass, 0.0).sum()
+        share = mass / chunk_mass.clamp_min(torch.finfo(torch.float32).tiny)
         # the first layer counted starts the sum: a pass run again (a preempted recovery) scores afresh
         self.score = share if layer == self.from_layer else self.score + share
         return None
